@@ -1,0 +1,24 @@
+"""advantage_client: generated ``advantage.v1`` stubs plus a Python client for the advantage service.
+
+    from advantage_client import AdvantageClient
+    with AdvantageClient("localhost:50051") as client:
+        result = client.compute("grpo", {"normalize_rewards": True}, prompt_ids=ids, rewards=r, mask=m)
+
+Typed configs are the generated messages: ``GRPOConfig``, ``GDPOConfig``, ``ReinforcePlusPlusConfig``,
+``RawRewardConfig``, ``GAEConfig``, ``OPDConfig``. Needs grpcio, protobuf and numpy; torch is optional.
+"""
+from advantage_client._proto.advantage.v1.advantage_pb2 import (
+    GAEConfig,
+    GDPOConfig,
+    GRPOConfig,
+    OPDConfig,
+    RawRewardConfig,
+    ReinforcePlusPlusConfig,
+)
+from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError
+from advantage_client.nemo import RemoteAdvantageEstimator
+
+__all__ = [
+    "AdvantageClient", "AdvantageResult", "AdvantageServiceError", "RemoteAdvantageEstimator",
+    "GRPOConfig", "GDPOConfig", "ReinforcePlusPlusConfig", "RawRewardConfig", "GAEConfig", "OPDConfig",
+]

@@ -1,0 +1,235 @@
+"""The wire format: everything that turns Python values into `advantage.v1` messages and back.
+
+One module for the whole mapping, used by both the client and the server:
+
+* tensors: ``numpy.ndarray`` / ``torch.Tensor`` <-> ``advantage.v1.Tensor`` (raw little-endian,
+  C-contiguous bytes; see the .proto);
+* estimator configs: ``dict`` with NeMo RL key names <-> the typed ``*Config`` messages of the
+  ``ComputeAdvantageRequest.estimator`` oneof;
+* the estimator name <-> oneof field table.
+
+Errors: :class:`WireError` (a ``ValueError``) names the offending field; the server turns it into
+INVALID_ARGUMENT, the client raises it before sending anything.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+
+try:  # torch is optional on the client side
+    import torch
+except ImportError:  # pragma: no cover - exercised only without torch
+    torch = None  # type: ignore[assignment]
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("advantage_client assumes a little-endian host")
+
+#: estimator name -> (oneof field in ComputeAdvantageRequest, config message class)
+ESTIMATOR_FIELDS: dict[str, tuple[str, type]] = {
+    "grpo": ("grpo", pb.GRPOConfig),
+    "gdpo": ("gdpo", pb.GDPOConfig),
+    "reinforce_plus_plus": ("reinforce_plus_plus", pb.ReinforcePlusPlusConfig),
+    "raw_reward": ("raw_reward", pb.RawRewardConfig),
+    "gae": ("gae", pb.GAEConfig),
+    "opd": ("opd", pb.OPDConfig),
+}
+
+# dtype enum <-> (numpy dtype used to view the bytes, torch dtype, itemsize, name)
+_NP = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+    pb.DTYPE_BFLOAT16: np.dtype("<u2"),  # numpy has no bfloat16: raw 16-bit view
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_BOOL: np.dtype("?"),
+    pb.DTYPE_UINT8: np.dtype("u1"),
+}
+DTYPE_NAMES = {
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_FLOAT64: "float64",
+    pb.DTYPE_BFLOAT16: "bfloat16",
+    pb.DTYPE_FLOAT16: "float16",
+    pb.DTYPE_INT64: "int64",
+    pb.DTYPE_INT32: "int32",
+    pb.DTYPE_BOOL: "bool",
+    pb.DTYPE_UINT8: "uint8",
+}
+_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
+_FROM_NP = {np.dtype(n): c for c, n in DTYPE_NAMES.items() if n != "bfloat16"}
+if torch is not None:
+    _TORCH = {
+        pb.DTYPE_FLOAT32: torch.float32,
+        pb.DTYPE_FLOAT64: torch.float64,
+        pb.DTYPE_BFLOAT16: torch.bfloat16,
+        pb.DTYPE_FLOAT16: torch.float16,
+        pb.DTYPE_INT64: torch.int64,
+        pb.DTYPE_INT32: torch.int32,
+        pb.DTYPE_BOOL: torch.bool,
+        pb.DTYPE_UINT8: torch.uint8,
+    }
+    _FROM_TORCH = {v: k for k, v in _TORCH.items()}
+
+_KL_TYPES = {"k1": pb.KL_TYPE_K1, "k2": pb.KL_TYPE_K2, "k3": pb.KL_TYPE_K3}
+KL_TYPE_NAMES = {v: k for k, v in _KL_TYPES.items()} | {pb.KL_TYPE_UNSPECIFIED: None}
+
+
+class WireError(ValueError):
+    """A value that cannot be encoded or decoded; ``field`` names it (``inputs['mask']``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+def dtype_code(name_or_code: Any) -> int:
+    """``"float32"`` / ``torch.float32`` / ``np.float32`` / enum value -> ``DType`` enum value."""
+    if isinstance(name_or_code, int) and name_or_code in DTYPE_NAMES:
+        return name_or_code
+    if isinstance(name_or_code, str) and name_or_code in _BY_NAME:
+        return _BY_NAME[name_or_code]
+    if torch is not None and isinstance(name_or_code, torch.dtype) and name_or_code in _FROM_TORCH:
+        return _FROM_TORCH[name_or_code]
+    try:
+        return _FROM_NP[np.dtype(name_or_code)]
+    except (TypeError, KeyError):
+        raise WireError("output_dtype", f"unsupported dtype {name_or_code!r}; use one of {sorted(_BY_NAME)}") from None
+
+
+# ----------------------------------------------------------------------------------------- tensors
+def encode_tensor(value: Any, field: str = "tensor") -> pb.Tensor:
+    """Encode a ``torch.Tensor``, ``numpy.ndarray`` or nested list as an ``advantage.v1.Tensor``.
+
+    Copies the bytes once (into the message). Tensors on a GPU are moved to the CPU first.
+    Raises :class:`WireError` for dtypes the schema does not have (complex, uint16, ...).
+    """
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype not in _FROM_TORCH:
+            raise WireError(field, f"dtype {t.dtype} is not supported; use one of {sorted(_BY_NAME)}")
+        code = _FROM_TORCH[t.dtype]
+        t = t.to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        arr = t.numpy()
+        shape = tuple(value.shape)
+    else:
+        arr = np.asarray(value)
+        if arr.dtype == np.float64 and not isinstance(value, np.ndarray):
+            arr = arr.astype(np.float32)  # Python floats: float32, the dtype trainers use
+        if arr.dtype not in _FROM_NP:
+            raise WireError(field, f"dtype {arr.dtype} is not supported; use one of {sorted(_BY_NAME)}")
+        code = _FROM_NP[arr.dtype]
+        shape = arr.shape
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return pb.Tensor(dtype=code, shape=shape, data=arr.tobytes())
+
+
+def _checked_layout(msg: pb.Tensor, field: str) -> tuple[np.dtype, tuple[int, ...]]:
+    if msg.dtype not in _NP:
+        raise WireError(
+            f"{field}.dtype",
+            f"dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype} is not "
+            f"supported; set one of {', '.join(pb.DType.Name(c) for c in _NP)}",
+        )
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"{field}.shape", f"negative dimension in shape {list(shape)}")
+    np_dtype = _NP[msg.dtype]
+    expected = math.prod(shape) * np_dtype.itemsize
+    if expected != len(msg.data):
+        raise WireError(
+            f"{field}.data",
+            f"holds {len(msg.data)} bytes but shape {list(shape)} of {DTYPE_NAMES[msg.dtype]} needs {expected} "
+            "(prod(shape) * itemsize, little-endian, C order)",
+        )
+    return np_dtype, shape
+
+
+def decode_numpy(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
+    """Decode to a read-only ``numpy.ndarray`` view of the message bytes (bfloat16 as ``uint16``)."""
+    np_dtype, shape = _checked_layout(msg, field)
+    return np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
+
+
+def decode_torch(msg: pb.Tensor, field: str = "tensor") -> "torch.Tensor":
+    """Decode to a ``torch.Tensor`` sharing the message bytes; treat it as read-only."""
+    if torch is None:  # pragma: no cover
+        raise RuntimeError("decode_torch needs torch installed")
+    arr = decode_numpy(msg, field)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if msg.dtype == pb.DTYPE_BFLOAT16 else t
+
+
+# ----------------------------------------------------------------------------------------- configs
+def config_message(estimator: str, config: Any = None) -> Any:
+    """Build the typed config message for ``estimator``.
+
+    ``config`` may be ``None`` (all defaults), the config message itself, or a mapping with NeMo RL
+    key names (``{"gae_lambda": 0.95, "reference_policy_kl_type": "k3"}``). ``None`` values mean
+    "unset". Unknown keys raise :class:`WireError` listing the valid ones.
+    """
+    if estimator not in ESTIMATOR_FIELDS:
+        raise WireError("estimator", f"unknown estimator {estimator!r}; choose one of {sorted(ESTIMATOR_FIELDS)}")
+    _, cls = ESTIMATOR_FIELDS[estimator]
+    if config is None:
+        return cls()
+    if isinstance(config, cls):
+        return config
+    if not isinstance(config, Mapping):
+        raise WireError("config", f"expected a dict or {cls.__name__}, got {type(config).__name__}")
+    msg = cls()
+    fields = cls.DESCRIPTOR.fields_by_name
+    for key, value in config.items():
+        if key == "name":
+            if value not in (None, estimator):
+                raise WireError("config.name", f"{value!r} does not match estimator {estimator!r}")
+            continue
+        if key not in fields:
+            raise WireError(f"config.{key}", f"{cls.__name__} has no field {key!r}; valid: {sorted(fields)}")
+        if value is None:
+            continue
+        try:
+            if key.endswith("kl_type"):
+                if value not in _KL_TYPES:
+                    raise WireError(f"config.{key}", f"{value!r} is not one of {sorted(_KL_TYPES)}")
+                setattr(msg, key, _KL_TYPES[value])
+            elif fields[key].is_repeated:
+                getattr(msg, key).extend(float(v) for v in value)
+            elif fields[key].type == fields[key].TYPE_BOOL:
+                if not isinstance(value, (bool, np.bool_)):
+                    raise WireError(f"config.{key}", f"expected a bool, got {value!r}")
+                setattr(msg, key, bool(value))
+            else:
+                setattr(msg, key, float(value))
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, WireError):
+                raise
+            raise WireError(f"config.{key}", f"bad value {value!r}: {exc}") from None
+    return msg
+
+
+def config_to_dict(msg: Any) -> dict[str, Any]:
+    """The fields set in a config message, as a dict with NeMo RL key names (unset fields omitted)."""
+    out: dict[str, Any] = {}
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.is_repeated:
+            values = list(getattr(msg, fd.name))
+            if values:
+                out[fd.name] = values
+        elif fd.enum_type is not None:
+            name = KL_TYPE_NAMES.get(getattr(msg, fd.name))
+            if name is not None:
+                out[fd.name] = name
+        elif msg.HasField(fd.name):
+            out[fd.name] = getattr(msg, fd.name)
+    return out

@@ -1,0 +1,226 @@
+"""The transport-agnostic core: request in, result out, no gRPC.
+
+``AdvantageCore.compute(request)`` takes a ``ComputeAdvantageRequest`` message and returns an
+``AdvantageResult`` message; ``AdvantageCore.run(name, config, tensors)`` does the same on Python
+objects. Both validate every input against the estimator's declared ``InputSpec``s before any math
+runs, and raise :class:`~advantage_server.errors.InvalidInput` (one violation per bad field) for a
+malformed request. The servicer (``advantage_server.servicer``) is a thin layer over this.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import typing
+from typing import Any, Mapping
+
+import torch
+
+from advantage_client import wire
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server.errors import InvalidInput
+from advantage_server.estimators import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
+from advantage_server.estimators.common import group_index
+
+log = logging.getLogger("advantage_server")
+
+_FLOAT = {torch.float32, torch.float64, torch.bfloat16, torch.float16}
+_INTEGER = {torch.int64, torch.int32, torch.uint8}
+_KINDS = {"float": _FLOAT, "integer": _INTEGER, "mask": _FLOAT | _INTEGER | {torch.bool}}
+_OUTPUT = {pb.DTYPE_UNSPECIFIED: torch.float32, pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_FLOAT64: torch.float64,
+           pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible to this process")
+    return dev
+
+
+class AdvantageCore:
+    """Runs registered estimators on ``device`` (a ``torch.device`` or string, ``"auto"`` allowed)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = resolve_device(device) if isinstance(device, str) else device
+
+    # ------------------------------------------------------------------ entry points
+    def compute(self, request: pb.ComputeAdvantageRequest) -> pb.AdvantageResult:
+        """Validate and run one request. Raises ``InvalidInput`` for a malformed request."""
+        name = request.WhichOneof("estimator")
+        if name is None:
+            raise InvalidInput("estimator", f"no estimator chosen: set one of {', '.join(REGISTRY)} "
+                                            "in ComputeAdvantageRequest.estimator")
+        if request.output_dtype not in _OUTPUT:
+            raise InvalidInput("output_dtype", "must be DTYPE_FLOAT32 (default), DTYPE_FLOAT64, DTYPE_BFLOAT16 "
+                                               "or DTYPE_FLOAT16")
+        violations, tensors = [], {}
+        for key, msg in request.inputs.items():
+            try:
+                tensors[key] = wire.decode_torch(msg, f"inputs[{key!r}]")
+            except wire.WireError as err:
+                violations.append((err.field, err.description))
+        if violations:
+            raise InvalidInput(violations)
+        result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors)
+        return encode_result(result, _OUTPUT[request.output_dtype])
+
+    def run(self, name: str, config: Any, tensors: Mapping[str, Any]) -> AdvantageResult:
+        """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None."""
+        spec = REGISTRY.get(name)
+        if spec is None:
+            raise InvalidInput("estimator", f"unknown estimator {name!r}; choose one of {', '.join(REGISTRY)}")
+        if not isinstance(config, spec.config):
+            config = config_from_dict(spec, config or {})
+        config.validate()
+        batch = Batch(self.prepare(spec, config, tensors))
+        result = spec.fn(config, batch)
+        for label, t in (("advantages", result.advantages), ("returns", result.returns)):
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise RuntimeError(f"{name} produced non-finite {label} from finite inputs")
+        return result
+
+    # ------------------------------------------------------------------ validation
+    def prepare(self, spec: EstimatorSpec, cfg: Any, raw: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Check every input against ``spec`` and move it to the compute device and dtype.
+
+        Collects all violations and raises them together as one ``InvalidInput``.
+        """
+        tensors = {k: torch.as_tensor(v) for k, v in raw.items()}
+        owners: dict[str, InputSpec] = {}
+        violations: list[tuple[str, str]] = []
+        for key in tensors:
+            owner = next((s for s in spec.inputs if s.matches(key)), None)
+            if owner is None:
+                violations.append((f"inputs[{key!r}]", f"{spec.name} does not read {key!r}; it reads "
+                                   f"{', '.join(s.name for s in spec.inputs)}"))
+            else:
+                owners[key] = owner
+        for s in spec.inputs:
+            if s.needed(cfg) and not any(s.matches(k) for k in tensors):
+                when = f" (required when {s.required_when[1]})" if s.required_when else ""
+                violations.append((f"inputs[{s.name!r}]", f"{spec.name} needs `{s.name}` {s.shapes[0]}{when}: {s.fix}"))
+        if violations:
+            raise InvalidInput(violations)
+
+        mask = tensors["mask"]
+        if mask.dim() != 2 or 0 in mask.shape:
+            raise InvalidInput("inputs['mask']", f"must be a non-empty [B, T] tensor, got shape {list(mask.shape)}: "
+                                                 "an empty batch has nothing to compute")
+        dims = {"B": mask.shape[0], "T": mask.shape[1]}
+        for key, t in tensors.items():
+            violations += _check(key, t, owners[key], dims)
+        if violations:
+            raise InvalidInput(violations)
+
+        compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
+        out = {}
+        for key, t in tensors.items():
+            t = t.to(self.device, non_blocking=True)
+            if owners[key].kind == "integer":
+                out[key] = group_index(t.long()) if key == "prompt_ids" else t.long()
+            else:
+                out[key] = t.to(compute_dtype)
+        return out
+
+
+def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int]) -> list[tuple[str, str]]:
+    """Violations of one tensor against its spec: dtype kind, symbolic shape, finiteness, 0/1 mask."""
+    field = f"inputs[{key!r}]"
+    if t.dtype not in _KINDS[spec.kind]:
+        allowed = sorted(str(d).replace("torch.", "") for d in _KINDS[spec.kind])
+        return [(field, f"dtype {str(t.dtype).replace('torch.', '')} is not accepted for {spec.kind} input "
+                        f"{key!r}; send one of {allowed}")]
+    if not any(_shape_matches(pattern, tuple(t.shape), dims) for pattern in spec.shapes):
+        want = " or ".join(re.sub(r"\b([BT])\b", lambda m: str(dims[m.group(1)]), p) for p in spec.shapes)
+        return [(field, f"has shape {list(t.shape)} but must be {' or '.join(spec.shapes)} = {want} "
+                        f"(B and T come from `mask` {[dims['B'], dims['T']]})")]
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        return [(field, "contains NaN or infinity; every input value must be finite")]
+    if spec.kind == "mask" and t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+        return [(field, "holds values other than 0 and 1; send a 0/1 (or bool) mask")]
+    return []
+
+
+def _shape_matches(pattern: str, shape: tuple[int, ...], dims: dict[str, int]) -> bool:
+    symbols = [s.strip() for s in pattern.strip("[]").split(",") if s.strip()]
+    if len(symbols) != len(shape):
+        return False
+    return all(dims.get(sym, size) == size and size > 0 for sym, size in zip(symbols, shape))
+
+
+# ---------------------------------------------------------------------- configs
+def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
+    """Typed proto config message -> the estimator's config dataclass (unset fields take defaults)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(spec.config):
+        fd = msg.DESCRIPTOR.fields_by_name[f.name]
+        if fd.is_repeated:
+            items = tuple(getattr(msg, f.name))
+            if items:
+                values[f.name] = items
+        elif fd.enum_type is not None:
+            code = getattr(msg, f.name)
+            if code not in wire.KL_TYPE_NAMES:
+                raise InvalidInput(f"config.{f.name}", f"unknown enum value {code}; use KL_TYPE_K1, KL_TYPE_K2 or KL_TYPE_K3")
+            if wire.KL_TYPE_NAMES[code] is not None:
+                values[f.name] = wire.KL_TYPE_NAMES[code]
+        elif msg.HasField(f.name):
+            values[f.name] = getattr(msg, f.name)
+    return spec.config(**values)
+
+
+def config_from_dict(spec: EstimatorSpec, config: Mapping[str, Any]) -> Any:
+    """Dict with NeMo RL key names -> config dataclass, through the same typed message as the wire."""
+    try:
+        msg = wire.config_message(spec.name, config)
+    except wire.WireError as err:
+        raise InvalidInput.from_wire(err) from None
+    return config_from_proto(spec, msg)
+
+
+def encode_result(result: AdvantageResult, dtype: torch.dtype) -> pb.AdvantageResult:
+    msg = pb.AdvantageResult(advantages=wire.encode_tensor(result.advantages.to(dtype), "advantages"))
+    if result.returns is not None:
+        msg.returns.CopyFrom(wire.encode_tensor(result.returns.to(dtype), "returns"))
+    msg.metrics.update({k: float(v) for k, v in result.metrics.items()})
+    return msg
+
+
+# ---------------------------------------------------------------------- ListEstimators
+def _type_name(annotation: Any) -> str:
+    text = str(annotation)
+    if "tuple" in text:
+        return "repeated double"
+    if "bool" in text:
+        return "bool"
+    if "str" in text:
+        return "KLType"
+    return "double"
+
+
+def describe(spec: EstimatorSpec) -> pb.EstimatorInfo:
+    """The ``EstimatorInfo`` record of one registered estimator."""
+    hints = typing.get_type_hints(spec.config)
+    _, cls = wire.ESTIMATOR_FIELDS[spec.name]
+    info = pb.EstimatorInfo(
+        name=spec.name, config_field=spec.name, config_message=cls.DESCRIPTOR.full_name,
+        description=spec.description, reference=spec.reference,
+        produces_returns=spec.produces_returns, metrics=list(spec.metrics),
+    )
+    for f in dataclasses.fields(spec.config):
+        default = "unset" if f.default is None else (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))
+        info.config_fields.add(name=f.name, type=_type_name(hints[f.name]), default_value=default,
+                               description=f.metadata.get("doc", ""))
+    for s in spec.inputs:
+        info.inputs.add(name=s.name, shapes=list(s.shapes), required=s.required,
+                        required_when=s.required_when[1] if s.required_when else "", kind=s.kind,
+                        description=s.description)
+    return info
+
+
+def list_estimators() -> pb.ListEstimatorsResponse:
+    return pb.ListEstimatorsResponse(estimators=[describe(s) for s in REGISTRY.values()])

@@ -1,0 +1,64 @@
+"""GDPO: group reward-decoupled policy optimisation (arXiv:2601.05242).
+
+Math: for each reward component k (inputs named ``reward/<name>``, taken in sorted name order)
+    A_k = GRPO advantage of component k (per-prompt baseline, optional std normalisation)
+    A   = sum_k w_k A_k                         (w = reward_weights, default all 1)
+    A   = (A - mean_B(A)) / std_B(A)            (over all B rows, unbiased std; if std = 0: A - mean)
+A is broadcast over every column of its row. Fewer than two components is an error.
+Reference: NeMo RL ``GDPOAdvantageEstimator`` (which ignores ``rewards``; so do we: it is not an input).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from advantage_server.errors import InvalidInput
+from advantage_server.estimators.common import MASK, PROMPT_IDS, group_relative
+from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
+
+COMPONENT_PREFIX = "reward/"
+
+
+@dataclass(frozen=True)
+class GDPOConfig(EstimatorConfig):
+    normalize_rewards: bool = field(default=True, metadata={"doc": "Normalise each component's advantage by its group std."})
+    use_leave_one_out_baseline: bool = field(default=True, metadata={"doc": "Leave-one-out baseline per component (RLOO)."})
+    reward_weights: tuple[float, ...] | None = field(default=None, metadata={"doc": "One weight per component in sorted name order; unset = all 1.0."})
+
+
+@register(
+    "gdpo", config=GDPOConfig,
+    inputs=[
+        PROMPT_IDS, MASK,
+        InputSpec("reward/<name>", ("[B]",), "float",
+                  "One reward component per key, e.g. reward/correctness, reward/format; at least two.",
+                  fix="send two or more reward components as inputs named reward/<name>, or use grpo for a single reward"),
+    ],
+    reference="arXiv:2601.05242; NeMo RL GDPOAdvantageEstimator",
+)
+def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
+    """Per-component GRPO advantages, weighted, summed and standardised over the batch.
+
+    Inputs: prompt_ids [B], reward/<name> [B] (two or more), mask [B, T].
+    Returns advantages [B, T]; no returns, no metrics.
+    """
+    components = batch.with_prefix(COMPONENT_PREFIX)
+    names = list(components)
+    if len(names) < 2:
+        raise InvalidInput("inputs['reward/<name>']",
+                           f"gdpo needs at least two reward components named reward/<name>; got {names or 'none'}. "
+                           "Send each reward separately, or choose grpo for a single reward")
+    weights = cfg.reward_weights if cfg.reward_weights is not None else (1.0,) * len(names)
+    if len(weights) != len(names):
+        raise InvalidInput("config.reward_weights",
+                           f"has {len(weights)} entries but the batch has {len(names)} components {names}; "
+                           "give one weight per component, in sorted component-name order")
+    group = batch["prompt_ids"]
+    total = sum(w * group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
+                for w, k in zip(weights, names))
+    centred = total - total.mean()
+    std = total.std() if total.numel() > 1 else torch.zeros((), dtype=total.dtype, device=total.device)
+    adv = torch.where(std > 0, centred / std, centred)
+    dtype = components[names[0]].dtype
+    return AdvantageResult(adv.to(dtype)[:, None].expand(batch.B, batch.T))

@@ -1,0 +1,32 @@
+"""Raw reward as the advantage: no baseline, no value model (NeMo RL ``RawRewardAdvantageEstimator``).
+
+Math: A_{i,t} = r_i, optionally whitened: (A - mu) / sqrt(max(var, 1e-8)) with mu, var over the tokens
+where mask = 1 (count floored at 1, so an all-zero mask gives mu = var = 0 and A = r * 1e4, as NeMo does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from advantage_server.estimators.common import MASK, REWARDS, masked_moments
+from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
+
+
+@dataclass(frozen=True)
+class RawRewardConfig(EstimatorConfig):
+    normalize_advantages: bool = field(default=True, metadata={"doc": "Whiten over the tokens where mask = 1."})
+
+
+@register("raw_reward", config=RawRewardConfig, inputs=[REWARDS, MASK],
+          reference="NeMo RL RawRewardAdvantageEstimator")
+def raw_reward(cfg: RawRewardConfig, batch: Batch) -> AdvantageResult:
+    """The sample's reward at every token, optionally whitened over the valid tokens.
+
+    Inputs: rewards [B], mask [B, T]. Returns advantages [B, T]; no returns, no metrics.
+    """
+    adv = batch["rewards"][:, None].expand(batch.B, batch.T)
+    if cfg.normalize_advantages:
+        mean, var = masked_moments(adv, batch["mask"], count_floor=1.0)
+        adv = (adv - mean) * torch.rsqrt(var.clamp(min=1e-8))
+    return AdvantageResult(adv)

@@ -1,0 +1,73 @@
+"""Shared fixtures: one real server on an ephemeral loopback port, and clients connected to it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from advantage_client import AdvantageClient
+from advantage_server import create_server
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN = pathlib.Path(os.environ.get("ADVANTAGE_GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = create_server("127.0.0.1", 0, device=os.environ.get("ADVANTAGE_TEST_DEVICE", "cpu")).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def target(server) -> str:
+    return server.address
+
+
+@pytest.fixture(scope="session")
+def client(target):
+    with AdvantageClient(target, timeout=30.0) as c:
+        yield c
+
+
+def _decode(value):
+    if isinstance(value, str) and value in ("NaN", "Infinity", "-Infinity"):
+        return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[value]
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def golden_cases(source: str) -> list[pathlib.Path]:
+    return sorted((GOLDEN / source).glob("*.json"))
+
+
+def load_case(path: pathlib.Path) -> dict:
+    return _decode(json.loads(path.read_text()))
+
+
+def assert_close_to_golden(got, case: dict, key: str) -> None:
+    """Element-wise |got - exp| <= 1e-5 + 1e-4 |exp| over the whole tensor, against `expected` or,
+    where the case has it, `expected_f64`. Positions where the reference is non-finite are skipped
+    (the reference divided by zero there), but ours must be finite."""
+    got = np.asarray(got, dtype=np.float64)
+    assert np.isfinite(got).all(), f"{key}: non-finite output"
+    failures = []
+    for variant in ("expected", "expected_f64"):
+        if variant not in case or case[variant].get(key) is None:
+            continue
+        exp = np.asarray(case[variant][key], dtype=np.float64)
+        assert got.shape == exp.shape, f"{key}: shape {got.shape} != {exp.shape}"
+        ok = ~np.isfinite(exp) | (np.abs(got - exp) <= 1e-5 + 1e-4 * np.abs(exp))
+        if ok.all():
+            return
+        bad = np.argwhere(~ok)[:5].tolist()
+        failures.append(f"{variant}: {int((~ok).sum())} positions differ, e.g. {bad}: "
+                        f"got {[got[tuple(i)] for i in bad]} want {[exp[tuple(i)] for i in bad]}")
+    raise AssertionError(f"{case['id']} {key}: " + " | ".join(failures))
