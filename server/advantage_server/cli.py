@@ -57,3 +57,28 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def healthcheck_main(argv: list[str] | None = None) -> int:
+    """``advantage-healthcheck [--address HOST:PORT]``: exit 0 if the server reports SERVING, else 1.
+
+    Uses the standard ``grpc.health.v1.Health/Check`` (for a container HEALTHCHECK or a probe script).
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    p = argparse.ArgumentParser(prog="advantage-healthcheck", description=healthcheck_main.__doc__.splitlines()[0])
+    p.add_argument("--address", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    p.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    args = p.parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1

@@ -1,0 +1,1 @@
+"""Runnable demos of the advantage service (``advantage-demo``)."""
