@@ -106,9 +106,14 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, count_floor: float) -> t
 # --------------------------------------------------------------------------- per-prompt groups
 def group_index(prompt_ids: torch.Tensor) -> torch.Tensor:
     """``[B]`` ids or ``[B, L]`` token rows -> ``[B]`` int64 group index in ``0..G-1`` (sorted order)."""
-    if prompt_ids.dim() == 1:
-        return torch.unique(prompt_ids, return_inverse=True)[1]
-    return torch.unique(prompt_ids, dim=0, return_inverse=True)[1]
+    if prompt_ids.dim() == 2:
+        return torch.unique(prompt_ids, dim=0, return_inverse=True)[1]
+    # sort-and-rank instead of torch.unique: no device-to-host sync on a GPU
+    ordered, perm = torch.sort(prompt_ids, stable=True)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    rank = torch.cumsum(starts, 0) - 1
+    return torch.empty_like(rank).scatter_(0, perm, rank)
 
 
 def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool
@@ -126,7 +131,7 @@ def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one
     exactly, so its advantage is exactly 0 (no float cancellation noise).
     """
     r = rewards.to(torch.float64)
-    G = int(group.max()) + 1 if group.numel() else 0
+    G = group.shape[0]  # group ids are < B; sizing by B avoids a device-to-host sync for max()
     n = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, group, torch.ones_like(r))
     total = torch.zeros_like(n).index_add_(0, group, r)
     mean_g = total / n

@@ -177,6 +177,6 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     if cfg.normalize_advantages:
         mean, var = masked_moments(advantages, mask, count_floor=1.0)
         n = mask.sum()
-        var = var * n / (n - 1) if n > 1 else var  # unbiased, as NeMo RL; one token: variance 0
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)  # unbiased, as NeMo RL; one token: 0
         advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
     return AdvantageResult(torch.where(mask.bool(), advantages, 0), returns=returns)

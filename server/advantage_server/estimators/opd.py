@@ -44,12 +44,13 @@ def opd(cfg: OPDConfig, batch: Batch) -> AdvantageResult:
     mask = batch["mask"]
     gap = batch["teacher_logprobs"] - batch["prev_logprobs"]
     adv = gap * mask
-    valid = mask.bool()
-    n = int(valid.sum())
-    gap_v, adv_v = gap[valid].to(torch.float64), adv[valid].to(torch.float64)
-    metrics = {
-        "teacher_student_logprob_gap_mean": float(gap_v.mean()) if n else 0.0,
-        "adv_mean": float(adv_v.mean()) if n else 0.0,
-        "adv_std": float(adv_v.std()) if n > 1 else 0.0,
-    }
+    m = mask.to(torch.float64)
+    n = m.sum()
+    count = n.clamp(min=1)
+    gap_mean = (gap.to(torch.float64) * m).sum() / count
+    adv_mean = (adv.to(torch.float64) * m).sum() / count
+    adv_var = ((adv.to(torch.float64) - adv_mean).square() * m).sum() / (n - 1).clamp(min=1)
+    adv_std = torch.where(n > 1, adv_var.sqrt(), torch.zeros_like(adv_var))
+    values = torch.stack([gap_mean, adv_mean, adv_std]).tolist()  # the one device-to-host copy
+    metrics = dict(zip(("teacher_student_logprob_gap_mean", "adv_mean", "adv_std"), values))
     return AdvantageResult(adv, metrics={METRIC_PREFIX + k: v for k, v in metrics.items()})
