@@ -38,6 +38,8 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is visible to this process")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
 
 

@@ -157,12 +157,12 @@ def collect(envs: list[gym.Env], agent: ActorCritic, next_obs: np.ndarray, num_s
                  logprobs=np.zeros((num_steps, E), np.float32), rewards=np.zeros((num_steps, E), np.float32),
                  values=np.zeros((num_steps, E), np.float32), ends=np.zeros((num_steps, E), np.int8),
                  cut_values=np.zeros((num_steps, E), np.float32))
+    next_obs = next_obs.copy()
     for t in range(num_steps):
         ro.obs[t] = next_obs
         with torch.no_grad():
             actions, logprobs, _, values = agent.evaluate(torch.from_numpy(next_obs))
         ro.actions[t], ro.logprobs[t], ro.values[t] = actions.numpy(), logprobs.numpy(), values.numpy()
-        next_obs = next_obs.copy()
         for e, env in enumerate(envs):
             obs, reward, terminated, truncated, _ = env.step(int(actions[e]))
             ro.rewards[t, e] = reward
@@ -321,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
             cartpole.add_argument(f.metadata["flag"], dest=f.name, action="store_true", help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
+            default = "" if f.default is None else f" (default {f.default})"
             cartpole.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default,
-                                  help=f"{f.metadata['help']} (default {f.default})")
+                                  help=f.metadata["help"] + default)
     return parser
 
 

@@ -1,0 +1,327 @@
+"""ListEstimators is the contract: what the server declares is what each estimator reads and needs.
+
+* every estimator, run in-process on a batch built only from its declared inputs, reads exactly the
+  declared inputs and nothing else (a ``Batch`` spy records every read);
+* every input declared required (or required under the config) is really required: leaving it out is an
+  INVALID_ARGUMENT over gRPC naming it;
+* the listing matches the proto (estimator names, config fields) and NeMo RL's defaults;
+* ``produces_returns`` and ``metrics`` match what results actually carry;
+* the registry refuses duplicate names.
+"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from advantage_client import AdvantageServiceError
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server import AdvantageCore
+from advantage_server import core as core_module
+from advantage_server.estimators import REGISTRY, Batch
+from advantage_server.estimators.common import MASK
+from advantage_server.estimators.registry import EstimatorConfig, register
+
+EXPECTED_NAMES = {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd"}
+B, T = 6, 5
+PROMPT_IDS = np.array([3, 1, 3, 1, 1, 3], dtype=np.int64)  # two interleaved groups of 3
+GDPO_COMPONENTS = ("reward/a", "reward/b")
+
+
+@pytest.fixture(scope="module")
+def listing(client):
+    return {e.name: e for e in client.list_estimators().estimators}
+
+
+# ------------------------------------------------------------------------------- batch building
+def _random_input(name: str, shape: str, kind: str, rng: np.random.Generator) -> np.ndarray:
+    dims = {"B": B, "T": T, "L": 4}
+    size = tuple(dims[s.strip()] for s in shape.strip("[]").split(",") if s.strip())
+    if name == "prompt_ids":
+        assert size == (B,), "the first declared prompt_ids shape is [B]"
+        return PROMPT_IDS.copy()
+    if kind == "mask":
+        m = (rng.random(size) < 0.7).astype(np.float32)
+        m[:, 0] = 1.0  # every row has a valid token
+        return m
+    if kind == "integer":
+        return rng.integers(0, 3, size=size, dtype=np.int64)
+    if name.endswith("logprobs"):
+        return -rng.random(size).astype(np.float32) * 2
+    return rng.standard_normal(size).astype(np.float32)
+
+
+def full_batch(info, seed: int = 0) -> dict[str, np.ndarray]:
+    """One tensor for every declared input (optional ones included), from the listing alone."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for spec in info.inputs:
+        if spec.name.endswith("<name>"):
+            prefix = spec.name[: -len("<name>")]
+            assert prefix == "reward/", spec.name
+            for key in GDPO_COMPONENTS:
+                tensors[key] = _random_input(key, spec.shapes[0], spec.kind, rng)
+        else:
+            tensors[spec.name] = _random_input(spec.name, spec.shapes[0], spec.kind, rng)
+    return tensors
+
+
+def all_paths_config(info) -> dict:
+    """A config with every optional path switched on: every bool field true (use_kl_in_reward,
+    minus_baseline, normalization, leave-one-out)."""
+    return {f.name: True for f in info.config_fields if f.type == "bool"}
+
+
+def declared_name(info, key: str) -> str | None:
+    """The declared input name that ``key`` falls under (``reward/a`` -> ``reward/<name>``), or None."""
+    for spec in info.inputs:
+        if spec.name.endswith("<name>"):
+            prefix = spec.name[: -len("<name>")]
+            if key.startswith(prefix) and len(key) > len(prefix):
+                return spec.name
+        elif key == spec.name:
+            return spec.name
+    return None
+
+
+def needed_under(spec, config: dict) -> bool:
+    """``required``, or ``required_when`` ("field = value") holds for ``config``."""
+    if spec.required:
+        return True
+    if not spec.required_when:
+        return False
+    field, _, value = (s.strip() for s in spec.required_when.partition("="))
+    assert value in ("true", "false"), f"unparsed required_when {spec.required_when!r}"
+    return config.get(field) is (value == "true")
+
+
+class SpyBatch(Batch):
+    """Batch that also counts ``B``/``T`` (derived from `mask`) as reading `mask`."""
+
+    instances: list["SpyBatch"] = []
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        SpyBatch.instances.append(self)
+
+    @property
+    def B(self):
+        self.read.add("mask")
+        return self._B
+
+    @B.setter
+    def B(self, value):
+        self._B = value
+
+    @property
+    def T(self):
+        self.read.add("mask")
+        return self._T
+
+    @T.setter
+    def T(self, value):
+        self._T = value
+
+
+def run_with_spy(monkeypatch, name: str, config: dict, tensors: dict) -> tuple[set[str], object]:
+    SpyBatch.instances.clear()
+    monkeypatch.setattr(core_module, "Batch", SpyBatch)
+    result = AdvantageCore("cpu").run(name, config, {k: torch.from_numpy(v) for k, v in tensors.items()})
+    assert len(SpyBatch.instances) == 1, "core.run must build exactly one Batch"
+    return SpyBatch.instances[0].read, result
+
+
+# ------------------------------------------------------------------------- declared == read
+def test_listing_names_exactly_the_six_estimators(listing):
+    assert set(listing) == EXPECTED_NAMES
+    assert set(REGISTRY) == EXPECTED_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_estimator_reads_exactly_its_declared_inputs(listing, monkeypatch, name):
+    info = listing[name]
+    config = all_paths_config(info)
+    tensors = full_batch(info)
+    read, result = run_with_spy(monkeypatch, name, config, tensors)
+    assert result.advantages.shape == (B, T)
+    undeclared = {k for k in read if declared_name(info, k) is None}
+    assert not undeclared, f"{name} reads inputs it does not declare: {sorted(undeclared)}"
+    not_sent = read - set(tensors)
+    assert not not_sent, f"{name} looked up inputs that were not in the batch: {sorted(not_sent)}"
+    read_declared = {declared_name(info, k) for k in read}
+    declared = {s.name for s in info.inputs}
+    assert read_declared == declared, (
+        f"{name}: declared {sorted(declared)} but read {sorted(read_declared)} under {config}; "
+        f"never read: {sorted(declared - read_declared)}")
+    if name == "gdpo":
+        assert set(GDPO_COMPONENTS) <= read, "every reward/<name> component must be read"
+
+
+def test_spy_detects_an_undeclared_read(monkeypatch):
+    """The spy check above can fail: an estimator that reads an input it did not declare is caught."""
+    name = "_test_sneaky"
+
+    @register(name, config=EstimatorConfig, inputs=[MASK], reference="test")
+    def sneaky(cfg, batch):
+        batch.get("values")  # not declared
+        from advantage_server.estimators import AdvantageResult
+        return AdvantageResult(batch["mask"] * 0)
+
+    try:
+        SpyBatch.instances.clear()
+        monkeypatch.setattr(core_module, "Batch", SpyBatch)
+        spec = REGISTRY[name]
+        cfg = EstimatorConfig()
+        SpyBatch(AdvantageCore("cpu").prepare(spec, cfg, {"mask": torch.ones(2, 3)}))
+        spy = SpyBatch.instances[-1]
+        spec.fn(cfg, spy)
+        assert "values" in spy.read and "values" not in {s.name for s in spec.inputs}
+    finally:
+        REGISTRY.pop(name, None)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_every_required_input_is_enforced_over_grpc(client, listing, name):
+    info = listing[name]
+    config = all_paths_config(info)
+    tensors = full_batch(info)
+    client.compute(name, config, **tensors)  # the full batch is valid
+    checked = 0
+    for spec in info.inputs:
+        if not needed_under(spec, config):
+            continue
+        checked += 1
+        reduced = {k: v for k, v in tensors.items() if declared_name(info, k) != spec.name}
+        assert len(reduced) < len(tensors)
+        with pytest.raises(AdvantageServiceError) as exc:
+            client.compute(name, config, **reduced)
+        err = exc.value
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (spec.name, err.code, str(err))
+        assert spec.name in str(err), f"message does not name {spec.name!r}: {err}"
+        assert any(spec.name in f for f, _ in err.field_violations), err.field_violations
+    assert checked >= 2, f"{name}: expected at least mask and one more needed input"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_optional_inputs_may_be_left_out(client, listing, name):
+    """The converse: inputs not needed under the *default* config really are optional."""
+    info = listing[name]
+    tensors = full_batch(info)
+    defaults = {f.name: f.default_value == "true" for f in info.config_fields if f.type == "bool"}
+    reduced = {k: v for k, v in tensors.items()
+               if needed_under(next(s for s in info.inputs if s.name == declared_name(info, k)), defaults)}
+    result = client.compute(name, None, as_numpy=True, **reduced)
+    assert result.advantages.shape == (B, T) and np.isfinite(result.advantages).all()
+
+
+# ------------------------------------------------------------------------- listing vs proto
+def _proto_type(fd) -> str:
+    if fd.enum_type is not None:
+        return fd.enum_type.name
+    base = {fd.TYPE_BOOL: "bool", fd.TYPE_DOUBLE: "double"}[fd.type]
+    return f"repeated {base}" if fd.is_repeated else base
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_config_fields_match_the_proto_message(listing, name):
+    info = listing[name]
+    assert info.config_field == name
+    oneof = pb.ComputeAdvantageRequest.DESCRIPTOR.oneofs_by_name["estimator"]
+    fd = next(f for f in oneof.fields if f.name == name)
+    assert fd.message_type.full_name == info.config_message
+    message = pb.DESCRIPTOR.message_types_by_name[info.config_message.split(".")[-1]]
+    listed = [f.name for f in info.config_fields]
+    assert len(listed) == len(set(listed)), f"duplicate config fields: {listed}"
+    # same names (the order is the config dataclass's: inherited KL fields come first)
+    assert set(listed) == {f.name for f in message.fields}
+    for field in info.config_fields:
+        assert field.type == _proto_type(message.fields_by_name[field.name]), field.name
+        assert field.description, f"{name}.{field.name} has no description"
+    assert info.description and info.reference
+    for spec in info.inputs:
+        assert spec.shapes and spec.kind in ("float", "integer", "mask") and spec.description
+
+
+NEMO_DEFAULTS = {
+    "normalize_rewards": True,
+    "use_leave_one_out_baseline": True,
+    "minus_baseline": True,
+    "normalize_advantages": True,
+    "use_kl_in_reward": False,
+    "gae_lambda": 0.95,
+    "gae_gamma": 1.0,
+    "length_adaptive_alpha": 0.0,
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "reference_policy_kl_penalty": 0.01,
+    "reference_policy_kl_type": "k3",
+    "gae_lambda_value": "unset",
+    "gae_lambda_policy": "unset",
+    "reward_weights": ("unset", "[]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_defaults_are_nemo_rl_defaults(listing, name):
+    for field in listing[name].config_fields:
+        assert field.name in NEMO_DEFAULTS, f"no expected default for {name}.{field.name}"
+        want = NEMO_DEFAULTS[field.name]
+        got = field.default_value
+        if isinstance(want, bool):
+            assert got == str(want).lower(), (name, field.name, got)
+        elif isinstance(want, float):
+            assert float(got) == want, (name, field.name, got)
+        elif isinstance(want, tuple):
+            assert got in want, (name, field.name, got)
+        else:
+            assert got == want, (name, field.name, got)
+
+
+def test_every_default_listed():
+    """The defaults table above covers each field at least once (so a new field forces a new row)."""
+    names = {f.name for e in pb.DESCRIPTOR.message_types_by_name.values() if e.name.endswith("Config")
+             for f in e.fields}
+    assert names == set(NEMO_DEFAULTS)
+
+
+# ------------------------------------------------------------------ returns / metrics contract
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_returns_and_metrics_match_the_listing(client, listing, name):
+    info = listing[name]
+    assert info.produces_returns == (name == "gae")
+    assert bool(info.metrics) == (name == "opd")
+    result = client.compute(name, all_paths_config(info), as_numpy=True, **full_batch(info, seed=1))
+    assert result.advantages.shape == (B, T)
+    if info.produces_returns:
+        assert result.returns is not None and result.returns.shape == (B, T)
+    else:
+        assert result.returns is None, f"{name} must not set returns"
+    assert set(result.metrics) == set(info.metrics)
+    assert all(np.isfinite(v) for v in result.metrics.values())
+
+
+def test_opd_metric_values(client, listing):
+    tensors = full_batch(listing["opd"], seed=2)
+    result = client.compute("opd", None, as_numpy=True, **tensors)
+    valid = tensors["mask"].astype(bool)
+    gap = (tensors["teacher_logprobs"] - tensors["prev_logprobs"]).astype(np.float64)
+    np.testing.assert_allclose(result.advantages, gap * tensors["mask"], rtol=1e-6, atol=1e-6)
+    m = result.metrics
+    np.testing.assert_allclose(m["on_policy_distillation/teacher_student_logprob_gap_mean"], gap[valid].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["on_policy_distillation/adv_mean"], gap[valid].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["on_policy_distillation/adv_std"], gap[valid].std(ddof=1), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- registry
+def test_registry_rejects_a_duplicate_name():
+    before = REGISTRY["grpo"]
+    with pytest.raises(ValueError, match="grpo"):
+        register("grpo", config=EstimatorConfig, inputs=[MASK], reference="x")(lambda cfg, batch: None)
+    assert REGISTRY["grpo"] is before
+
+
+def test_registry_requires_mask():
+    with pytest.raises(ValueError, match="mask"):
+        register("_no_mask", config=EstimatorConfig, inputs=[], reference="x")(lambda cfg, batch: None)
+    assert "_no_mask" not in REGISTRY
