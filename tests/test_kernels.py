@@ -312,3 +312,16 @@ def test_gdpo_single_row_is_finite(client):
                          as_numpy=True)
     assert res.advantages.shape == (1, 3)
     assert np.isfinite(res.advantages).all() and (res.advantages == 0).all()
+
+
+@pytest.mark.parametrize("big", [1e4, 1e5, 1e6, 1e7, -1e9])
+def test_leave_one_out_std_seen_from_a_dominant_member_is_exact(big):
+    """Seen from a member that dominates the group's spread, the others' std must not be lost to
+    cancellation ({big, 0, 1e-3}: the others' sample std is 1e-3 / sqrt(2) whatever `big` is)."""
+    group = torch.tensor([0, 0, 0])
+    rewards = torch.tensor([big, 0.0, 1e-3], dtype=torch.float64)
+    baseline, std = group_baseline_and_std(group, rewards, leave_one_out=True)
+    assert std[0].item() == pytest.approx(1e-3 / math.sqrt(2), rel=1e-9)
+    assert baseline[0].item() == pytest.approx(5e-4, rel=1e-9)
+    ref_b, ref_s = group_baseline_and_std_loop(group, rewards, leave_one_out=True)
+    torch.testing.assert_close(std, ref_s, rtol=1e-9, atol=0)

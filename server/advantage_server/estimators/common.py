@@ -27,6 +27,18 @@ REWARDS = InputSpec(
     "rewards", ("[B]",), "float", "Scalar reward of each sample.",
     fix="send one reward per sample",
 )
+OUTCOME_REWARDS = InputSpec(
+    "rewards", ("[B]", "[B, T]"), "float",
+    "Reward of each sample [B], or token-level rewards [B, T] (verl's token_level_rewards), summed over "
+    "all T positions (masked ones included, as verl does).",
+    fix="send one reward per sample [B], or token-level rewards [B, T]",
+)
+TOKEN_REWARDS = InputSpec(
+    "rewards", ("[B]", "[B, T]"), "float",
+    "Token-level rewards [B, T] (verl's token_level_rewards), or one reward per sample [B], placed on the "
+    "last mask = 1 position of its row.",
+    fix="send token-level rewards [B, T], or one reward per sample [B]",
+)
 
 _KL_NEEDED = (lambda cfg: cfg.use_kl_in_reward, "use_kl_in_reward = true")
 KL_INPUTS = [
@@ -49,7 +61,8 @@ class KLInRewardConfig(EstimatorConfig):
 
     use_kl_in_reward: bool = field(default=False, metadata={"doc": "Subtract penalty * KL(policy || reference) from every token's reward."})
     reference_policy_kl_penalty: float = field(default=0.01, metadata={"doc": "KL coefficient.", "range": (0.0, None)})
-    reference_policy_kl_type: str = field(default="k3", metadata={"doc": "KL estimator: k1, k2 or k3 (Schulman 2020)."})
+    reference_policy_kl_type: str = field(default="k3", metadata={
+        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020).", "enum": "KLType", "choices": ("k1", "k2", "k3")})
     kl_input_clamp_value: float = field(default=20.0, metadata={"doc": "Clamp the log ratio to +-this before the KL estimator.", "range": (0.0, None)})
     kl_output_clamp_value: float = field(default=10.0, metadata={"doc": "Clamp the KL estimate to +-this.", "range": (0.0, None)})
 
@@ -78,13 +91,62 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type
     return kl.clamp(-output_clamp, output_clamp)
 
 
-def apply_kl(token_rewards: torch.Tensor, cfg, batch) -> torch.Tensor:
-    """``token_rewards - penalty * KL`` when the config folds KL into the reward, else unchanged."""
+def apply_kl(token_rewards: torch.Tensor, cfg, batch, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``token_rewards - penalty * KL`` when the config folds KL into the reward, else unchanged.
+
+    With ``mask`` the KL is counted only where mask = 1 (verl's ``apply_kl_penalty``, OpenRLHF's
+    ``compute_reward``). The result has the dtype of ``token_rewards``.
+    """
     if not cfg.use_kl_in_reward or cfg.reference_policy_kl_penalty == 0:
         return token_rewards
     kl = kl_penalty(batch["logprobs"], batch["reference_logprobs"], cfg.reference_policy_kl_type,
                     cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
-    return token_rewards - cfg.reference_policy_kl_penalty * kl
+    if mask is not None:
+        kl = kl * mask
+    return token_rewards - cfg.reference_policy_kl_penalty * kl.to(token_rewards.dtype)
+
+
+def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
+    """``penalty * sum_t KL_t * mask_t`` per row (float64 ``[B]``) when the config folds KL into the reward,
+    else 0: what the KL penalty takes off an outcome score (verl sums its KL-penalised token rewards)."""
+    if not cfg.use_kl_in_reward or cfg.reference_policy_kl_penalty == 0:
+        return 0.0
+    kl = kl_penalty(batch["logprobs"], batch["reference_logprobs"], cfg.reference_policy_kl_type,
+                    cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
+    return cfg.reference_policy_kl_penalty * (kl.to(torch.float64) * mask.to(torch.float64)).sum(-1)
+
+
+# --------------------------------------------------------------------------- rewards
+def outcome_scores(rewards: torch.Tensor) -> torch.Tensor:
+    """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``."""
+    r = rewards.to(torch.float64)
+    return r.sum(-1) if r.dim() == 2 else r
+
+
+def place_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards ``[B, T]``: a ``[B, T]`` input as it is (masked positions included), a ``[B]``
+    reward on the last mask = 1 position of its row (rows with no valid position get none)."""
+    if rewards.dim() == 2:
+        return rewards
+    B, T = mask.shape
+    valid = mask.bool()
+    last = T - 1 - valid.flip(1).int().argmax(1)                              # last valid index per row
+    out = torch.zeros(B, T, dtype=rewards.dtype, device=rewards.device)
+    out.scatter_(1, last[:, None], torch.where(valid.any(1), rewards, 0)[:, None])
+    return out
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` index of the last mask = 1 position of each row; -1 for a row with none."""
+    T = mask.shape[1]
+    valid = mask.bool()
+    last = T - 1 - valid.flip(1).int().argmax(1)
+    return torch.where(valid.any(1), last, torch.full_like(last, -1))
+
+
+def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``out_t = sum_{k >= t} x_k`` along the last axis."""
+    return x.flip(-1).cumsum(-1).flip(-1)
 
 
 # --------------------------------------------------------------------------- masked whitening
@@ -101,6 +163,29 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, count_floor: float) -> t
     mean = (xd * m).sum() / denom
     var = ((xd - mean).square() * m).sum() / denom
     return mean.to(x.dtype), var.to(x.dtype)
+
+
+def whiten_unbiased(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl ``masked_whiten``: ``(x - mu) * rsqrt(var + 1e-8)`` at every position, mu and the unbiased
+    variance over the positions where mask = 1 (float64).
+
+    Where verl divides by zero the result stays finite: with no valid position mu = var = 0, with one
+    valid position var = 0.
+    """
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64)
+    n = m.sum()
+    mean = (xd * m).sum() / n.clamp(min=1)
+    var = ((xd - mean).square() * m).sum() / (n - 1).clamp(min=1)
+    var = torch.where(n > 1, var, torch.zeros_like(var))
+    return ((xd - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
+
+
+def whiten_clamped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """NeMo RL / OpenRLHF whitening: ``(x - mu) * rsqrt(max(var, 1e-8))`` at every position, mu and the
+    biased variance over the positions where mask = 1 (float64; no valid position: mu = var = 0)."""
+    mean, var = masked_moments(x.to(torch.float64), mask, count_floor=1.0)
+    return ((x.to(torch.float64) - mean) * torch.rsqrt(var.clamp(min=1e-8))).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- per-prompt groups
@@ -127,7 +212,8 @@ def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one
     A group of one gets baseline = its own reward and std 0 (advantage 0), as in NeMo RL.
 
     Numerics: float64, two-pass (mean, then centred sum of squares), leave-one-out statistics by
-    Welford-style removal. A group whose rewards are all equal gets its common value as baseline
+    Welford-style removal, except for a group's single dominant member, whose others are re-summed
+    directly (removal would cancel catastrophically there). A group whose rewards are all equal gets its common value as baseline
     exactly, so its advantage is exactly 0 (no float cancellation noise).
     """
     r = rewards.to(torch.float64)
@@ -148,6 +234,19 @@ def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one
         # mean of the others = mean + (mean - r_i) / (n - 1); their centred sum of squares by removal
         baseline = mean_g[group] - centred / others.clamp(min=1)
         m2 = (m2_g[group] - centred.square() * n_i / others.clamp(min=1)).clamp(min=0)
+        # Removing the one member that dominates the group's spread cancels catastrophically
+        # ({1e6, 0, 1e-3} seen from 1e6): for that member, the others' statistics are recomputed
+        # directly by a second two-pass over the group without it.
+        dev = centred.abs()
+        top = torch.full_like(n, -1.0).scatter_reduce_(0, group, dev, "amax")
+        is_top = dev == top[group]
+        n_top = torch.zeros_like(n).index_add_(0, group, is_top.to(r.dtype))
+        lone_top = is_top & (n_top[group] == 1) & (others >= 1)
+        keep = (~lone_top).to(r.dtype)
+        mean_x = torch.zeros_like(n).index_add_(0, group, r * keep) / (n - 1).clamp(min=1)
+        m2_x = torch.zeros_like(n).index_add_(0, group, (r - mean_x[group]).square() * keep)
+        baseline = torch.where(lone_top, mean_x[group], baseline)
+        m2 = torch.where(lone_top, m2_x[group], m2)
         dof = others - 1
         # the others can be tied although the group is not ({0.7, 0.7, 0.7, 1.0} seen from 1.0):
         # they are when every other member sits at the group's opposite extreme
@@ -190,10 +289,66 @@ def group_baseline_and_std_loop(group: torch.Tensor, rewards: torch.Tensor, leav
 
 
 def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool, normalize: bool,
-                   epsilon: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage per sample, float64 ``[B]``: (r - baseline), divided by (std + epsilon) where std > 0."""
+                   epsilon: float = 1e-6, std_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO advantage per sample, float64 ``[B]``: (r - baseline), divided by (std + epsilon) where std > 0.
+
+    ``std_rewards`` (DAPO): compute the std on these values instead of on ``rewards``.
+    """
     baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
+    if std_rewards is not None:
+        _, std = group_baseline_and_std(group, std_rewards, leave_one_out)
     adv = rewards.to(torch.float64) - baseline
     if normalize:
         adv = torch.where(std > 0, adv / (std + epsilon), adv)
     return adv
+
+
+def group_sizes(group: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64: the size of each sample's group."""
+    ones = torch.ones(group.shape[0], dtype=torch.float64, device=group.device)
+    return torch.zeros_like(ones).index_add_(0, group, ones)[group]
+
+
+def group_sum(group: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B]`` (or ``[B, ...]``) float64: the sum of ``x`` over each sample's group."""
+    xd = x.to(torch.float64)
+    return torch.zeros_like(xd).index_add_(0, group, xd)[group]
+
+
+def verl_group_stats(group: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's per-group mean and sample std (``torch.std``) of ``scores``, float64 ``[B]`` each, with verl's
+    convention for a group of one: mean 0, std 1. Tied groups get their exact value and std 0."""
+    mean, std = group_baseline_and_std(group, scores, leave_one_out=False)
+    single = group_sizes(group) <= 1
+    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
+
+
+def verl_group_stats_loop(group: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loop twin of :func:`verl_group_stats` (test oracle), one group at a time like verl's dict loop."""
+    s = scores.to(torch.float64).cpu().tolist()
+    g = group.cpu().tolist()
+    mean, std = [0.0] * len(s), [1.0] * len(s)
+    for gid in set(g):
+        members = [i for i, x in enumerate(g) if x == gid]
+        if len(members) == 1:
+            continue
+        vals = [s[i] for i in members]
+        mu = vals[0] if all(v == vals[0] for v in vals) else sum(vals) / len(vals)
+        sd = (sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+        for i in members:
+            mean[i], std[i] = mu, sd
+    return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+
+
+def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenRLHF's path from a shaped scalar reward to (advantages, returns), float64 ``[B, T]`` each.
+
+    The shaped reward sits on the row's last mask = 1 position (``compute_reward``), minus the masked KL
+    penalty when the config folds KL into the reward; returns G = reverse cumulative sum of the token
+    rewards times mask (``get_cumulative_returns`` with gamma 1, forced by OpenRLHF for the group
+    estimators); advantages = G whitened over the mask = 1 tokens (biased variance, ``max(var, 1e-8)``),
+    at every position.
+    """
+    tokens = apply_kl(place_rewards(shaped.to(torch.float64), mask), cfg, batch, mask=mask)
+    returns = reverse_cumsum(tokens * mask.to(torch.float64))
+    return whiten_clamped(returns, mask), returns
