@@ -1,8 +1,12 @@
 # syntax=docker/dockerfile:1
-# Advantage service images.
+# Advantage service images (see README "Docker"):
 #   CPU:  docker build --target cpu -t advantage-service:cpu .
 #   GPU:  docker build --target gpu -t advantage-service:gpu .   (run with --gpus all)
-# Both run the same `advantage-server` entrypoint the tests start, listening on 50051.
+# Both run the `advantage-server` console script the tests start, as an unprivileged user (uid 10001):
+#   50051 gRPC (advantage.v1, health, reflection; TLS/token when configured)
+#   50052 gRPC health only, plaintext (HEALTHCHECK and kubelet probes)
+#    9090 Prometheus metrics (GET /metrics)
+# A CPU-only torch: --build-arg PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index>; a mirror: PIP_INDEX_URL.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_CUDA_IMAGE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
 
@@ -15,29 +19,41 @@ COPY client ./client
 COPY server ./server
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# ---------------------------------------------------------------- CPU dependencies in a virtualenv
+FROM ${PYTHON_IMAGE} AS cpu-venv
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+COPY constraints.txt /tmp/constraints.txt
+COPY --from=build /wheels /wheels
+RUN /opt/venv/bin/pip install --no-cache-dir --constraint /tmp/constraints.txt /wheels/*.whl
+
 # ---------------------------------------------------------------- CPU-only image
 FROM ${PYTHON_IMAGE} AS cpu
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY --from=build /wheels /wheels
-COPY constraints.txt /tmp/constraints.txt
-RUN pip install -c /tmp/constraints.txt /wheels/*.whl && rm -rf /wheels \
-    && useradd --create-home --uid 10001 advantage
-USER advantage
-EXPOSE 50051
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+RUN groupadd --system --gid 10001 advantage \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin advantage
+COPY --from=cpu-venv /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["advantage-healthcheck", "--address", "127.0.0.1:50051"]
+    CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cpu"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--device", "cpu"]
 
 # ---------------------------------------------------------------- GPU image (torch with CUDA from the base)
 FROM ${TORCH_CUDA_IMAGE} AS gpu
+ARG PIP_INDEX_URL
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels \
-    && useradd --create-home --uid 10001 advantage
-USER advantage
-EXPOSE 50051
+# The base's torch satisfies torch>=2.4; pip adds grpcio, protobuf, numpy and prometheus-client.
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+    && groupadd --system --gid 10001 advantage \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin advantage
+USER 10001:10001
+EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["advantage-healthcheck", "--address", "127.0.0.1:50051"]
+    CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "auto"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--device", "auto"]

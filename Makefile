@@ -1,12 +1,16 @@
 # `make demo`: set up .venv and train PPO on CartPole through the service.
 # `make test`: set up .venv and run the test suite (what CI runs).
+# `make lint`: only the deployment checks (hadolint, Kubernetes schemas, buf lint and breaking); `make test` runs them too.
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+# The Node.js example's packages (the lockfile's exact versions), where npm exists.
+NODE_EXAMPLE := examples/node
+NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modules/.installed)
 
-.PHONY: demo test proto setup clean
+.PHONY: demo test lint proto setup clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,14 +18,22 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-demo: $(STAMP)
-	$(VENV)/bin/advantage-demo cartpole
+$(NODE_EXAMPLE)/node_modules/.installed: $(NODE_EXAMPLE)/package.json $(NODE_EXAMPLE)/package-lock.json
+	cd $(NODE_EXAMPLE) && npm ci --ignore-scripts --no-audit --no-fund
+	touch $@
 
-test: $(STAMP)
+demo: $(STAMP)
+	mkdir -p runs
+	$(VENV)/bin/advantage-demo cartpole --csv runs/cartpole.csv --plot runs/cartpole.png
+
+test: $(STAMP) $(NODE_STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests/test_deploy_docker.py tests/test_deploy_k8s.py tests/test_deploy_proto.py
 
 proto: $(STAMP)
 	$(VENV)/bin/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(NODE_EXAMPLE)/node_modules

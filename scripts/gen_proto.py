@@ -3,15 +3,19 @@
     python scripts/gen_proto.py            # write into client/advantage_client/_proto/
     python scripts/gen_proto.py --out DIR  # write elsewhere (the staleness test does this)
 
-Runs protoc from grpcio-tools (``pip install -e '.[dev]'``). The generated modules
-import each other as ``advantage.v1.*``; they are rewritten to import from
-``advantage_client._proto.advantage.v1`` so the stubs live inside the package.
+Runs protoc from grpcio-tools with the mypy-protobuf plugins, which write the typed
+stubs (``advantage_pb2.pyi``, ``advantage_pb2_grpc.pyi``, with the .proto comments as
+docstrings) shipped with the client (``pip install -e '.[dev]'`` installs both, at the
+versions constraints.txt pins). The generated modules import each other as
+``advantage.v1.*``; they are rewritten to import from ``advantage_client._proto.advantage.v1``
+so the stubs live inside the package.
 """
 from __future__ import annotations
 
 import argparse
 import pathlib
 import re
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -19,6 +23,15 @@ PROTO_DIR = ROOT / "proto"
 PROTO_FILES = ["advantage/v1/advantage.proto"]
 DEFAULT_OUT = ROOT / "client" / "advantage_client" / "_proto"
 PACKAGE = "advantage_client._proto"
+
+
+def plugin(name: str) -> str:
+    """Path of the protoc plugin executable ``name`` (installed beside this Python, or on PATH)."""
+    here = pathlib.Path(sys.executable).with_name(name)
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise SystemExit(f"{name} not found: pip install -c constraints.txt mypy-protobuf (the dev extra)")
+    return found
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
@@ -32,15 +45,18 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
         "protoc",
         f"-I{PROTO_DIR}",
         f"-I{include}",
+        f"--plugin=protoc-gen-mypy={plugin('protoc-gen-mypy')}",
+        f"--plugin=protoc-gen-mypy_grpc={plugin('protoc-gen-mypy_grpc')}",
         f"--python_out={out}",
-        f"--pyi_out={out}",
+        f"--mypy_out={out}",
         f"--grpc_python_out={out}",
+        f"--mypy_grpc_out={out}",
         *PROTO_FILES,
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []
-    for path in sorted(out.rglob("*.py*")):
+    for path in sorted(p for p in out.rglob("*.py*") if p.suffix in (".py", ".pyi") and "__pycache__" not in p.parts):
         text = path.read_text()
         fixed = re.sub(r"^from advantage\.v1 import", f"from {PACKAGE}.advantage.v1 import", text, flags=re.M)
         path.write_text(fixed)

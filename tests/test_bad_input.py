@@ -105,7 +105,7 @@ def test_gdpo_wrong_number_of_reward_weights(client, weights):
 # -------------------------------------------------------------------------- tensor layout
 @pytest.mark.parametrize("name,value", [
     ("rewards", np.zeros(B + 1, np.float32)),
-    ("rewards", np.zeros((B, T), np.float32)),
+    ("rewards", np.zeros((B, T + 1), np.float32)),  # grpo accepts [B] or [B, T] (token-level) rewards
     ("prompt_ids", np.zeros(B - 1, np.int64)),
 ], ids=["rewards-B+1", "rewards-2d", "prompt_ids-B-1"])
 def test_shape_mismatch(client, stub, name, value):

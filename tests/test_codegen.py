@@ -10,6 +10,7 @@ import sys
 import pytest
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) generates the stubs")
+pytest.importorskip("mypy_protobuf", reason="mypy-protobuf (the dev extra) generates the typed stubs")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKED_IN = ROOT / "client" / "advantage_client" / "_proto"

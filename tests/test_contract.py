@@ -4,8 +4,11 @@
   declared inputs and nothing else (a ``Batch`` spy records every read);
 * every input declared required (or required under the config) is really required: leaving it out is an
   INVALID_ARGUMENT over gRPC naming it;
-* the listing matches the proto (estimator names, config fields) and NeMo RL's defaults;
-* ``produces_returns`` and ``metrics`` match what results actually carry;
+* the same holds under every ``semantics`` an estimator offers: nothing undeclared is read, everything
+  needed is read;
+* the listing matches the proto (estimator names, config fields) and the references' defaults (NeMo RL's
+  for the six NeMo RL estimators);
+* ``produces_returns`` / ``returns_when`` and ``metrics`` match what results actually carry;
 * the registry refuses duplicate names.
 """
 from __future__ import annotations
@@ -21,9 +24,12 @@ from advantage_server import AdvantageCore
 from advantage_server import core as core_module
 from advantage_server.estimators import REGISTRY, Batch
 from advantage_server.estimators.common import MASK
+from advantage_server.errors import InvalidInput
 from advantage_server.estimators.registry import EstimatorConfig, register
 
-EXPECTED_NAMES = {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd"}
+NEMO_NAMES = {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd"}
+EXPECTED_NAMES = NEMO_NAMES | {"grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg",
+                               "optimal_token_baseline", "tir_optimal_token_baseline"}
 B, T = 6, 5
 PROMPT_IDS = np.array([3, 1, 3, 1, 1, 3], dtype=np.int64)  # two interleaved groups of 3
 GDPO_COMPONENTS = ("reward/a", "reward/b")
@@ -49,6 +55,8 @@ def _random_input(name: str, shape: str, kind: str, rng: np.random.Generator) ->
         return rng.integers(0, 3, size=size, dtype=np.int64)
     if name.endswith("logprobs"):
         return -rng.random(size).astype(np.float32) * 2
+    if name in ("sum_pi_squared", "rollout_is_weights"):  # a probability mass, a truncated IS weight
+        return (0.05 + 0.95 * rng.random(size)).astype(np.float32)
     return rng.standard_normal(size).astype(np.float32)
 
 
@@ -85,15 +93,30 @@ def declared_name(info, key: str) -> str | None:
     return None
 
 
-def needed_under(spec, config: dict) -> bool:
-    """``required``, or ``required_when`` ("field = value") holds for ``config``."""
+def default_of(info, field: str):
+    """The default of ``field`` under the estimator's default semantics, parsed from the listing's text
+    ("true (nemo_rl); not applicable otherwise" -> True; "verl" -> "verl")."""
+    text = next(f.default_value for f in info.config_fields if f.name == field).split(" (")[0]
+    return {"true": True, "false": False}.get(text, text)
+
+
+def condition_holds(condition: str, info, config: dict) -> bool:
+    """A listing condition ("use_kl_in_reward = true", "semantics = verl or semantics = openrlhf") under
+    ``config`` (unset fields take their listed default)."""
+    def holds(term: str) -> bool:
+        field, _, value = (s.strip() for s in term.partition("="))
+        assert field and value and field in {f.name for f in info.config_fields}, f"unparsed condition {condition!r}"
+        want = {"true": True, "false": False}.get(value, value)
+        return config.get(field, default_of(info, field)) == want
+
+    return any(all(holds(term) for term in clause.split(" and ")) for clause in condition.split(" or "))
+
+
+def needed_under(spec, config: dict, info) -> bool:
+    """``required``, or ``required_when`` ("field = value", joined by "and" / "or") holds for ``config``."""
     if spec.required:
         return True
-    if not spec.required_when:
-        return False
-    field, _, value = (s.strip() for s in spec.required_when.partition("="))
-    assert value in ("true", "false"), f"unparsed required_when {spec.required_when!r}"
-    return config.get(field) is (value == "true")
+    return bool(spec.required_when) and condition_holds(spec.required_when, info, config)
 
 
 class SpyBatch(Batch):
@@ -133,7 +156,7 @@ def run_with_spy(monkeypatch, name: str, config: dict, tensors: dict) -> tuple[s
 
 
 # ------------------------------------------------------------------------- declared == read
-def test_listing_names_exactly_the_six_estimators(listing):
+def test_listing_names_exactly_the_estimators(listing):
     assert set(listing) == EXPECTED_NAMES
     assert set(REGISTRY) == EXPECTED_NAMES
 
@@ -156,6 +179,43 @@ def test_estimator_reads_exactly_its_declared_inputs(listing, monkeypatch, name)
         f"never read: {sorted(declared - read_declared)}")
     if name == "gdpo":
         assert set(GDPO_COMPONENTS) <= read, "every reward/<name> component must be read"
+
+
+def semantics_configs(info) -> list[dict]:
+    """One config per semantics the estimator offers (just ``{}`` when it has no semantics field)."""
+    field = next((f for f in info.config_fields if f.name == "semantics"), None)
+    return [{"semantics": s} for s in field.allowed_values] if field else [{}]
+
+
+def run_all_paths(monkeypatch, name: str, info, semantics: dict, tensors: dict):
+    """Run with every bool field true that applies under ``semantics``: a field the semantics does not use
+    is refused naming it (the error contract), and is then left unset."""
+    config = {**all_paths_config(info), **semantics}
+    for _ in range(len(config) + 1):
+        try:
+            read, result = run_with_spy(monkeypatch, name, config, tensors)
+            return config, read, result
+        except InvalidInput as err:
+            refused = {f.removeprefix("config.") for f, _ in err.violations}
+            assert refused and refused <= set(config) - {"semantics"}, (name, semantics, err.violations)
+            assert all("does not apply" in d for _, d in err.violations), err.violations
+            config = {k: v for k, v in config.items() if k not in refused}
+    raise AssertionError(f"{name}: no config accepted under {semantics}")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_every_semantics_reads_only_declared_inputs_and_all_it_needs(listing, monkeypatch, name):
+    info = listing[name]
+    tensors = full_batch(info)
+    for semantics in semantics_configs(info):
+        config, read, result = run_all_paths(monkeypatch, name, info, semantics, tensors)
+        assert result.advantages.shape == (B, T), (semantics, result.advantages.shape)
+        assert torch.isfinite(result.advantages).all(), semantics
+        undeclared = {k for k in read if declared_name(info, k) is None}
+        assert not undeclared, f"{name} {semantics} reads inputs it does not declare: {sorted(undeclared)}"
+        needed = {s.name for s in info.inputs if needed_under(s, config, info)}
+        assert needed <= {declared_name(info, k) for k in read}, (
+            f"{name} {config}: needs {sorted(needed)} but read {sorted(read)}")
 
 
 def test_spy_detects_an_undeclared_read(monkeypatch):
@@ -189,7 +249,7 @@ def test_every_required_input_is_enforced_over_grpc(client, listing, name):
     client.compute(name, config, **tensors)  # the full batch is valid
     checked = 0
     for spec in info.inputs:
-        if not needed_under(spec, config):
+        if not needed_under(spec, config, info):
             continue
         checked += 1
         reduced = {k: v for k, v in tensors.items() if declared_name(info, k) != spec.name}
@@ -208,9 +268,9 @@ def test_optional_inputs_may_be_left_out(client, listing, name):
     """The converse: inputs not needed under the *default* config really are optional."""
     info = listing[name]
     tensors = full_batch(info)
-    defaults = {f.name: f.default_value == "true" for f in info.config_fields if f.type == "bool"}
+    defaults = {f.name: default_of(info, f.name) for f in info.config_fields if f.type == "bool"}
     reduced = {k: v for k, v in tensors.items()
-               if needed_under(next(s for s in info.inputs if s.name == declared_name(info, k)), defaults)}
+               if needed_under(next(s for s in info.inputs if s.name == declared_name(info, k)), defaults, info)}
     result = client.compute(name, None, as_numpy=True, **reduced)
     assert result.advantages.shape == (B, T) and np.isfinite(result.advantages).all()
 
@@ -221,6 +281,21 @@ def _proto_type(fd) -> str:
         return fd.enum_type.name
     base = {fd.TYPE_BOOL: "bool", fd.TYPE_DOUBLE: "double"}[fd.type]
     return f"repeated {base}" if fd.is_repeated else base
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
+def test_enum_fields_list_their_allowed_values(listing, name):
+    """An enum field lists the short names it accepts, each a value of the proto enum; others list none."""
+    message = pb.DESCRIPTOR.message_types_by_name[listing[name].config_message.split(".")[-1]]
+    for field in listing[name].config_fields:
+        fd = message.fields_by_name[field.name]
+        if fd.enum_type is None:
+            assert not field.allowed_values, field.name
+            continue
+        prefix = fd.enum_type.values[0].name[: -len("UNSPECIFIED")]
+        names = {v.name[len(prefix):].lower() for v in fd.enum_type.values if v.number}
+        assert field.allowed_values and set(field.allowed_values) <= names, (field.name, field.allowed_values)
+        assert field.default_value.split(" (")[0] in field.allowed_values, (field.name, field.default_value)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
@@ -259,46 +334,95 @@ NEMO_DEFAULTS = {
     "gae_lambda_value": "unset",
     "gae_lambda_policy": "unset",
     "reward_weights": ("unset", "[]"),
+    "semantics": "nemo_rl",
+    "epsilon": 1e-6,
+    "scale_rewards": "group",  # trl only; the first word of the listed default
+    "gamma": 1.0,              # verl and openrlhf only
+}
+#: defaults of the estimators that follow verl (and of fields whose listed default is per estimator)
+VERL_DEFAULTS = {
+    ("grpo_passk", "normalize_rewards"): True,
+    ("grpo_passk", "epsilon"): 1e-6,
+    ("gpg", "f_norm"): 1.0,
+    ("optimal_token_baseline", "handle_zero_tail"): False,
+    ("optimal_token_baseline", "epsilon"): 1e-8,
+    ("tir_optimal_token_baseline", "handle_zero_tail"): True,
+    ("tir_optimal_token_baseline", "epsilon"): 1e-8,
+    ("reinforce_plus_plus_baseline", "semantics"): "verl",
+    ("rloo", "semantics"): "verl",
+}
+#: the full listed text of each default that depends on the semantics
+PER_SEMANTICS_TEXT = {
+    ("grpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable otherwise",
+    ("grpo", "epsilon"): "1e-06 (nemo_rl, verl); 1e-09 (openrlhf); 0.0001 (trl)",
+    ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",
+    ("reinforce_plus_plus", "minus_baseline"): "true (nemo_rl); not applicable otherwise",
+    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf); not applicable to nemo_rl",
+    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl)",
+    ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl",
 }
 
 
+def _check_default(name: str, field: str, got: str, want) -> None:
+    first = got.split(" (")[0]
+    if isinstance(want, bool):
+        assert first == str(want).lower(), (name, field, got)
+    elif isinstance(want, float):
+        assert float(first) == want, (name, field, got)
+    elif isinstance(want, tuple):
+        assert got in want, (name, field, got)
+    else:
+        assert first == want, (name, field, got)
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
-def test_defaults_are_nemo_rl_defaults(listing, name):
+def test_defaults_are_the_references_defaults(listing, name):
+    """The six NeMo RL estimators list NeMo RL's defaults (under their default semantics, nemo_rl); the
+    others verl's; a default that depends on the semantics is listed with each reference's value."""
     for field in listing[name].config_fields:
-        assert field.name in NEMO_DEFAULTS, f"no expected default for {name}.{field.name}"
-        want = NEMO_DEFAULTS[field.name]
-        got = field.default_value
-        if isinstance(want, bool):
-            assert got == str(want).lower(), (name, field.name, got)
-        elif isinstance(want, float):
-            assert float(got) == want, (name, field.name, got)
-        elif isinstance(want, tuple):
-            assert got in want, (name, field.name, got)
-        else:
-            assert got == want, (name, field.name, got)
+        key = (name, field.name)
+        if key in PER_SEMANTICS_TEXT:
+            assert field.default_value == PER_SEMANTICS_TEXT[key], (key, field.default_value)
+        want = VERL_DEFAULTS.get(key, NEMO_DEFAULTS.get(field.name, KeyError))
+        assert want is not KeyError, f"no expected default for {name}.{field.name}"
+        _check_default(name, field.name, field.default_value, want)
 
 
 def test_every_default_listed():
-    """The defaults table above covers each field at least once (so a new field forces a new row)."""
+    """The defaults tables above cover each field at least once (so a new field forces a new row)."""
     names = {f.name for e in pb.DESCRIPTOR.message_types_by_name.values() if e.name.endswith("Config")
              for f in e.fields}
-    assert names == set(NEMO_DEFAULTS)
+    assert names == set(NEMO_DEFAULTS) | {f for _, f in VERL_DEFAULTS}
 
 
 # ------------------------------------------------------------------ returns / metrics contract
+ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline"}
+RETURNS_WHEN = {"reinforce_plus_plus": "semantics = verl or semantics = openrlhf",
+                "reinforce_plus_plus_baseline": "semantics = openrlhf",
+                "rloo": "semantics = openrlhf"}
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
 def test_returns_and_metrics_match_the_listing(client, listing, name):
     info = listing[name]
-    assert info.produces_returns == (name == "gae")
+    assert info.produces_returns == (name in ALWAYS_RETURNS)
+    assert info.returns_when == RETURNS_WHEN.get(name, "")
+    assert not (info.produces_returns and info.returns_when)
     assert bool(info.metrics) == (name == "opd")
-    result = client.compute(name, all_paths_config(info), as_numpy=True, **full_batch(info, seed=1))
-    assert result.advantages.shape == (B, T)
-    if info.produces_returns:
-        assert result.returns is not None and result.returns.shape == (B, T)
-    else:
-        assert result.returns is None, f"{name} must not set returns"
-    assert set(result.metrics) == set(info.metrics)
-    assert all(np.isfinite(v) for v in result.metrics.values())
+    for semantics in semantics_configs(info):
+        config = {**all_paths_config(info), **semantics}
+        if semantics and semantics["semantics"] != default_of(info, "semantics"):
+            config = {"semantics": semantics["semantics"]}  # the other semantics do not take the NeMo-only bools
+        result = client.compute(name, config, as_numpy=True, **full_batch(info, seed=1))
+        assert result.advantages.shape == (B, T)
+        expect = info.produces_returns or (bool(info.returns_when) and condition_holds(info.returns_when, info, config))
+        if expect:
+            assert result.returns is not None and result.returns.shape == (B, T), (name, config)
+            assert np.isfinite(result.returns).all()
+        else:
+            assert result.returns is None, f"{name} must not set returns under {config}"
+        assert set(result.metrics) == set(info.metrics)
+        assert all(np.isfinite(v) for v in result.metrics.values())
 
 
 def test_opd_metric_values(client, listing):

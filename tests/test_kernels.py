@@ -1,6 +1,6 @@
 """Vectorized kernels against their loop twins (the test oracles), plus numerics edge cases.
 
-* ``gae_kernel`` vs ``gae_loop`` over dtypes, shapes (including T not a multiple of the 64-step block and
+* ``gae_kernel`` (both implementations: the numba CPU kernel and the pure-torch one) vs ``gae_loop`` over dtypes, shapes (including T not a multiple of the 64-step block and
   T > 64 * 64, which takes two levels of block carries), mask patterns, gamma, lambda (scalar and per
   row) and bootstrap values; and a hypothesis property test on small random inputs.
 * ``group_baseline_and_std`` vs ``group_baseline_and_std_loop`` on interleaved random groups.
@@ -18,10 +18,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advantage_server.estimators.common import group_baseline_and_std, group_baseline_and_std_loop
-from advantage_server.estimators.gae import discounted_reverse_cumsum, gae_kernel, gae_loop
+from advantage_server.estimators import jit
+from advantage_server.estimators.common import group_baseline_and_std, group_baseline_and_std_loop, group_index
+from advantage_server.estimators.gae import (
+    discounted_reverse_cumsum, gae_kernel, gae_kernel_numba, gae_kernel_torch, gae_loop,
+)
 
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+#: the GAE kernel's implementations; the numba one is skipped where numba is not installed
+GAE_PATHS = [pytest.param("torch", id="torch"),
+             pytest.param("numba", id="numba", marks=pytest.mark.skipif(jit._numba is None, reason="numba not installed"))]
+_GAE_FN = {"torch": gae_kernel_torch, "numba": gae_kernel_numba}
 
 
 def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, rtol: float, what: str = "") -> None:
@@ -83,8 +91,9 @@ def _gae_cases():
                                id=f"{str(dtype)[6:]}-{shape[0]}x{shape[1]}-{mask}-g{gamma}-l{lam}-{'boot' if boot else 'noboot'}")
 
 
+@pytest.mark.parametrize("path", GAE_PATHS)
 @pytest.mark.parametrize("dtype,shape,mask_pattern,gamma,lam,bootstrap", list(_gae_cases()))
-def test_gae_kernel_matches_loop(dtype, shape, mask_pattern, gamma, lam, bootstrap):
+def test_gae_kernel_matches_loop(dtype, shape, mask_pattern, gamma, lam, bootstrap, path):
     B, T = shape
     gen = torch.Generator().manual_seed(zlib.crc32(f"{B}x{T}-{mask_pattern}".encode()))
     mask = make_mask(mask_pattern, B, T, gen).to(dtype)
@@ -99,7 +108,7 @@ def test_gae_kernel_matches_loop(dtype, shape, mask_pattern, gamma, lam, bootstr
         lam_arg = lam_arg.to(dtype)
     else:
         lam_arg = lam
-    got = gae_kernel(rewards, values, mask, gamma, lam_arg, boot)
+    got = _GAE_FN[path](rewards, values, mask, gamma, lam_arg, boot)
     assert got.dtype == dtype
     # oracle: the loop twin on the same values, in float64
     ref = gae_loop(rewards.double(), values.double(), mask.double(), gamma,
@@ -120,7 +129,7 @@ def test_gae_loop_matches_hand_computed_values():
     d1 = 1.0 + g * 1.0 - 0.5          # skips the hole at t = 2
     a3, a1 = d3, d1 + g * lam * d3
     want = torch.tensor([[a1, a1, a3, a3, 0.0]], dtype=torch.float64)
-    for fn in (gae_loop, gae_kernel):
+    for fn in (gae_loop, gae_kernel, gae_kernel_torch) + ((gae_kernel_numba,) if jit._numba is not None else ()):
         torch.testing.assert_close(fn(r, v, m, g, lam, boot), want, rtol=0, atol=1e-12)
 
 
@@ -141,18 +150,127 @@ def test_discounted_reverse_cumsum_block_edges(N):
 @given(
     B=st.integers(1, 4), T=st.integers(1, 140), seed=st.integers(0, 2**31 - 1),
     gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0), per_row=st.booleans(), boot=st.booleans(),
-    density=st.floats(0.0, 1.0),
+    density=st.floats(0.0, 1.0), path=st.sampled_from(["torch", "numba"] if jit._numba is not None else ["torch"]),
 )
-def test_gae_kernel_matches_loop_property(B, T, seed, gamma, lam, per_row, boot, density):
+def test_gae_kernel_matches_loop_property(B, T, seed, gamma, lam, per_row, boot, density, path):
     gen = torch.Generator().manual_seed(seed)
     mask = (torch.rand(B, T, generator=gen) < density).double()
     rewards = torch.randn(B, T, generator=gen, dtype=torch.float64) * 3
     values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     lam_arg = torch.rand(B, generator=gen, dtype=torch.float64) if per_row else lam
     bootstrap = torch.randn(B, generator=gen, dtype=torch.float64) if boot else None
-    got = gae_kernel(rewards, values, mask, gamma, lam_arg, bootstrap)
+    got = _GAE_FN[path](rewards, values, mask, gamma, lam_arg, bootstrap)
     ref = gae_loop(rewards, values, mask, gamma, lam_arg, bootstrap)
     assert_close_scaled(got, ref, 1e-10, "gae property")
+
+
+# ------------------------------------------------------------------- GAE estimator: both CPU paths
+_GAE_CONFIGS = [
+    {}, {"semantics": "verl"}, {"normalize_advantages": False}, {"semantics": "verl", "normalize_advantages": False},
+    {"gae_lambda_policy": 0.9, "gae_lambda_value": 1.0, "gae_gamma": 0.99}, {"length_adaptive_alpha": 0.05},
+    {"length_adaptive_alpha": 0.5, "gae_lambda_value": 1.0},
+    {"use_kl_in_reward": True, "reference_policy_kl_type": "k1", "gae_gamma": 0.99},
+]
+
+
+@pytest.mark.skipif(jit._numba is None, reason="numba not installed")
+@pytest.mark.parametrize("config", _GAE_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "defaults")
+@pytest.mark.parametrize("mask_pattern", MASKS)
+@pytest.mark.parametrize("per_step,bootstrap", [(False, False), (True, True)], ids=["terminal", "per_step-boot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_gae_estimator_numba_path_matches_torch_path(config, mask_pattern, per_step, bootstrap, dtype):
+    """The fused numba estimator (one pass + in-place whitening) against the pure-torch estimator in
+    float64, over semantics, whitening, decoupled and length-adaptive lambda, KL, bootstrap, masks."""
+    from advantage_server.core import AdvantageCore
+    B, T = 6, 150
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{mask_pattern}{per_step}{sorted(config.items())}".encode()))
+    mask = make_mask(mask_pattern, B, T, gen)
+    inputs = {"mask": mask, "values": torch.randn(B, T, generator=gen, dtype=torch.float64),
+              "rewards": torch.randn(*((B, T) if per_step else (B,)), generator=gen, dtype=torch.float64)}
+    if bootstrap:
+        inputs["bootstrap_values"] = torch.randn(B, generator=gen, dtype=torch.float64)
+    if config.get("use_kl_in_reward"):
+        inputs["logprobs"] = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+        inputs["reference_logprobs"] = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+    core = AdvantageCore("cpu")
+    with jit.use_numba(False):
+        ref = core.run("gae", dict(config), inputs)
+    with jit.use_numba(True):
+        got = core.run("gae", dict(config), {k: v.to(dtype) for k, v in inputs.items()})
+    assert got.advantages.dtype == dtype and got.returns.dtype == dtype
+    assert_close_scaled(got.advantages, ref.advantages, TOL[dtype], "advantages")
+    assert_close_scaled(got.returns, ref.returns, TOL[dtype], "returns")
+    if config.get("semantics") != "verl":
+        assert bool((got.advantages[mask == 0] == 0).all()), "advantages are exactly 0 where mask = 0"
+
+
+# --------------------------------------------- group and token estimators: numba path == torch path
+_PARITY_CASES = [
+    ("grpo", {}), ("grpo", {"use_leave_one_out_baseline": False}), ("grpo", {"normalize_rewards": False}),
+    ("grpo", {"semantics": "verl"}), ("grpo", {"semantics": "openrlhf"}), ("grpo", {"semantics": "trl"}),
+    ("grpo", {"semantics": "trl", "scale_rewards": "batch"}), ("grpo", {"std_rewards": True}),
+    ("gdpo", {}), ("gdpo", {"use_leave_one_out_baseline": False, "reward_weights": [0.3, 2.0, 1.0]}),
+    ("reinforce_plus_plus", {}), ("reinforce_plus_plus", {"minus_baseline": False}),
+    ("reinforce_plus_plus", {"use_kl_in_reward": True}), ("raw_reward", {}),
+    ("raw_reward", {"normalize_advantages": False}), ("opd", {}),
+]
+
+
+def _parity_inputs(name: str, config: dict, mask: torch.Tensor, gen: torch.Generator, per_token: bool) -> dict:
+    B, T = mask.shape
+    ids = torch.randint(0, max(1, B // 3), (B,), generator=gen)
+    levels = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)  # ties, tied groups and tied "others"
+    rewards = levels[torch.randint(0, 3, (B,), generator=gen)] + (torch.rand(B, generator=gen, dtype=torch.float64)
+                                                                  < 0.5) * torch.randn(B, generator=gen, dtype=torch.float64)
+    if name == "opd":
+        return {"mask": mask, "teacher_logprobs": -torch.rand(B, T, generator=gen, dtype=torch.float64),
+                "prev_logprobs": -torch.rand(B, T, generator=gen, dtype=torch.float64)}
+    if name == "gdpo":
+        return {"mask": mask, "prompt_ids": ids, "reward/a": rewards, "reward/b": torch.randn(B, generator=gen, dtype=torch.float64),
+                "reward/c": (torch.rand(B, generator=gen) < 0.5).double()}
+    inputs = {"mask": mask, "rewards": rewards}
+    if per_token and name != "raw_reward":
+        inputs["rewards"] = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1
+    if name != "raw_reward" and not (name == "reinforce_plus_plus" and config.get("minus_baseline") is False):
+        inputs["prompt_ids"] = ids
+    if config.pop("std_rewards", False):
+        inputs["std_rewards"] = torch.rand(B, generator=gen, dtype=torch.float64)
+    if config.get("use_kl_in_reward"):
+        inputs["logprobs"] = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+        inputs["reference_logprobs"] = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+    return inputs
+
+
+@pytest.mark.skipif(jit._numba is None, reason="numba not installed")
+@pytest.mark.parametrize("name,config", _PARITY_CASES,
+                         ids=[f"{n}-" + ("-".join(f"{k}={v}" for k, v in c.items()) or "defaults") for n, c in _PARITY_CASES])
+@pytest.mark.parametrize("mask_pattern", ["all_ones", "prompt_offset_holes", "zero_rows"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "token_rewards"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_estimator_numba_path_matches_torch_path(name, config, mask_pattern, per_token, dtype):
+    """Each CPU fast path (numba group statistics, per-row whitening, dense broadcast, fused OPD) gives
+    the pure-torch (GPU) path's results, metrics included; tied groups stay exactly 0 in both."""
+    from advantage_server.core import AdvantageCore
+    config = dict(config)
+    B, T = 40, 33
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}{sorted(config.items())}{mask_pattern}{per_token}".encode()))
+    mask = make_mask(mask_pattern, B, T, gen)
+    inputs = _parity_inputs(name, config, mask, gen, per_token)
+    core = AdvantageCore("cpu")
+    with jit.use_numba(False):
+        ref = core.run(name, dict(config), inputs)
+    with jit.use_numba(True):
+        got = core.run(name, dict(config), {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in inputs.items()})
+    assert got.advantages.dtype == dtype and got.advantages.shape == (B, T)
+    assert_close_scaled(got.advantages, ref.advantages, 10 * TOL[dtype], f"{name} advantages")
+    assert (got.returns is None) == (ref.returns is None)
+    if got.returns is not None:
+        assert_close_scaled(got.returns, ref.returns, 10 * TOL[dtype], f"{name} returns")
+    assert got.metrics.keys() == ref.metrics.keys()
+    for k in ref.metrics:
+        assert got.metrics[k] == pytest.approx(ref.metrics[k], rel=10 * TOL[dtype], abs=10 * TOL[dtype]), k
+    if dtype == torch.float64 and name == "grpo" and config.get("semantics") in (None, "verl") and not per_token:
+        assert bool(((got.advantages == 0) == (ref.advantages == 0)).all()), "exact zeros (tied groups) must agree"
 
 
 # ------------------------------------------------------------------------------ group statistics
@@ -163,12 +281,16 @@ def _interleaved_groups(gen: torch.Generator, n_groups: int) -> torch.Tensor:
     return group[torch.randperm(group.numel(), generator=gen)]
 
 
+@pytest.mark.parametrize("path", GAE_PATHS)
+@pytest.mark.parametrize("layout", ["interleaved", "contiguous"])
 @pytest.mark.parametrize("leave_one_out", [False, True], ids=["mean", "loo"])
 @pytest.mark.parametrize("reward_kind", ["continuous", "binary", "few_levels", "large_offset"])
 @pytest.mark.parametrize("seed", range(4))
-def test_group_baseline_and_std_matches_loop(seed, reward_kind, leave_one_out):
+def test_group_baseline_and_std_matches_loop(seed, reward_kind, leave_one_out, layout, path):
     gen = torch.Generator().manual_seed(seed * 101 + len(reward_kind))
     group = _interleaved_groups(gen, n_groups=12)
+    if layout == "contiguous":  # each prompt's samples back to back, as trainers send them
+        group = group.sort().values
     B = group.numel()
     if reward_kind == "continuous":
         rewards = torch.randn(B, generator=gen)
@@ -178,7 +300,8 @@ def test_group_baseline_and_std_matches_loop(seed, reward_kind, leave_one_out):
         rewards = torch.tensor([0.7, 1.0, -0.3])[torch.randint(0, 3, (B,), generator=gen)]
     else:
         rewards = 1000.1 + torch.randint(0, 3, (B,), generator=gen).float() * 0.5
-    baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
+    with jit.use_numba(path == "numba"):
+        baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
     want_b, want_s = group_baseline_and_std_loop(group, rewards, leave_one_out)
     assert baseline.dtype == torch.float64 and std.dtype == torch.float64
     scale = max(1.0, float(rewards.abs().max()))
@@ -191,10 +314,27 @@ def test_group_baseline_and_std_matches_loop(seed, reward_kind, leave_one_out):
     assert bool((baseline[singles] == r64[singles]).all()) and bool((std[singles] == 0).all())
 
 
-def test_group_stats_leave_one_out_hand_values():
+@pytest.mark.parametrize("ids", [
+    [3, 3, 1, 7, 1, 3], [0], [-5, 2, -5, 10**12, 2], list(range(20, 0, -1)), [4] * 9,
+], ids=["small", "one", "wide-range", "distinct", "all-equal"])
+def test_group_index_counting_rank_matches_sort_rank(ids):
+    """The CPU counting rank (numba) gives the same dense ids as the sort-and-rank torch path."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    with jit.use_numba(False):
+        want = group_index(t)
+    with jit.use_numba(True):
+        got = group_index(t)
+        got32 = group_index(t.to(torch.int32)) if max(map(abs, ids)) < 2**31 else got
+    assert got.dtype == torch.int64 and torch.equal(got, want) and torch.equal(got32, want)
+    assert torch.equal(want, torch.unique(t, return_inverse=True)[1])
+
+
+@pytest.mark.parametrize("path", GAE_PATHS)
+def test_group_stats_leave_one_out_hand_values(path):
     group = torch.tensor([0, 1, 0, 1, 0, 2])
     rewards = torch.tensor([1.0, 5.0, 2.0, 7.0, 6.0, 3.0], dtype=torch.float64)
-    baseline, std = group_baseline_and_std(group, rewards, leave_one_out=True)
+    with jit.use_numba(path == "numba"):
+        baseline, std = group_baseline_and_std(group, rewards, leave_one_out=True)
     torch.testing.assert_close(baseline, torch.tensor([4.0, 7.0, 3.5, 5.0, 1.5, 3.0], dtype=torch.float64))
     s = math.sqrt
     torch.testing.assert_close(std, torch.tensor([s(8.0), 0.0, s(12.5), 0.0, s(0.5), 0.0], dtype=torch.float64))
@@ -314,13 +454,15 @@ def test_gdpo_single_row_is_finite(client):
     assert np.isfinite(res.advantages).all() and (res.advantages == 0).all()
 
 
+@pytest.mark.parametrize("path", GAE_PATHS)
 @pytest.mark.parametrize("big", [1e4, 1e5, 1e6, 1e7, -1e9])
-def test_leave_one_out_std_seen_from_a_dominant_member_is_exact(big):
+def test_leave_one_out_std_seen_from_a_dominant_member_is_exact(big, path):
     """Seen from a member that dominates the group's spread, the others' std must not be lost to
     cancellation ({big, 0, 1e-3}: the others' sample std is 1e-3 / sqrt(2) whatever `big` is)."""
     group = torch.tensor([0, 0, 0])
     rewards = torch.tensor([big, 0.0, 1e-3], dtype=torch.float64)
-    baseline, std = group_baseline_and_std(group, rewards, leave_one_out=True)
+    with jit.use_numba(path == "numba"):
+        baseline, std = group_baseline_and_std(group, rewards, leave_one_out=True)
     assert std[0].item() == pytest.approx(1e-3 / math.sqrt(2), rel=1e-9)
     assert baseline[0].item() == pytest.approx(5e-4, rel=1e-9)
     ref_b, ref_s = group_baseline_and_std_loop(group, rewards, leave_one_out=True)

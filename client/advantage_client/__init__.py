@@ -5,15 +5,29 @@
         result = client.compute("grpo", {"normalize_rewards": True}, prompt_ids=ids, rewards=r, mask=m)
 
 Typed configs are the generated messages: ``GRPOConfig``, ``GDPOConfig``, ``ReinforcePlusPlusConfig``,
-``RawRewardConfig``, ``GAEConfig``, ``OPDConfig``. Needs grpcio, protobuf and numpy; torch is optional.
+``RawRewardConfig``, ``GAEConfig``, ``OPDConfig``, ``GRPOPassKConfig``, ``ReinforcePlusPlusBaselineConfig``,
+``RLOOConfig``, ``OPOConfig``, ``ReMaxConfig``, ``GPGConfig``, ``OptimalTokenBaselineConfig``,
+``TIROptimalTokenBaselineConfig`` (enums ``Semantics``, ``ScaleRewards``, ``KLType``; a config dict takes
+their short names: ``{"semantics": "verl"}``). Needs grpcio, protobuf and numpy; torch is optional.
 """
 from advantage_client._proto.advantage.v1.advantage_pb2 import (
     GAEConfig,
     GDPOConfig,
+    GPGConfig,
     GRPOConfig,
+    GRPOPassKConfig,
+    KLType,
     OPDConfig,
+    OPOConfig,
+    OptimalTokenBaselineConfig,
     RawRewardConfig,
+    ReinforcePlusPlusBaselineConfig,
     ReinforcePlusPlusConfig,
+    ReMaxConfig,
+    RLOOConfig,
+    ScaleRewards,
+    Semantics,
+    TIROptimalTokenBaselineConfig,
 )
 from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError
 from advantage_client.nemo import RemoteAdvantageEstimator
@@ -21,4 +35,6 @@ from advantage_client.nemo import RemoteAdvantageEstimator
 __all__ = [
     "AdvantageClient", "AdvantageResult", "AdvantageServiceError", "RemoteAdvantageEstimator",
     "GRPOConfig", "GDPOConfig", "ReinforcePlusPlusConfig", "RawRewardConfig", "GAEConfig", "OPDConfig",
+    "GRPOPassKConfig", "ReinforcePlusPlusBaselineConfig", "RLOOConfig", "OPOConfig", "ReMaxConfig", "GPGConfig",
+    "OptimalTokenBaselineConfig", "TIROptimalTokenBaselineConfig", "Semantics", "ScaleRewards", "KLType",
 ]

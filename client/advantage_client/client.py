@@ -13,13 +13,14 @@ installed (``numpy.ndarray`` otherwise). Every server error is raised as :class:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 import numpy as np
 from grpc_status import rpc_status
 
 from advantage_client import wire
+from advantage_client.channel import auth_metadata, channel_target, make_channel
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 
@@ -74,18 +75,53 @@ def decode_result(msg: pb.AdvantageResult, as_numpy: bool = False) -> AdvantageR
     return AdvantageResult(decode(msg.advantages, "advantages"), returns, dict(msg.metrics))
 
 
+def _factorize(labels: np.ndarray) -> np.ndarray:
+    """Hashable labels -> int64 ids, equal labels (``==``) sharing an id, in order of first appearance."""
+    ids: dict[Any, int] = {}
+    return np.fromiter((ids.setdefault(x, len(ids)) for x in labels), dtype=np.int64, count=len(labels))
+
+
 def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
-    """``[B, L]`` prompt token rows -> ``[B]`` int64 group ids (equal rows share an id); ``[B]`` passes through."""
-    arr = prompt_ids.detach().cpu().numpy() if hasattr(prompt_ids, "detach") else np.asarray(prompt_ids)
+    """Group labels -> ``[B]`` int64 group ids (equal labels share an id, different labels never do).
+
+    * ``[B]`` integer ids pass through unchanged;
+    * ``[B]`` labels of any other kind: a NumPy ``str``/``bytes``/``object`` array or a list of strings
+      (verl's uid strings). Labels are compared as given, so ``"007"`` and ``"7"`` are two groups;
+    * ``[B, L]`` prompt token rows (integers, or strings): equal rows share an id.
+    """
+    if hasattr(prompt_ids, "detach"):
+        arr = prompt_ids.detach().cpu().numpy()
+    else:
+        arr = np.asarray(prompt_ids)
+        if arr.dtype.kind in "US" and isinstance(prompt_ids, (list, tuple)):
+            labels = np.asarray(prompt_ids, dtype=object)
+            if not all(isinstance(x, (str, bytes)) for x in labels.ravel()):
+                arr = labels  # a list mixing 7 and "7": numpy would turn both into "7"
+    if arr.dtype.kind in "USO":
+        if arr.ndim == 2:
+            if arr.dtype.kind == "O":
+                return _factorize(np.fromiter((tuple(row) for row in arr), dtype=object, count=len(arr)))
+            return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        if arr.ndim != 1:
+            raise wire.WireError("inputs['prompt_ids']", f"group labels must be [B] or [B, L], got shape {list(arr.shape)}")
+        if arr.dtype.kind == "O":
+            try:
+                return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+            except TypeError:  # labels of mixed, unorderable types
+                return _factorize(arr)
+        return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
     if arr.ndim == 2:
         return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
     return arr
 
 
-def build_request(estimator: str, config: Any = None, output_dtype: Any = None, **tensors: Any
-                  ) -> pb.ComputeAdvantageRequest:
-    """Encode one call. ``prompt_ids`` given as ``[B, L]`` rows is reduced to ``[B]`` ids first."""
+def build_request(estimator: str, config: Any = None, output_dtype: Any = None, cu_seqlens: Any = None,
+                  **tensors: Any) -> pb.ComputeAdvantageRequest:
+    """Encode one call. ``prompt_ids`` given as ``[B, L]`` rows or as string labels is reduced to ``[B]`` ids
+    first; ``cu_seqlens`` (``[B + 1]`` row offsets) selects the packed layout."""
     request = pb.ComputeAdvantageRequest()
+    if cu_seqlens is not None:
+        request.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
     field_name, _ = wire.ESTIMATOR_FIELDS.get(estimator, (None, None))
     cfg = wire.config_message(estimator, config)
     getattr(request, field_name).CopyFrom(cfg)
@@ -101,37 +137,54 @@ def build_request(estimator: str, config: Any = None, output_dtype: Any = None, 
 
 
 class AdvantageClient:
-    """Connection to one advantage server. Thread-safe; use as a context manager or call :meth:`close`.
+    """Connection to the advantage service. Thread-safe; use as a context manager or call :meth:`close`.
 
-    target:  ``"host:port"`` (any gRPC target string).
+    target:  ``"host:port"`` (any gRPC target string, e.g. ``"dns:///advantage.svc:50051"``), or a list of
+             replica addresses (``["10.0.0.1:50051", "10.0.0.2:50051"]``). Calls are spread over the
+             replicas (round_robin) and a call that fails with UNAVAILABLE (replica down, restarting or
+             draining) is retried with backoff on another one (see ``advantage_client.channel``).
     timeout: deadline per call in seconds (None = no deadline).
     max_message_mb: largest request/response this client sends or accepts.
+    tls_ca:  PEM bytes or path of the CA that signed the server certificate (TLS); ``tls=True`` with no
+             ``tls_ca`` uses the system roots. ``tls_cert``/``tls_key``: client certificate (mutual TLS).
+             ``tls_server_name``: the name to check the server certificate against, when it is not the target's.
+    token / token_file: bearer token sent with every call (``authorization: Bearer <token>``).
+    retry:   retry UNAVAILABLE (default True). ``wait_for_ready``: when no replica is up, wait for one
+             (until the deadline) instead of failing fast.
     """
 
-    def __init__(self, target: str, timeout: float | None = 60.0, *, max_message_mb: int = 1024,
-                 channel: grpc.Channel | None = None):
-        limit = max_message_mb * 1024 * 1024
-        self.target = target
+    def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
+                 channel: grpc.Channel | None = None, tls: bool = False, tls_ca: Any = None, tls_cert: Any = None,
+                 tls_key: Any = None, tls_server_name: str | None = None, token: str | None = None,
+                 token_file: Any = None, retry: bool = True, wait_for_ready: bool = False):
+        self.target = channel_target(target)
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(
-            target, options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        self._metadata = auth_metadata(token, token_file)
+        self._channel = channel or make_channel(
+            self.target, max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
         self._stub = pb_grpc.AdvantageServiceStub(self._channel)
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
-                **tensors: Any) -> AdvantageResult:
-        """Run ``estimator`` (grpo, gdpo, reinforce_plus_plus, raw_reward, gae, opd) on the given tensors.
+                cu_seqlens: Any = None, **tensors: Any) -> AdvantageResult:
+        """Run ``estimator`` (any name :meth:`list_estimators` returns: grpo, gae, rloo, ...) on the given tensors.
 
         config: None (defaults), a dict with NeMo RL key names, or the typed config message
                 (``advantage_client.GAEConfig(...)``).
         tensors: the estimator's inputs by name (see :meth:`list_estimators`); GDPO components as
                 ``**{"reward/correctness": ..., "reward/format": ...}``. ``None`` values are skipped.
         output_dtype: "float32" (default), "float64", "bfloat16" or "float16".
+        prompt_ids: ``[B]`` integer group ids, ``[B]`` labels (NumPy str/object array or list of strings,
+                equal labels = one group), or ``[B, L]`` prompt token rows.
+        cu_seqlens: packed (ragged) layout: ``[B + 1]`` int row offsets; every token-level input is then
+                flat ``[N]`` (``N = cu_seqlens[-1]``, no padding), ``mask`` may be omitted (all ones) or flat
+                ``[N]`` with holes, and the result's advantages/returns come back flat ``[N]``.
         Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded, and
         :class:`AdvantageServiceError` for every error the server reports.
         """
-        request = build_request(estimator, config, output_dtype, **tensors)
+        request = build_request(estimator, config, output_dtype, cu_seqlens, **tensors)
         try:
-            reply = self._stub.ComputeAdvantage(request, timeout=self.timeout)
+            reply = self._stub.ComputeAdvantage(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise AdvantageServiceError.from_rpc_error(err) from None
         return decode_result(reply, as_numpy=as_numpy)
@@ -139,7 +192,8 @@ class AdvantageClient:
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""
         try:
-            return self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout)
+            return self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout,
+                                             metadata=self._metadata)
         except grpc.RpcError as err:
             raise AdvantageServiceError.from_rpc_error(err) from None
 

@@ -38,6 +38,14 @@ ESTIMATOR_FIELDS: dict[str, tuple[str, type]] = {
     "raw_reward": ("raw_reward", pb.RawRewardConfig),
     "gae": ("gae", pb.GAEConfig),
     "opd": ("opd", pb.OPDConfig),
+    "grpo_passk": ("grpo_passk", pb.GRPOPassKConfig),
+    "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline", pb.ReinforcePlusPlusBaselineConfig),
+    "rloo": ("rloo", pb.RLOOConfig),
+    "opo": ("opo", pb.OPOConfig),
+    "remax": ("remax", pb.ReMaxConfig),
+    "gpg": ("gpg", pb.GPGConfig),
+    "optimal_token_baseline": ("optimal_token_baseline", pb.OptimalTokenBaselineConfig),
+    "tir_optimal_token_baseline": ("tir_optimal_token_baseline", pb.TIROptimalTokenBaselineConfig),
 }
 
 # dtype enum <-> (numpy dtype used to view the bytes, torch dtype, itemsize, name)
@@ -78,6 +86,15 @@ if torch is not None:
 
 _KL_TYPES = {"k1": pb.KL_TYPE_K1, "k2": pb.KL_TYPE_K2, "k3": pb.KL_TYPE_K3}
 KL_TYPE_NAMES = {v: k for k, v in _KL_TYPES.items()} | {pb.KL_TYPE_UNSPECIFIED: None}
+
+
+def enum_names(enum_descriptor: Any) -> dict[int, str | None]:
+    """Enum value -> its short config name, the value name without the enum's prefix, in lower case
+    (``KL_TYPE_K3`` -> ``"k3"``, ``SEMANTICS_NEMO_RL`` -> ``"nemo_rl"``); the ``_UNSPECIFIED`` zero
+    value -> ``None`` (unset)."""
+    values = list(enum_descriptor.values)
+    prefix = values[0].name[: -len("UNSPECIFIED")]
+    return {v.number: (None if v.number == 0 else v.name[len(prefix):].lower()) for v in values}
 
 
 class WireError(ValueError):
@@ -175,8 +192,9 @@ def config_message(estimator: str, config: Any = None) -> Any:
     """Build the typed config message for ``estimator``.
 
     ``config`` may be ``None`` (all defaults), the config message itself, or a mapping with NeMo RL
-    key names (``{"gae_lambda": 0.95, "reference_policy_kl_type": "k3"}``). ``None`` values mean
-    "unset". Unknown keys raise :class:`WireError` listing the valid ones.
+    key names (``{"gae_lambda": 0.95, "reference_policy_kl_type": "k3"}``). Enum fields take their
+    short names (``"k3"``, ``"verl"``, ``"group"``; see :func:`enum_names`) or the enum value.
+    ``None`` values mean "unset". Unknown keys raise :class:`WireError` listing the valid ones.
     """
     if estimator not in ESTIMATOR_FIELDS:
         raise WireError("estimator", f"unknown estimator {estimator!r}; choose one of {sorted(ESTIMATOR_FIELDS)}")
@@ -199,10 +217,14 @@ def config_message(estimator: str, config: Any = None) -> Any:
         if value is None:
             continue
         try:
-            if key.endswith("kl_type"):
-                if value not in _KL_TYPES:
-                    raise WireError(f"config.{key}", f"{value!r} is not one of {sorted(_KL_TYPES)}")
-                setattr(msg, key, _KL_TYPES[value])
+            if fields[key].enum_type is not None:
+                codes = {name: code for code, name in enum_names(fields[key].enum_type).items() if name}
+                if isinstance(value, str) and value.lower() in codes:
+                    setattr(msg, key, codes[value.lower()])
+                elif isinstance(value, int) and not isinstance(value, bool) and value in enum_names(fields[key].enum_type):
+                    setattr(msg, key, value)
+                else:
+                    raise WireError(f"config.{key}", f"{value!r} is not one of {sorted(codes)}")
             elif fields[key].is_repeated:
                 getattr(msg, key).extend(float(v) for v in value)
             elif fields[key].type == fields[key].TYPE_BOOL:
@@ -227,7 +249,7 @@ def config_to_dict(msg: Any) -> dict[str, Any]:
             if values:
                 out[fd.name] = values
         elif fd.enum_type is not None:
-            name = KL_TYPE_NAMES.get(getattr(msg, fd.name))
+            name = enum_names(fd.enum_type).get(getattr(msg, fd.name))
             if name is not None:
                 out[fd.name] = name
         elif msg.HasField(fd.name):

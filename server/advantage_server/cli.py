@@ -2,9 +2,15 @@
 
     advantage-server --port 50051 --device auto
 
-Logs its device and address at start. On SIGTERM or SIGINT it reports NOT_SERVING, stops accepting
-calls, lets in-flight calls finish within ``--grace`` seconds and exits 0. Exits 2 when the port
-cannot be bound (for example, already in use) or the device does not exist.
+Logs its device and address at start. On SIGTERM or SIGINT it drains: health reports NOT_SERVING,
+new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds), then it exits 0.
+Exits 2 when the port cannot be bound (for example, already in use), the device does not exist, a
+limit is not a positive integer, or a TLS or token file cannot be read.
+
+Limits: ``--max-message-mb``, ``--max-batch-elements``, ``--max-concurrent-requests`` (beyond them:
+RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once). Security: ``--tls-cert`` and
+``--tls-key`` (TLS), ``--tls-client-ca`` (mutual TLS), ``--auth-token-file`` (bearer token on every
+call but health checks). See RELIABILITY.md.
 """
 from __future__ import annotations
 
@@ -14,6 +20,12 @@ import signal
 import sys
 import threading
 
+from advantage_server import logs
+from advantage_server.auth import load_token
+from advantage_server.limits import (
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_WORKERS,
+)
+from advantage_server.metrics import HealthPort
 from advantage_server.server import create_server
 
 log = logging.getLogger("advantage_server")
@@ -24,20 +36,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
     p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = pick a free one)")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--max-message-mb", type=int, default=1024, help="largest request/response in MiB (default 1024)")
-    p.add_argument("--workers", type=int, default=8, help="concurrent request threads (default 8)")
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB,
+                   help=f"largest request/response in MiB (default {DEFAULT_MAX_MESSAGE_MB})")
+    p.add_argument("--max-batch-elements", type=int, default=DEFAULT_MAX_BATCH_ELEMENTS,
+                   help=f"most elements in any one input tensor (default {DEFAULT_MAX_BATCH_ELEMENTS})")
+    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                   help="ComputeAdvantage calls in progress at once; more are refused with RESOURCE_EXHAUSTED "
+                        f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                   help=f"calls computing at once; other admitted calls wait for one (default {DEFAULT_WORKERS})")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
+    p.add_argument("--auth-token-file", help="file holding a bearer token every call but health checks must carry")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown (default 10)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text, or json: one object per line with the call's request_id, method and estimator "
+                        "(default text)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port "
+                                                    "(GET /metrics; 0 = any free port; default: off)")
+    p.add_argument("--health-port", type=int, help="also serve grpc.health.v1 in plaintext on this port, for "
+                                                   "kubelet gRPC probes of a TLS server (0 = any free port; "
+                                                   "default: off)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
     try:
+        token = load_token(args.auth_token_file) if args.auth_token_file else None
         server = create_server(args.host, args.port, args.device,
-                               max_message_mb=args.max_message_mb, workers=args.workers)
+                               max_message_mb=args.max_message_mb, workers=args.workers,
+                               max_batch_elements=args.max_batch_elements,
+                               max_concurrent_requests=args.max_concurrent_requests,
+                               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                               auth_token=token, metrics_port=args.metrics_port, health_port=args.health_port)
+        del token
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
@@ -45,11 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     server.start()
-    log.info("advantage-server listening on %s (device %s, %d workers)", server.address, server.core.device, args.workers)
+    security = ("mutual TLS" if args.tls_client_ca else "TLS" if server.tls else "plaintext") + \
+        (", bearer token" if server.auth else "")
+    log.info("advantage-server listening on %s (device %s, %d workers, max %d concurrent requests, %s)",
+             server.address, server.core.device, args.workers, args.max_concurrent_requests, security)
     print(f"advantage-server listening on {server.address} device={server.core.device}", flush=True)
+    if server.metrics is not None and server.metrics.port is not None:
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, server.metrics.port)
+        print(f"advantage-server metrics on port {server.metrics.port}", flush=True)
+    if args.health_port is not None:
+        port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
+        log.info("plaintext health service on %s:%d", args.host, port)
+        print(f"advantage-server health on port {port}", flush=True)
     while not stop.wait(0.5):
         pass
-    log.info("shutting down: finishing in-flight calls (grace %.1fs)", args.grace)
+    log.info("shutting down: health NOT_SERVING, new calls UNAVAILABLE, finishing in-flight calls (grace %.1fs)",
+             args.grace)
     server.stop(args.grace)
     log.info("stopped")
     return 0
@@ -63,6 +110,8 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
     """``advantage-healthcheck [--address HOST:PORT]``: exit 0 if the server reports SERVING, else 1.
 
     Uses the standard ``grpc.health.v1.Health/Check`` (for a container HEALTHCHECK or a probe script).
+    Health needs no bearer token; a TLS server needs ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for
+    mutual TLS).
     """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,8 +120,22 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
     p.add_argument("--service", default="", help="service name to check (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    p.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate: connect with TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert")
     args = p.parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        from advantage_server.auth import read_pem
+        try:
+            creds = grpc.ssl_channel_credentials(read_pem(args.tls_ca, "--tls-ca"), read_pem(args.tls_key, "--tls-key"),
+                                                 read_pem(args.tls_cert, "--tls-cert"))
+        except ValueError as exc:
+            print(f"unhealthy: {exc}", file=sys.stderr)
+            return 1
+        channel_cm = grpc.secure_channel(args.address, creds)
+    else:
+        channel_cm = grpc.insecure_channel(args.address)
+    with channel_cm as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)

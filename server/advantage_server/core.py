@@ -18,9 +18,10 @@ import torch
 
 from advantage_client import wire
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
-from advantage_server.errors import InvalidInput
+from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
 from advantage_server.estimators.common import group_index
+from advantage_server.limits import checkpoint  # reliability hook: a cancelled/expired call stops between stages
 
 log = logging.getLogger("advantage_server")
 
@@ -65,21 +66,44 @@ class AdvantageCore:
                 tensors[key] = wire.decode_torch(msg, f"inputs[{key!r}]")
             except wire.WireError as err:
                 violations.append((err.field, err.description))
+        cu_seqlens = None
+        if request.HasField("cu_seqlens"):
+            try:
+                cu_seqlens = wire.decode_torch(request.cu_seqlens, "cu_seqlens")
+            except wire.WireError as err:
+                violations.append((err.field, err.description))
         if violations:
             raise InvalidInput(violations)
-        result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors)
+        checkpoint("after decoding")
+        result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
+                          cu_seqlens=cu_seqlens)
+        checkpoint("before encoding")
         return encode_result(result, _OUTPUT[request.output_dtype])
 
-    def run(self, name: str, config: Any, tensors: Mapping[str, Any]) -> AdvantageResult:
-        """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None."""
+    def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None) -> AdvantageResult:
+        """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
+
+        ``cu_seqlens`` ([B + 1] row offsets) selects the packed layout: token-level inputs are flat
+        ``[N]`` and so are the result's advantages and returns (see :func:`unpack`).
+        """
         spec = REGISTRY.get(name)
         if spec is None:
             raise InvalidInput("estimator", f"unknown estimator {name!r}; choose one of {', '.join(REGISTRY)}")
         if not isinstance(config, spec.config):
             config = config_from_dict(spec, config or {})
         config.validate()
+        config = config.resolved()  # semantics-dependent defaults; rejects fields the semantics does not use
+        layout = None
+        if cu_seqlens is not None:
+            tensors, layout = unpack(spec, cu_seqlens, tensors)
         batch = Batch(self.prepare(spec, config, tensors))
+        checkpoint("before computing")
         result = spec.fn(config, batch)
+        if (result.returns is not None) != spec.returns_for(config):
+            raise RuntimeError(f"{name} {'set' if result.returns is not None else 'did not set'} returns, "
+                               "contrary to its registration")
+        if layout is not None:
+            result = layout.repack(result)
         for label, t in (("advantages", result.advantages), ("returns", result.returns)):
             if t is not None and not bool(torch.isfinite(t).all()):
                 raise RuntimeError(f"{name} produced non-finite {label} from finite inputs")
@@ -154,6 +178,98 @@ def _shape_matches(pattern: str, shape: tuple[int, ...], dims: dict[str, int]) -
     return all(dims.get(sym, size) == size and size > 0 for sym, size in zip(symbols, shape))
 
 
+# ---------------------------------------------------------------------- packed (ragged) layout
+#: largest padded batch (B x longest row) the packed layout unpacks to; a request beyond it is
+#: RESOURCE_EXHAUSTED (a few long rows among many short ones would otherwise allocate B x T_max).
+MAX_PADDED_ELEMENTS = 1 << 28
+
+
+def _symbols(pattern: str) -> list[str]:
+    return [s.strip() for s in pattern.strip("[]").split(",") if s.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where each of the N flat positions sits in the padded ``[B, T]`` batch."""
+
+    rows: torch.Tensor  # [N] int64
+    cols: torch.Tensor  # [N] int64
+
+    def repack(self, result: AdvantageResult) -> AdvantageResult:
+        """Padded ``[B, T]`` advantages/returns -> flat ``[N]`` (the valid positions, row-major)."""
+        def gather(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[self.rows.to(t.device), self.cols.to(t.device)]
+        return AdvantageResult(gather(result.advantages), gather(result.returns), dict(result.metrics))
+
+
+def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], PackedLayout]:
+    """Packed inputs -> padded ``[B, T_max]`` inputs, generically from the estimator's ``InputSpec``s.
+
+    Every input whose declared shapes include ``T`` is expected flat ``[N]`` (``N = cu_seqlens[B]``)
+    and is scattered into a zero-filled ``[B, T_max]`` tensor; an input that also accepts ``[B]`` and
+    has length ``B`` stays per-sample. ``mask`` defaults to all ones over the N tokens, so the
+    padding is always mask 0. Per-sample inputs pass through. Raises ``InvalidInput`` naming
+    ``cu_seqlens`` (or the input) for a malformed layout.
+    """
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise InvalidInput("cu_seqlens", f"dtype {str(cu.dtype).replace('torch.', '')} is not accepted; "
+                                         "send the [B + 1] row offsets as int32 or int64")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise InvalidInput("cu_seqlens", f"must be [B + 1] row offsets with B >= 1, got shape {list(cu.shape)}: "
+                                         "send [0, len_0, len_0 + len_1, ...]")
+    cu = cu.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0:
+        raise InvalidInput("cu_seqlens", f"must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    if bool((lengths < 0).any()):
+        row = int(torch.nonzero(lengths < 0)[0, 0])
+        raise InvalidInput("cu_seqlens", f"must be non-decreasing, but cu_seqlens[{row + 1}] = {int(cu[row + 1])} < "
+                                         f"cu_seqlens[{row}] = {int(cu[row])}")
+    B, N = cu.numel() - 1, int(cu[-1])
+    T = max(int(lengths.max()), 1)
+    if B * T > MAX_PADDED_ELEMENTS:
+        raise ResourceLimit(f"cu_seqlens: {B} rows padded to the longest row ({T}) need {B * T} elements, more "
+                            f"than the server's {MAX_PADDED_ELEMENTS}; split the batch or send it padded")
+
+    tensors = {k: torch.as_tensor(v) for k, v in raw.items()}
+    if "mask" not in tensors:
+        tensors["mask"] = torch.ones(N, dtype=torch.bool)
+    violations: list[tuple[str, str]] = []
+    flat: list[str] = []
+    for key, t in tensors.items():
+        owner = next((s for s in spec.inputs if s.matches(key)), None)
+        if owner is None:
+            continue  # prepare() reports inputs the estimator does not read
+        shapes = [_symbols(p) for p in owner.shapes]
+        if not any("T" in s for s in shapes):
+            continue  # per-sample input: same shape in both layouts
+        if ["B"] in shapes and t.dim() == 1 and t.shape[0] == B:
+            continue  # the per-sample form of an input that accepts [B] or [B, T]
+        if t.dim() != 1:
+            violations.append((f"inputs[{key!r}]", f"has shape {list(t.shape)}, but with cu_seqlens set a token-level "
+                                                   f"input is sent flat [N] = [{N}] (rows concatenated, no padding)"))
+        elif t.shape[0] != N:
+            also = f" (or [B] = [{B}] per-sample values)" if ["B"] in shapes else ""
+            violations.append(("cu_seqlens", f"ends at N = {N} but inputs[{key!r}] holds {t.shape[0]} values: "
+                                             f"cu_seqlens[B] must equal the length of every flat [N] input{also}"))
+        else:
+            flat.append(key)
+    if violations:
+        raise InvalidInput(violations)
+
+    rows = torch.repeat_interleave(torch.arange(B), lengths)
+    cols = torch.arange(N) - cu[:-1][rows]
+    for key in flat:
+        t = tensors[key]
+        padded = torch.zeros((B, T), dtype=t.dtype)
+        padded[rows, cols] = t
+        tensors[key] = padded
+    return tensors, PackedLayout(rows, cols)
+
+
 # ---------------------------------------------------------------------- configs
 def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
     """Typed proto config message -> the estimator's config dataclass (unset fields take defaults)."""
@@ -166,10 +282,12 @@ def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
                 values[f.name] = items
         elif fd.enum_type is not None:
             code = getattr(msg, f.name)
-            if code not in wire.KL_TYPE_NAMES:
-                raise InvalidInput(f"config.{f.name}", f"unknown enum value {code}; use KL_TYPE_K1, KL_TYPE_K2 or KL_TYPE_K3")
-            if wire.KL_TYPE_NAMES[code] is not None:
-                values[f.name] = wire.KL_TYPE_NAMES[code]
+            names = wire.enum_names(fd.enum_type)
+            if code not in names:
+                known = ", ".join(v.name for v in fd.enum_type.values if v.number != 0)
+                raise InvalidInput(f"config.{f.name}", f"unknown enum value {code}; use {known}")
+            if names[code] is not None:
+                values[f.name] = names[code]
         elif msg.HasField(f.name):
             values[f.name] = getattr(msg, f.name)
     return spec.config(**values)
@@ -193,7 +311,9 @@ def encode_result(result: AdvantageResult, dtype: torch.dtype) -> pb.AdvantageRe
 
 
 # ---------------------------------------------------------------------- ListEstimators
-def _type_name(annotation: Any) -> str:
+def _type_name(annotation: Any, metadata: Mapping[str, Any]) -> str:
+    if "enum" in metadata:
+        return metadata["enum"]
     text = str(annotation)
     if "tuple" in text:
         return "repeated double"
@@ -212,11 +332,14 @@ def describe(spec: EstimatorSpec) -> pb.EstimatorInfo:
         name=spec.name, config_field=spec.name, config_message=cls.DESCRIPTOR.full_name,
         description=spec.description, reference=spec.reference,
         produces_returns=spec.produces_returns, metrics=list(spec.metrics),
+        returns_when=spec.returns_when[1] if spec.returns_when else "",
     )
     for f in dataclasses.fields(spec.config):
         default = "unset" if f.default is None else (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))
-        info.config_fields.add(name=f.name, type=_type_name(hints[f.name]), default_value=default,
-                               description=f.metadata.get("doc", ""))
+        default = f.metadata.get("default_text", default)
+        info.config_fields.add(name=f.name, type=_type_name(hints[f.name], f.metadata), default_value=default,
+                               description=f.metadata.get("doc", ""),
+                               allowed_values=list(f.metadata.get("choices", ())))
     for s in spec.inputs:
         info.inputs.add(name=s.name, shapes=list(s.shapes), required=s.required,
                         required_when=s.required_when[1] if s.required_when else "", kind=s.kind,

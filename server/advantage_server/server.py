@@ -1,18 +1,39 @@
-"""The gRPC layer: a thin servicer over :class:`AdvantageCore`, the error mapping, and ``create_server``.
+"""The gRPC layer: a thin servicer over :class:`AdvantageCore`, the request pipeline, and ``create_server``.
 
-Status codes (the one place domain errors become gRPC statuses, see :func:`_abort_for`):
-    InvalidInput   -> INVALID_ARGUMENT, message names the field and the fix, plus a
-                      ``google.rpc.BadRequest`` detail with one field violation per bad field
-    ResourceLimit  -> RESOURCE_EXHAUSTED
-    anything else  -> INTERNAL (logged with traceback)
+Every ``AdvantageService`` call goes through one pipeline (:meth:`AdvantageServicer.handler`):
+
+1. bearer token (:class:`~advantage_server.auth.TokenAuthInterceptor`, when the server has one);
+2. the :class:`~advantage_server.limits.RequestGate`: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
+   beyond ``--max-concurrent-requests``;
+3. decoding the request bytes here rather than in gRPC, so that bytes that are not a valid message are
+   an INVALID_ARGUMENT like every other malformed request (gRPC would answer INTERNAL);
+4. the method: ``--max-batch-elements``, a compute slot (one of ``--workers``), then the core, which
+   calls :func:`~advantage_server.limits.checkpoint` between its stages so a cancelled or expired call
+   stops.
+
+Status codes (the one place errors become gRPC statuses, see :func:`status_for`):
+    InvalidInput          -> INVALID_ARGUMENT, message names the field and the fix, plus a
+                             ``google.rpc.BadRequest`` detail with one field violation per bad field
+    ResourceLimit         -> RESOURCE_EXHAUSTED, message names the limit (flag) and its value
+    out of memory         -> RESOURCE_EXHAUSTED (device or host allocation failure; the server goes on)
+    Draining              -> UNAVAILABLE (shutting down: retry on another replica)
+    RequestExpired        -> DEADLINE_EXCEEDED or CANCELLED (the client has already gone)
+    anything else         -> INTERNAL (logged with traceback)
+
+Logs carry method, estimator, status, timing and shapes, never tensor contents or credentials.
 """
 from __future__ import annotations
 
 import logging
+import os
+import time
 from concurrent import futures
+from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+import torch
+from google.protobuf import any_pb2, message_factory
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -20,66 +41,214 @@ from grpc_status import rpc_status
 
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.limits import (
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_WORKERS,
+    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, check_batch_elements, checkpoints, grpc_liveness,
+    is_out_of_memory,
+)
+from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
 
 log = logging.getLogger("advantage_server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
+_SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"]
+SERVICE_NAME = _SERVICE.full_name
+#: methods that count against ``--max-concurrent-requests`` (the others are cheap descriptions)
+LIMITED_METHODS = frozenset({"ComputeAdvantage"})
+
+# Keepalive: the server pings a silent connection every 60 s and drops it when no answer comes within
+# 20 s (a client that vanished, or stopped reading, does not hold its resources for hours); clients
+# may ping every 10 s or more (the Python client pings every 30 s while a call is open).
+_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
-def _abort_for(context: grpc.ServicerContext, exc: BaseException) -> None:
-    """Map a domain error to its status and abort the call."""
+def status_for(exc: BaseException) -> status_pb2.Status:
+    """The ``google.rpc.Status`` a call that raised ``exc`` ends with (see the module docstring)."""
     if isinstance(exc, InvalidInput):
         bad = error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in exc.violations
         ])
         detail = any_pb2.Any()
         detail.Pack(bad)
-        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
-        context.abort_with_status(rpc_status.to_status(status))
-    if isinstance(exc, ResourceLimit):
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    log.exception("internal error while computing advantages")
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
+    for kind, code in ((ResourceLimit, code_pb2.RESOURCE_EXHAUSTED), (Draining, code_pb2.UNAVAILABLE),
+                       (NotImplementedError, code_pb2.UNIMPLEMENTED)):
+        if isinstance(exc, kind):
+            return status_pb2.Status(code=code, message=str(exc) or "method not implemented by this server")
+    if isinstance(exc, RequestExpired):
+        return status_pb2.Status(code=code_pb2.DEADLINE_EXCEEDED if exc.deadline else code_pb2.CANCELLED,
+                                 message=str(exc))
+    log.error("internal error while serving a call", exc_info=(type(exc), exc, exc.__traceback__))
+    return status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _decode(cls: type, data: bytes) -> Any:
+    try:
+        return cls.FromString(data)
+    except DecodeError as err:
+        name = cls.DESCRIPTOR.full_name
+        raise InvalidInput("request", f"the {len(data)} request bytes are not a valid {name} message ({err}); "
+                                      "serialize the request with the advantage.v1 schema") from None
+
+
+def tensor_fields(msg: Any) -> dict[str, Any]:
+    """Every ``advantage.v1.Tensor`` at the top level of ``msg`` (fields and map values), by field path."""
+    out: dict[str, Any] = {}
+    for fd, value in msg.ListFields():
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            if fd.message_type.fields_by_name["value"].message_type is pb.Tensor.DESCRIPTOR:
+                out.update({f"{fd.name}[{k!r}]": v for k, v in value.items()})
+        elif fd.message_type is pb.Tensor.DESCRIPTOR and not fd.is_repeated:
+            out[fd.name] = value
+    return out
+
+
+def _summary(method: str, request: Any) -> str:
+    """What a log line may say about a call: the estimator and the input shapes, never values."""
+    if method != "ComputeAdvantage":
+        return method
+    shapes = " ".join(f"{k}={list(t.shape)}" for k, t in tensor_fields(request).items())
+    return f"{method} {request.WhichOneof('estimator')} {shapes}"
 
 
 class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
-    """Decodes nothing itself: hands the message to the core and maps its errors."""
+    """The service methods (on decoded messages) plus the pipeline around them (:meth:`handler`)."""
 
-    def __init__(self, core: AdvantageCore):
+    def __init__(self, core: AdvantageCore, limits: Limits | None = None):
         self.core = core
+        self.limits = limits or Limits()
+        self.gate = RequestGate(self.limits.max_concurrent_requests, self.limits.workers)
 
+    # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
-        try:
+        check_batch_elements(tensor_fields(request), self.limits.max_batch_elements)
+        alive = grpc_liveness(context)
+        with self.gate.compute_slot(alive), checkpoints(alive):
             return self.core.compute(request)
-        except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
-            _abort_for(context, exc)
 
     def ListEstimators(self, request, context):
         return list_estimators()
 
+    # ------------------------------------------------------------------ pipeline
+    def handler(self, method: Any) -> grpc.RpcMethodHandler:
+        """The gRPC handler of one service method: gate, decoding, the method, error mapping, a log line."""
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(self, method.name)
+        if method.client_streaming or method.server_streaming:  # none today; no gate, gRPC decodes
+            kind = {(False, True): grpc.unary_stream_rpc_method_handler,
+                    (True, False): grpc.stream_unary_rpc_method_handler,
+                    (True, True): grpc.stream_stream_rpc_method_handler}
+            return kind[(method.client_streaming, method.server_streaming)](
+                behavior, request_deserializer=request_cls.FromString,
+                response_serializer=response_cls.SerializeToString)
+        limited = method.name in LIMITED_METHODS
+
+        def handle(data: bytes, context: grpc.ServicerContext):
+            started = time.monotonic()
+            what, status = method.name, None
+            try:
+                with self.gate.admit(limited, context.add_callback):
+                    grpc_liveness(context)("before decoding")  # the client may have gone during the upload
+                    request = _decode(request_cls, data)
+                    what = _summary(method.name, request)
+                    return behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
+                # Keep only the status: a live exception (its traceback, its frames) would hold the
+                # request bytes in a reference cycle until the garbage collector happens to run.
+                status = self._status(exc, what)
+            finally:
+                if log.isEnabledFor(logging.DEBUG):
+                    outcome = "OK" if status is None else code_pb2.Code.Name(status.code)
+                    log.debug("%s -> %s in %.1f ms (peer %s)", what, outcome, 1e3 * (time.monotonic() - started),
+                              context.peer())
+            context.abort_with_status(rpc_status.to_status(status))
+
+        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None,
+                                                   response_serializer=response_cls.SerializeToString)
+
+    def _status(self, exc: Exception, what: str) -> status_pb2.Status:
+        if is_out_of_memory(exc):
+            log.warning("out of memory on %s serving %s (%s); answered RESOURCE_EXHAUSTED", self.core.device,
+                        what, type(exc).__name__)
+            exc.__traceback__ = None  # let the tensors of the failed attempt go before emptying the cache
+            if self.core.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return status_pb2.Status(
+                code=code_pb2.RESOURCE_EXHAUSTED,
+                message=f"out of memory on the server's {self.core.device.type} device while computing this "
+                        f"request ({type(exc).__name__}); send a smaller batch, or run the server with more memory")
+        if isinstance(exc, RequestExpired):
+            log.debug("stopped %s: %s", what, exc)
+        return status_for(exc)
+
+    def register(self, server: grpc.Server) -> None:
+        handlers = {m.name: self.handler(m) for m in _SERVICE.methods}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
 
 class BoundServer:
-    """A created (not yet started) server: ``grpc_server``, the bound ``port``, and its ``health`` servicer."""
+    """A created (not yet started) server: ``grpc_server``, the bound ``port``, its ``health`` servicer and
+    request ``gate``."""
 
     def __init__(self, grpc_server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 core: AdvantageCore, address: str):
+                 core: AdvantageCore, address: str, gate: RequestGate | None = None, *, tls: bool = False,
+                 auth: bool = False, limits: Limits | None = None):
         self.grpc_server = grpc_server
         self.port = port
         self.health = health_servicer
         self.core = core
         self.address = address
+        self.gate = gate or RequestGate(1 << 30, 1 << 30)
+        self.tls = tls
+        self.auth = auth
+        self.limits = limits or Limits()
+        self.memory = MemoryTrimmer()
+        self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
+        self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
 
     def start(self) -> "BoundServer":
         self.grpc_server.start()
+        self.memory.start()
+        for endpoint in self.endpoints:
+            endpoint.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:
-        """Report NOT_SERVING, stop accepting calls, let in-flight calls finish within ``grace`` seconds."""
+        """Graceful drain, in this order:
+
+        1. health reports NOT_SERVING (watchers, load balancers and probes see it first);
+        2. new service calls are refused with UNAVAILABLE (retryable on another replica);
+        3. gRPC stops accepting calls; every admitted call keeps running;
+        4. wait until the last admitted call finished (at most ``grace`` seconds);
+        5. end what is left (open health watches, reflection streams) and return.
+        """
         self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(grace).wait()
+        self.gate.start_draining()
+        done = self.grpc_server.stop(grace)
+        in_flight = self.gate.in_flight
+        if in_flight:
+            log.info("draining: waiting for %d call(s) in progress", in_flight)
+        if grace is not None and not self.gate.wait_idle(grace):
+            log.warning("grace period of %.1fs over with %d call(s) still running; cancelling them", grace,
+                        self.gate.in_flight)
+        self.grpc_server.stop(0)
+        done.wait()
+        self.memory.stop()
+        for endpoint in self.endpoints:
+            endpoint.stop()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -91,25 +260,57 @@ class BoundServer:
         self.stop(grace=1.0)
 
 
+def _deterministic(device: torch.device) -> None:
+    """Bitwise-reproducible results on a GPU: deterministic kernels (``index_add_`` without atomics)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "auto", *,
-                  max_message_mb: int = 1024, workers: int = 8) -> BoundServer:
+                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = DEFAULT_WORKERS,
+                  max_batch_elements: int = DEFAULT_MAX_BATCH_ELEMENTS,
+                  max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+                  tls_cert: Pem | None = None, tls_key: Pem | None = None, tls_client_ca: Pem | None = None,
+                  auth_token: str | None = None, metrics_port: int | None = None,
+                  health_port: int | None = None) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
     Serves ``advantage.v1.AdvantageService``, ``grpc.health.v1.Health`` and server reflection.
     Binding a port that is already in use raises ``RuntimeError`` (SO_REUSEPORT is off, so two
-    servers never silently share a port). ``max_message_mb`` caps request and response size.
+    servers never silently share a port); a bad limit or unreadable TLS file raises ``ValueError``.
+
+    Limits: ``max_message_mb`` caps request and response size, ``max_batch_elements`` the elements of
+    any one input tensor, ``max_concurrent_requests`` the ComputeAdvantage calls in progress, ``workers``
+    those computing at once. Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
+    ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
+    ``authorization: Bearer <token>`` on every call but health checks.
+
+    Operations (:mod:`advantage_server.metrics`): every call gets a request id (``x-request-id``, echoed
+    in trailing metadata) and is counted in ``BoundServer.metrics``; ``metrics_port`` serves them over
+    HTTP (Prometheus), ``health_port`` serves the health service in plaintext (for kubelet gRPC probes),
+    both on ``host`` (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
     """
+    limits = Limits(max_message_mb=max_message_mb, max_batch_elements=max_batch_elements,
+                    max_concurrent_requests=max_concurrent_requests, workers=workers)
+    credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
     core = AdvantageCore(device)
-    limit = max_message_mb * 1024 * 1024
+    _deterministic(core.device)
+    metrics = ServerMetrics(core.device)
+    observer = ObservabilityInterceptor(SERVICE_NAME, estimator_fields(_SERVICE), metrics)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="advantage"),
+        futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage"),
+        interceptors=[observer, *([TokenAuthInterceptor(auth_token)] if auth_token else [])],
         options=[
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            *_KEEPALIVE_OPTIONS,
         ],
+        maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs,
     )
-    pb_grpc.add_AdvantageServiceServicer_to_server(AdvantageServicer(core), server)
+    servicer = AdvantageServicer(core, limits)
+    servicer.register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -118,10 +319,24 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind {address}: {exc} (is another server using the port?)") from None
     if bound == 0:
         raise RuntimeError(f"cannot bind {address}: the port is in use or the address is invalid")
     actual = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-    return BoundServer(server, bound, health_servicer, core, actual)
+    result = BoundServer(server, bound, health_servicer, core, actual, servicer.gate, tls=credentials is not None,
+                         auth=bool(auth_token), limits=limits)
+    result.metrics = metrics
+    try:
+        if health_port is not None:
+            result.endpoints.append(HealthPort(health_servicer, host, health_port))
+        if metrics_port is not None:
+            metrics.serve(host, metrics_port)
+            result.endpoints.append(metrics)
+    except RuntimeError:
+        for endpoint in result.endpoints:
+            endpoint.stop()
+        server.stop(None)
+        raise
+    return result

@@ -2,6 +2,7 @@
 
     advantage-demo cartpole                      # embedded server on 127.0.0.1, 500k env steps at most
     advantage-demo cartpole --server host:50051  # use a running advantage-server instead
+    advantage-demo cartpole --csv runs/cartpole.csv --plot runs/cartpole.png   # what `make demo` writes
 
 One file that reads top to bottom: the config, the actor-critic, the rollout, the split of the rollout
 into episode segments for the service's ``gae`` estimator, the PPO update, the training loop and the CLI.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import pathlib
 import sys
 import time
 from contextlib import ExitStack
@@ -53,6 +55,9 @@ class PPOConfig:
     quiet: bool = field(default=False, metadata={"flag": "--quiet", "help": "no per-update progress lines"})
     csv: str | None = field(default=None, metadata={
         "flag": "--csv", "help": "write update, env_steps, mean_return, rpc_share, wall_s per update to this file"})
+    plot: str | None = field(default=None, metadata={
+        "flag": "--plot", "help": "write the learning curve (mean return of the last 20 episodes against env steps) "
+                                  "to this PNG at the end; needs matplotlib (the demo extra)"})
     num_steps: int = field(default=128, metadata={"help": "steps per env in one rollout"})
     learning_rate: float = field(default=2.5e-4, metadata={"help": "Adam learning rate, annealed linearly to 0"})
     epochs: int = field(default=4, metadata={"help": "passes over each rollout"})
@@ -74,6 +79,7 @@ class TrainResult:
     episode_returns: undiscounted return of every finished episode, in the order they ended.
     final_mean_return: mean of the last 20 of them (nan if none finished).
     rpc_seconds: wall time spent inside ``client.compute``; wall_seconds: the whole run (server start included).
+    curve: one ``(env steps, mean return, share of wall time in the RPC)`` per update (the CSV's rows).
     """
 
     episode_returns: list[float]
@@ -82,6 +88,7 @@ class TrainResult:
     rpc_seconds: float
     wall_seconds: float
     updates: int
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (env steps, mean return, rpc share)
 
 
 def mean_return(episode_returns: list[float]) -> float:
@@ -281,6 +288,7 @@ def train(cfg: PPOConfig) -> TrainResult:
             writer.writerow(["update", "env_steps", "mean_return", "rpc_share", "wall_s"])
         running_returns = np.zeros(cfg.num_envs)
         episode_returns: list[float] = []
+        curve: list[tuple[int, float, float]] = []
         rpc_seconds, env_steps, update = 0.0, 0, 0
         while update < num_updates:
             update += 1
@@ -294,6 +302,7 @@ def train(cfg: PPOConfig) -> TrainResult:
             ppo_update(agent, optimizer, ro, advantages, returns, cfg, rng)
             wall = time.perf_counter() - t0
             recent = mean_return(episode_returns)
+            curve.append((env_steps, recent, rpc_seconds / wall))
             if writer is not None:
                 writer.writerow([update, env_steps, f"{recent:.2f}", f"{rpc_seconds / wall:.4f}", f"{wall:.2f}"])
             if not cfg.quiet:
@@ -303,7 +312,38 @@ def train(cfg: PPOConfig) -> TrainResult:
                 break
     return TrainResult(episode_returns=episode_returns, env_steps=env_steps,
                        final_mean_return=mean_return(episode_returns), rpc_seconds=rpc_seconds,
-                       wall_seconds=time.perf_counter() - t0, updates=update)
+                       wall_seconds=time.perf_counter() - t0, updates=update, curve=curve)
+
+
+# --------------------------------------------------------------------------- learning curve
+def plot_learning_curve(result: TrainResult, path: str, target_return: float | None = None) -> None:
+    """Write ``result.curve`` as a PNG: the mean return of the last 20 episodes against env steps (and the
+    target as a dashed line). Needs matplotlib (``pip install 'advantage-service[demo]'``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'advantage-service[demo]'") from None
+    matplotlib.use("Agg")
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    from matplotlib import pyplot as plt
+
+    steps = [s for s, _, _ in result.curve]
+    returns = [r for _, r, _ in result.curve]
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    ax.plot(steps, returns, color="tab:blue", lw=1.8, label=f"mean return, last {RETURN_WINDOW} episodes")
+    if target_return is not None and math.isfinite(target_return):
+        ax.axhline(target_return, color="tab:green", ls="--", lw=1, label=f"target {target_return:g}")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("episodic return")
+    ax.set_ylim(0, 520)
+    ax.grid(alpha=0.3)
+    share = 100 * result.rpc_seconds / result.wall_seconds if result.wall_seconds else 0.0
+    ax.set_title(f"PPO on CartPole-v1, GAE from the advantage service ({result.env_steps} steps, "
+                 f"{result.wall_seconds:.0f} s, {share:.1f}% in the RPC)", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -340,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final mean return {result.final_mean_return:.1f} (last {RETURN_WINDOW} episodes) | "
           f"env steps {result.env_steps} | wall {result.wall_seconds:.1f}s | "
           f"rpc {100 * result.rpc_seconds / result.wall_seconds:.1f}% | updates {result.updates}", flush=True)
+    if cfg.plot:
+        plot_learning_curve(result, cfg.plot, cfg.target_return)
+        print(f"learning curve written to {cfg.plot}", flush=True)
     return 0
 
 

@@ -2,7 +2,10 @@
 
 One module per estimator: its math (docstring), typed config, declared inputs and kernel.
 """
-from advantage_server.estimators import gae, gdpo, grpo, opd, raw_reward, reinforce_plus_plus  # noqa: F401
+from advantage_server.estimators import (  # noqa: F401
+    gae, gdpo, gpg, grpo, grpo_passk, opd, opo, optimal_token_baseline, raw_reward, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax, rloo, tir_optimal_token_baseline,
+)
 from advantage_server.estimators.registry import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
 
 __all__ = ["REGISTRY", "AdvantageResult", "Batch", "EstimatorSpec", "InputSpec"]

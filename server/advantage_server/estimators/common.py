@@ -1,14 +1,21 @@
 """Building blocks shared by several estimators: per-prompt group statistics, KL estimators, whitening.
 
-Each vectorized kernel has a readable loop twin (``*_loop``) used as the test oracle.
+Each vectorized kernel has a readable loop twin (``*_loop``) used as the test oracle. On the CPU with
+numba, :func:`group_index` and :func:`group_baseline_and_std` run compiled kernels (one pass over the
+batch, GIL released; :mod:`~advantage_server.estimators.jit`); the torch code is the GPU path and the
+fallback without numba, and tests check both against the loop twins.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
+import numpy as np
 import torch
 
 from advantage_server.errors import InvalidInput
+from advantage_server.estimators import jit
 from advantage_server.estimators.registry import EstimatorConfig, InputSpec
 
 # --------------------------------------------------------------------------- shared input specs
@@ -119,6 +126,9 @@ def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
 # --------------------------------------------------------------------------- rewards
 def outcome_scores(rewards: torch.Tensor) -> torch.Tensor:
     """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``."""
+    if jit.applies(rewards):
+        a = rewards.detach().numpy()
+        return torch.from_numpy(a.sum(-1, dtype=np.float64) if a.ndim == 2 else a.astype(np.float64))
     r = rewards.to(torch.float64)
     return r.sum(-1) if r.dim() == 2 else r
 
@@ -189,16 +199,156 @@ def whiten_clamped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- per-prompt groups
+@jit.njit
+def _dense_rank(ids, lo, span, out):  # pragma: no cover - compiled; tested through group_index
+    """out[i] = rank of ids[i] among the distinct values (ascending), for ids in [lo, lo + span)."""
+    seen = np.zeros(span, dtype=np.int64)
+    for i in range(ids.shape[0]):
+        seen[ids[i] - lo] = 1
+    rank = 0
+    for k in range(span):
+        if seen[k]:
+            seen[k] = rank
+            rank += 1
+    for i in range(ids.shape[0]):
+        out[i] = seen[ids[i] - lo]
+
+
 def group_index(prompt_ids: torch.Tensor) -> torch.Tensor:
     """``[B]`` ids or ``[B, L]`` token rows -> ``[B]`` int64 group index in ``0..G-1`` (sorted order)."""
     if prompt_ids.dim() == 2:
         return torch.unique(prompt_ids, dim=0, return_inverse=True)[1]
+    if jit.applies(prompt_ids) and prompt_ids.numel() > 0:
+        # CPU: a counting rank when the ids span a range comparable to B (the usual 0..G-1 or uid
+        # hashes folded by the client), O(B) instead of a sort
+        ids = jit.as_numpy(prompt_ids.to(torch.int64))
+        lo, hi = int(ids.min()), int(ids.max())
+        if hi - lo < 4 * ids.shape[0] + 1024:
+            out = np.empty(ids.shape[0], dtype=np.int64)
+            _dense_rank(ids, lo, hi - lo + 1, out)
+            return torch.from_numpy(out)
     # sort-and-rank instead of torch.unique: no device-to-host sync on a GPU
     ordered, perm = torch.sort(prompt_ids, stable=True)
     starts = torch.ones_like(ordered, dtype=torch.bool)
     starts[1:] = ordered[1:] != ordered[:-1]
     rank = torch.cumsum(starts, 0) - 1
     return torch.empty_like(rank).scatter_(0, perm, rank)
+
+
+@jit.njit
+def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cover - compiled
+    """Numba twin of :func:`_group_baseline_and_std_torch`, the same arithmetic in the same order: the
+    rewards are gathered group by group with a counting sort (index order kept within a group; skipped
+    when the ids are already non-decreasing, as trainers lay groups out), each group is then done in
+    one go on contiguous memory, and the results scattered back. r float64 [B]; writes baseline, std
+    float64 [B]."""
+    B = group.shape[0]
+    G = 0
+    in_order = True  # trainers repeat each prompt's samples back to back: then no reordering is needed
+    for i in range(B):
+        if group[i] >= G:
+            G = group[i] + 1
+        if i > 0 and group[i] < group[i - 1]:
+            in_order = False
+    start = np.zeros(G + 1, dtype=np.int64)
+    for i in range(B):
+        start[group[i] + 1] += 1
+    for g in range(G):
+        start[g + 1] += start[g]
+    if in_order:
+        order = np.arange(0)
+        rs = r
+        out_b = baseline
+        out_s = std
+    else:
+        out_b = np.empty(B, dtype=np.float64)
+        out_s = np.empty(B, dtype=np.float64)
+        fill = start[:G].copy()
+        order = np.empty(B, dtype=np.int64)
+        rs = np.empty(B, dtype=np.float64)
+        for i in range(B):
+            k = fill[group[i]]
+            order[k] = i
+            rs[k] = r[i]
+            fill[group[i]] = k + 1
+    for g in range(G):
+        s = start[g]
+        e = start[g + 1]
+        n = e - s
+        if n == 0:
+            continue
+        if n == 1:
+            out_b[s] = rs[s]
+            out_s[s] = 0.0
+            continue
+        nf = np.float64(n)
+        total = 0.0
+        lo = np.inf
+        hi = -np.inf
+        for k in range(s, e):
+            x = rs[k]
+            total += x
+            lo = min(lo, x)
+            hi = max(hi, x)
+        tied = lo == hi
+        mean = lo if tied else total / nf
+        m2g = 0.0
+        top = -1.0
+        n_lo = 0
+        n_hi = 0
+        for k in range(s, e):
+            c = rs[k] - mean
+            m2g += c * c
+            top = max(top, abs(c))
+            n_lo += rs[k] == lo
+            n_hi += rs[k] == hi
+        if tied:
+            m2g = 0.0
+        if not leave_one_out:
+            sd = 0.0 if tied else math.sqrt(m2g / (nf - 1.0))
+            for k in range(s, e):
+                out_b[k] = mean
+                out_s[k] = sd
+            continue
+        others = nf - 1.0
+        dof = others - 1.0
+        n_top = 0
+        k_top = -1
+        for k in range(s, e):
+            if abs(rs[k] - mean) == top:
+                n_top += 1
+                k_top = k
+        # branch-free per member; the lone dominant member is redone below
+        for k in range(s, e):
+            x = rs[k]
+            c = x - mean
+            b = mean - c / others
+            m2 = max(m2g - c * c * nf / others, 0.0)
+            others_tied = tied or (x == hi and n_lo == n - 1) or (x == lo and n_hi == n - 1)
+            sd = math.sqrt(m2 / max(dof, 1.0)) if dof > 0 else 0.0
+            out_b[k] = (lo if x == hi else hi) if others_tied else b
+            out_s[k] = 0.0 if others_tied else sd
+        if n_top == 1:
+            # the group's lone dominant member: re-sum its others directly (no cancellation)
+            x = rs[k_top]
+            acc = 0.0
+            for q in range(s, e):
+                if q != k_top:
+                    acc += rs[q]
+            mean_x = acc / others
+            m2x = 0.0
+            for q in range(s, e):
+                if q != k_top:
+                    d = rs[q] - mean_x
+                    m2x += d * d
+            others_tied = tied or (x == hi and n_lo == n - 1) or (x == lo and n_hi == n - 1)
+            sd = math.sqrt(m2x / max(dof, 1.0)) if dof > 0 else 0.0
+            out_b[k_top] = (lo if x == hi else hi) if others_tied else mean_x
+            out_s[k_top] = 0.0 if others_tied else sd
+    if not in_order:
+        for k in range(B):
+            baseline[order[k]] = out_b[k]
+            std[order[k]] = out_s[k]
 
 
 def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool
@@ -215,7 +365,28 @@ def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one
     Welford-style removal, except for a group's single dominant member, whose others are re-summed
     directly (removal would cancel catastrophically there). A group whose rewards are all equal gets its common value as baseline
     exactly, so its advantage is exactly 0 (no float cancellation noise).
+
+    On the CPU with numba this runs :func:`_group_stats_rows` (one counting sort, then each group at
+    once); elsewhere :func:`_group_baseline_and_std_torch`.
     """
+    if jit.applies(group, rewards) and group.numel() > 0:
+        _, baseline, std = _group_stats_numpy(group, rewards, leave_one_out)
+        return torch.from_numpy(baseline), torch.from_numpy(std)
+    return _group_baseline_and_std_torch(group, rewards, leave_one_out)
+
+
+def _group_stats_numpy(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CPU (numba) group statistics as numpy float64 arrays: (rewards, baseline, std)."""
+    r = np.ascontiguousarray(jit.numpy_as(rewards, torch.float64))
+    baseline, std = np.empty_like(r), np.empty_like(r)
+    _group_stats_rows(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), r, bool(leave_one_out), baseline, std)
+    return r, baseline, std
+
+
+def _group_baseline_and_std_torch(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`group_baseline_and_std` (any device, no device-to-host sync)."""
     r = rewards.to(torch.float64)
     G = group.shape[0]  # group ids are < B; sizing by B avoids a device-to-host sync for max()
     n = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, group, torch.ones_like(r))
@@ -294,6 +465,14 @@ def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bo
 
     ``std_rewards`` (DAPO): compute the std on these values instead of on ``rewards``.
     """
+    if jit.applies(group, rewards, std_rewards) and group.numel() > 0:  # CPU: numpy on [B], no torch thread pool
+        r, baseline, std = _group_stats_numpy(group, rewards, leave_one_out)
+        if std_rewards is not None:
+            std = _group_stats_numpy(group, std_rewards, leave_one_out)[2]
+        a = r - baseline
+        if normalize:
+            a = np.where(std > 0, a / (std + epsilon), a)
+        return torch.from_numpy(a)
     baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
     if std_rewards is not None:
         _, std = group_baseline_and_std(group, std_rewards, leave_one_out)
@@ -352,3 +531,29 @@ def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch) -> tu
     tokens = apply_kl(place_rewards(shaped.to(torch.float64), mask), cfg, batch, mask=mask)
     returns = reverse_cumsum(tokens * mask.to(torch.float64))
     return whiten_clamped(returns, mask), returns
+
+
+# --------------------------------------------------------------------------- per-row outputs
+def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-sample ``[B]`` advantage as the ``[B, T]`` result in ``dtype``, the same value in every column.
+
+    On the CPU with numba the ``[B, T]`` tensor is written here, densely and in parallel (the response
+    needs those bytes anyway); elsewhere it is an ``expand`` view of the ``[B]`` values.
+    """
+    if jit.applies(adv):
+        return jit.broadcast_rows(jit.numpy_as(adv, dtype), T, dtype)
+    return adv.to(dtype)[:, None].expand(B, T)
+
+
+def whiten_rows_clamped(a: np.ndarray, mask: torch.Tensor) -> np.ndarray:
+    """:func:`whiten_clamped` of the row-constant ``[B, T]`` matrix ``a[:, None]``, as its ``[B]`` rows.
+
+    CPU (numba) path: the masked moments of a row-constant matrix need only the valid count of each
+    row, so the ``[B, T]`` float64 temporaries of the general function are never built. ``a`` float64.
+    """
+    counts = jit.row_counts(mask)
+    n = counts.sum()
+    denom = max(n, 1.0)
+    mean = float((a * counts).sum()) / denom
+    var = float((counts * (a - mean) ** 2).sum()) / denom
+    return (a - mean) * (1.0 / math.sqrt(max(var, 1e-8)))

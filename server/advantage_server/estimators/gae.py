@@ -19,32 +19,62 @@ A(lambda_policy), whitened over the valid tokens when normalize_advantages
 ((A - mu) / sqrt(var + 1e-8), mu and var the masked mean and unbiased variance; with a single valid
 token the variance is taken as 0 where NeMo RL divides by zero), then set to 0 where mask = 0. An all-zero mask row gets advantages 0 and returns = values + bootstrap carry.
 
+Defaults: gae_gamma = 1.0, gae_lambda = 0.95 (nemo_rl) or 1.0 (verl), normalize_advantages = true,
+length_adaptive_alpha = 0 (off), gae_lambda_value / gae_lambda_policy unset (= gae_lambda), no KL in the
+reward (use_kl_in_reward = false; penalty 0.01, k3, clamps 20 / 10 when on).
+
+Semantics (``semantics``): ``nemo_rl`` (default) is NeMo RL ``GeneralizedAdvantageEstimator`` as above.
+``verl`` reproduces verl ``compute_gae_advantage_return``: the same recursion (verl skips values and
+TD errors on mask = 0 tokens the same way; its rewards are ``token_level_rewards`` [B, T]), returns =
+advantages + values, the whitening applied at every position and masked positions NOT zeroed (they
+keep the next valid position's advantage, whitened). Under verl ``gae_lambda`` defaults to 1.0 (verl's
+``algorithm.lam``) and the NeMo-only fields ``gae_lambda_value``, ``gae_lambda_policy`` and
+``length_adaptive_alpha`` are rejected. Where verl divides by zero (one valid token, or none) the
+whitening uses variance 0 (and mean 0 with none), so the result stays finite.
+
 Kernel: the valid positions of each row are packed to the left (one scatter), the recursion becomes a
 constant-coefficient discounted reverse cumulative sum, computed in blocks of ``_CHUNK`` steps as a
 small matrix product per block, with block carries solved by the same routine on the coarser grid
 (recursively: log-depth, no per-step loop). :func:`gae_loop` is the per-step loop twin (test oracle).
-Reference: NeMo RL ``GeneralizedAdvantageEstimator``.
+Reference: NeMo RL ``GeneralizedAdvantageEstimator`` (nemo_rl); verl ``compute_gae_advantage_return`` (verl).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from advantage_server.estimators import jit
 from advantage_server.estimators.common import KL_INPUTS, MASK, KLInRewardConfig, apply_kl, masked_moments
-from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register
+from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 _CHUNK = 64
 
 
+_NEMO_ONLY = "nemo_rl only"
+
+
 @dataclass(frozen=True)
 class GAEConfig(KLInRewardConfig):
-    gae_lambda: float = field(default=0.95, metadata={"doc": "GAE lambda.", "range": (0.0, 1.0)})
+    gae_lambda: float | None = field(default=None, metadata={
+        "doc": "GAE lambda.", "range": (0.0, 1.0), "per_semantics": {"nemo_rl": 0.95, "verl": 1.0},
+        "default_text": "0.95 (nemo_rl); 1.0 (verl)"})
     gae_gamma: float = field(default=1.0, metadata={"doc": "Discount factor gamma.", "range": (0.0, 1.0)})
     normalize_advantages: bool = field(default=True, metadata={"doc": "Whiten the advantages over the valid tokens."})
-    gae_lambda_value: float | None = field(default=None, metadata={"doc": "Lambda for the returns (VAPO); unset = gae_lambda.", "range": (0.0, 1.0)})
-    gae_lambda_policy: float | None = field(default=None, metadata={"doc": "Lambda for the advantages (VAPO); unset = gae_lambda.", "range": (0.0, 1.0)})
-    length_adaptive_alpha: float = field(default=0.0, metadata={"doc": "Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off.", "range": (0.0, None)})
+    gae_lambda_value: float | None = field(default=None, metadata={
+        "doc": f"Lambda for the returns (VAPO); unset = gae_lambda. {_NEMO_ONLY}.", "range": (0.0, 1.0),
+        "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
+    gae_lambda_policy: float | None = field(default=None, metadata={
+        "doc": f"Lambda for the advantages (VAPO); unset = gae_lambda. {_NEMO_ONLY}.", "range": (0.0, 1.0),
+        "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
+    length_adaptive_alpha: float | None = field(default=None, metadata={
+        "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
+        "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl"})
+    semantics: str | None = semantics_field(
+        ("nemo_rl", "verl"),
+        "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0) "
+        "or verl (compute_gae_advantage_return: masked positions whitened, not zeroed).")
 
 
 # --------------------------------------------------------------------------- kernel
@@ -81,7 +111,19 @@ def gae_kernel(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
 
     token_rewards, values: ``[B, T]`` float; mask: ``[B, T]`` 0/1; lam: float or ``[B]``;
     bootstrap: ``[B]`` value after each row's last valid step, or None for 0.
+    On the CPU with numba: :func:`gae_kernel_numba` (one backward pass per row); otherwise
+    :func:`gae_kernel_torch` (packed blocked scan, the GPU path).
     """
+    if jit.applies(token_rewards, values, mask, bootstrap, lam if isinstance(lam, torch.Tensor) else None) \
+            and values.dtype in (torch.float32, torch.float64) and token_rewards.dtype == values.dtype:
+        return gae_kernel_numba(token_rewards, values, mask, gamma, lam, bootstrap)
+    return gae_kernel_torch(token_rewards, values, mask, gamma, lam, bootstrap)
+
+
+def gae_kernel_torch(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                     lam: float | torch.Tensor, bootstrap: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch :func:`gae_kernel` (any device): valid positions packed left, then a blocked
+    discounted reverse cumulative sum (:func:`discounted_reverse_cumsum`), then gathered back."""
     B, T = values.shape
     dt = values.dtype
     valid = mask.bool()
@@ -119,6 +161,179 @@ def gae_loop(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return out
 
 
+# --------------------------------------------------------------------------- CPU kernel (numba)
+@jit.njit(contract=True)
+def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_v, adv, ret,
+              stats):  # pragma: no cover - compiled; tested through gae_kernel_numba and gae
+    """Rows ``lo..hi-1`` of GAE in one backward pass each (float64 accumulation).
+
+    rewards2 [B, T] per-step rewards, or None and rewards1 [B] terminal rewards (added at the row's
+    last valid step); boot [B]; lam_p [B]; lam_v [B], or None when it equals lam_p. Writes adv
+    (lambda_p) and, unless ret is None, ret = A(lambda_v) + values. Unless stats is None, stats[b] =
+    (valid count, sum of adv over valid steps, centred sum of squares about the row mean, first
+    valid t, last valid t), over the stored (rounded) advantages. The ``is None`` tests are resolved
+    at compile time: each combination is its own specialised loop.
+    """
+    T = values.shape[1]
+    for b in range(lo, hi):
+        nv = np.float64(boot[b])
+        run_p = 0.0
+        run_v = 0.0
+        glp = gamma * lam_p[b]
+        glv = glp
+        if lam_v is not None:
+            glv = gamma * lam_v[b]
+        pending = 0.0
+        if rewards1 is not None:
+            pending = np.float64(rewards1[b])
+        count = 0
+        first = -1
+        last = -1
+        total = 0.0
+        for t in range(T - 1, -1, -1):
+            vt = np.float64(values[b, t])
+            valid = mask[b, t] != 0
+            if valid:
+                rt = 0.0
+                if rewards2 is not None:
+                    rt = np.float64(rewards2[b, t])
+                if rewards1 is not None:
+                    rt = pending
+                    pending = 0.0
+                delta = rt + gamma * nv - vt
+                run_p = delta + glp * run_p
+                if lam_v is not None:
+                    run_v = delta + glv * run_v
+                nv = vt
+                if stats is not None:
+                    count += 1
+                    first = t
+                    if last < 0:
+                        last = t
+            adv[b, t] = run_p
+            if stats is not None:
+                if valid:
+                    total += np.float64(adv[b, t])
+            if ret is not None:
+                if lam_v is not None:
+                    ret[b, t] = run_v
+                    ret[b, t] += values[b, t]
+                else:
+                    ret[b, t] = adv[b, t] + values[b, t]
+        if stats is not None:
+            m2 = 0.0
+            if count > 0:
+                mean = total / count
+                for t in range(first, last + 1):
+                    if mask[b, t] != 0:
+                        d = np.float64(adv[b, t]) - mean
+                        m2 += d * d
+            stats[b, 0] = count
+            stats[b, 1] = total
+            stats[b, 2] = m2
+            stats[b, 3] = first
+            stats[b, 4] = last
+
+
+@jit.njit
+def _whiten_rows(lo, hi, adv, mask, stats, mean, scale, zero_masked):  # pragma: no cover - compiled
+    """Rows ``lo..hi-1``: adv = (adv - mean) * scale, then 0 where mask = 0 when zero_masked. A row
+    whose valid steps form one block (stats: count = last - first + 1) skips reading the mask."""
+    T = adv.shape[1]
+    for b in range(lo, hi):
+        count = int(stats[b, 0])
+        first = int(stats[b, 3])
+        last = int(stats[b, 4])
+        if zero_masked:
+            if count == 0:
+                for t in range(T):
+                    adv[b, t] = 0.0
+            elif count == last - first + 1:
+                for t in range(first):
+                    adv[b, t] = 0.0
+                for t in range(first, last + 1):
+                    adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
+                for t in range(last + 1, T):
+                    adv[b, t] = 0.0
+            else:
+                for t in range(T):
+                    if mask[b, t] != 0:
+                        adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
+                    else:
+                        adv[b, t] = 0.0
+        else:
+            for t in range(T):
+                adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
+
+
+def _row_lambdas(lam: float | torch.Tensor, B: int) -> np.ndarray:
+    if isinstance(lam, torch.Tensor):
+        return np.ascontiguousarray(lam.detach().to("cpu", torch.float64).numpy().reshape(B))
+    return np.full(B, float(lam), dtype=np.float64)
+
+
+def _gae_numba(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+               lam_p: float | torch.Tensor, lam_v: float | torch.Tensor, bootstrap: torch.Tensor | None,
+               want_ret: bool, want_stats: bool):
+    """Run :func:`_gae_rows` on all rows. Returns (adv, ret or None, stats or None, mask as numpy)."""
+    B, T = values.shape
+    v = jit.as_numpy(values)
+    m = jit.as_numpy(mask)
+    per_step = rewards.dim() == 2
+    r2 = jit.as_numpy(rewards.to(values.dtype)) if per_step else None
+    r1 = None if per_step else jit.as_numpy(rewards.to(torch.float64))
+    boot = (np.zeros(B, dtype=np.float64) if bootstrap is None
+            else np.ascontiguousarray(bootstrap.detach().to("cpu", torch.float64).numpy().reshape(B)))
+    lp = _row_lambdas(lam_p, B)
+    same = lam_v is lam_p or (not isinstance(lam_p, torch.Tensor) and not isinstance(lam_v, torch.Tensor)
+                              and float(lam_p) == float(lam_v))
+    lv = None if same or not want_ret else _row_lambdas(lam_v, B)
+    adv = torch.empty((B, T), dtype=values.dtype)
+    ret = torch.empty((B, T), dtype=values.dtype) if want_ret else None
+    stats = np.zeros((B, 5), dtype=np.float64) if want_stats else None
+    jit.parallel_rows(_gae_rows, B, T, r2, r1, v, m, boot, float(gamma), lp, lv, adv.numpy(),
+                      None if ret is None else ret.numpy(), stats)
+    return adv, ret, stats, m
+
+
+def gae_kernel_numba(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                     lam: float | torch.Tensor, bootstrap: torch.Tensor | None = None) -> torch.Tensor:
+    """CPU :func:`gae_kernel` compiled with numba: one backward pass per row (no packing), rows split
+    over the cores with the GIL released. Same arguments and result as :func:`gae_kernel_torch`."""
+    return _gae_numba(token_rewards, values, mask, gamma, lam, lam, bootstrap, False, False)[0]
+
+
+def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               bootstrap: torch.Tensor | None, lam_value: float, lam_policy: float | torch.Tensor) -> AdvantageResult:
+    """The whole GAE estimator on the CPU in two passes over memory (numba): pass 1 computes both
+    lambdas' advantages, the returns and per-row moments; pass 2 whitens in place and zeroes masked
+    positions. Same results as the torch path of :func:`gae` (float tolerance)."""
+    want_stats = bool(cfg.normalize_advantages)
+    adv, ret, stats, m = _gae_numba(rewards, values, mask, cfg.gae_gamma, lam_policy, lam_value, bootstrap,
+                                    True, want_stats)
+    zero_masked = cfg.semantics != "verl"
+    if want_stats:
+        # Chan et al.'s pairwise combination of the per-row (count, sum, centred M2), in float64
+        count, total, m2 = stats[:, 0], stats[:, 1], stats[:, 2]
+        n = float(count.sum())
+        mean64 = float(total.sum()) / max(n, 1.0)
+        rows = count > 0
+        row_mean = total[rows] / count[rows]
+        var64 = (float(m2.sum()) + float((count[rows] * (row_mean - mean64) ** 2).sum())) / max(n, 1.0)
+        # the scalar arithmetic of the torch path, in the compute dtype
+        dt = values.dtype
+        f64 = torch.float64
+        mean, var = torch.tensor(mean64, dtype=f64).to(dt), torch.tensor(var64, dtype=f64).to(dt)
+        nt = torch.tensor(n, dtype=f64).to(dt)
+        var = torch.where(nt > 1, var * nt / (nt - 1).clamp(min=1), var)
+        scale = torch.rsqrt(var + 1e-8)
+        jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, float(mean),
+                          float(scale), zero_masked)
+    elif zero_masked:
+        adv = torch.where(mask.bool(), adv, 0)
+    return AdvantageResult(adv, returns=ret)
+
+
 def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` terminal rewards -> ``[B, T]`` with each reward on its row's last mask = 1 position.
 
@@ -149,7 +364,8 @@ def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
                   "(time limit, end of rollout); 0 = the episode terminated.", required=False),
         *KL_INPUTS,
     ],
-    reference="arXiv:1506.02438; VAPO arXiv:2504.05118; NeMo RL GeneralizedAdvantageEstimator",
+    reference="arXiv:1506.02438; VAPO arXiv:2504.05118; NeMo RL GeneralizedAdvantageEstimator; "
+              "verl compute_gae_advantage_return",
     produces_returns=True,
 )
 def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
@@ -161,13 +377,22 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     """
     mask, values = batch["mask"], batch["values"]
     bootstrap = batch.get("bootstrap_values")
-    rewards = apply_kl(token_level_rewards(batch["rewards"], mask), cfg, batch) * mask
+    raw = batch["rewards"]
+    fused = jit.applies(raw, values, mask, bootstrap) and values.dtype in (torch.float32, torch.float64)
+    if fused and not (cfg.use_kl_in_reward and cfg.reference_policy_kl_penalty != 0):
+        rewards = raw  # the fused kernel places a [B] reward itself and reads rewards only where mask = 1
+    elif fused:
+        rewards = apply_kl(token_level_rewards(raw, mask), cfg, batch)
+    else:
+        rewards = apply_kl(token_level_rewards(raw, mask), cfg, batch) * mask
     lam_value = cfg.gae_lambda if cfg.gae_lambda_value is None else cfg.gae_lambda_value
-    if cfg.length_adaptive_alpha > 0:
+    if cfg.length_adaptive_alpha:
         lengths = mask.sum(1)
         lam_policy = (1.0 - 1.0 / (cfg.length_adaptive_alpha * lengths).clamp(min=1.0)).clamp(0.0, 1.0)
     else:
         lam_policy = cfg.gae_lambda if cfg.gae_lambda_policy is None else cfg.gae_lambda_policy
+    if fused:
+        return _gae_fused(cfg, rewards, values, mask, bootstrap, lam_value, lam_policy)
     adv_value = gae_kernel(rewards, values, mask, cfg.gae_gamma, lam_value, bootstrap)
     if isinstance(lam_policy, float) and lam_policy == lam_value:
         advantages = adv_value
@@ -179,4 +404,6 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
         n = mask.sum()
         var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)  # unbiased, as NeMo RL; one token: 0
         advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
+    if cfg.semantics == "verl":
+        return AdvantageResult(advantages, returns=returns)
     return AdvantageResult(torch.where(mask.bool(), advantages, 0), returns=returns)

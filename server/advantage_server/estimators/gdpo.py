@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.errors import InvalidInput
-from advantage_server.estimators.common import MASK, PROMPT_IDS, group_relative
+from advantage_server.estimators import jit
+from advantage_server.estimators.common import MASK, PROMPT_IDS, broadcast_rows, group_relative
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 COMPONENT_PREFIX = "reward/"
@@ -55,10 +56,17 @@ def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
                            f"has {len(weights)} entries but the batch has {len(names)} components {names}; "
                            "give one weight per component, in sorted component-name order")
     group = batch["prompt_ids"]
-    total = sum(w * group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
-                for w, k in zip(weights, names))
+    parts = [group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
+             for k in names]
+    dtype = components[names[0]].dtype
+    if jit.applies(*parts):  # CPU: the [B] arithmetic in numpy (off torch's intra-op thread pool)
+        t = sum(w * p.numpy() for w, p in zip(weights, parts))
+        centred = t - t.mean()
+        sd = float(t.std(ddof=1)) if t.size > 1 else 0.0
+        return AdvantageResult(broadcast_rows(torch.from_numpy(centred / sd if sd > 0 else centred),
+                                              batch.B, batch.T, dtype))
+    total = sum(w * p for w, p in zip(weights, parts))
     centred = total - total.mean()
     std = total.std() if total.numel() > 1 else torch.zeros((), dtype=total.dtype, device=total.device)
     adv = torch.where(std > 0, centred / std, centred)
-    dtype = components[names[0]].dtype
-    return AdvantageResult(adv.to(dtype)[:, None].expand(batch.B, batch.T))
+    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))

@@ -1,34 +1,123 @@
 """GRPO: group-relative advantages (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
-Math, per sample i of prompt group g (n samples):
-    baseline_i = mean of the group's rewards            (leave-one-out: mean of the others, RLOO)
-    std_i      = sample std of the same set             (0 for a set of fewer than 2)
-    A_i        = r_i - baseline_i,  then  A_i / (std_i + 1e-6) where std_i > 0 (normalize_rewards)
-A group of one gets A = 0. A_i is broadcast over every column of row i, masked columns included.
-Reference: NeMo RL ``GRPOAdvantageEstimator``; the statistics kernel is
-:func:`~advantage_server.estimators.common.group_baseline_and_std` (loop twin beside it).
+Inputs: ``prompt_ids`` [B] (or [B, L] token rows), ``rewards`` [B] or [B, T] (token-level rewards are
+summed over all T positions, masked ones included), ``mask`` [B, T], optional ``std_rewards`` [B]
+(DAPO, arXiv:2503.14476: the std is computed on these values instead of on the rewards).
+Output: advantages [B, T]; no returns, no metrics.
+
+Math, per sample i of prompt group g (n samples), r = reward, s = the values the std is taken on
+(``std_rewards`` when sent, else r), eps = ``epsilon``:
+
+``semantics = nemo_rl`` (default; NeMo RL ``GRPOAdvantageEstimator``)
+    baseline_i = mean of the group's rewards (``use_leave_one_out_baseline``, default true: of the others,
+    RLOO arXiv:2402.14740); std_i = sample std of s over the same set (0 for fewer than 2);
+    A_i = r_i - baseline_i, then A_i / (std_i + eps) where std_i > 0 (``normalize_rewards``).
+    A group of one gets 0. A_i is broadcast over every column, masked ones included. eps = 1e-6.
+``semantics = verl`` (verl ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is verl's
+    ``norm_adv_by_std_in_grpo``, false = Dr. GRPO arXiv:2503.20783)
+    A_i = (r_i - mean_g) / (std_g + eps), or r_i - mean_g; std = sample std of s; a group of one has
+    mean 0 and std 1 (so A = r / (1 + eps)). A_{i,t} = A_i * mask_{i,t}. eps = 1e-6.
+    verl's ``grpo_vectorized`` floors the group variance at eps (std >= sqrt(eps)): it differs only for
+    groups whose sample variance is below eps without being 0; this estimator follows verl's ``grpo``.
+``semantics = openrlhf`` (OpenRLHF ``group_norm``; ``dr_grpo`` with ``normalize_rewards = false``)
+    A_i = (r_i - mean_g) / (std_g + eps), eps = 1e-9, std = sample std of s. OpenRLHF puts A_i on the
+    row's last mask = 1 token and takes the cumulative return (gamma 1): A_{i,t} = A_i for t up to the
+    row's last mask = 1 position, 0 after it (all 0 for a row with no valid token). A group of one
+    gets 0 (OpenRLHF divides 0 by a NaN std). OpenRLHF's KL-in-reward is not applied here.
+``semantics = trl`` (TRL ``GRPOTrainer``)
+    A_i = (r_i - mean_g) / (std_i + eps), eps = 1e-4 (TRL's constant), std by ``scale_rewards``:
+    ``group`` (default) the group's sample std of s (0 for a group of one), ``batch`` the sample std of
+    all B values of s (0 for B = 1), ``none`` no division. Broadcast over every column.
+
+Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
+float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
+zero the results above are finite by construction.
+Kernel: :func:`~advantage_server.estimators.common.group_baseline_and_std` (loop twin beside it; numba
+on the CPU). On the CPU the broadcast [B, T] result is written densely by
+:func:`~advantage_server.estimators.common.broadcast_rows`, elsewhere it is an ``expand`` view.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from advantage_server.estimators.common import MASK, PROMPT_IDS, REWARDS, group_relative
-from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
+import torch
+
+from advantage_server.estimators.common import (
+    MASK, OUTCOME_REWARDS, PROMPT_IDS, broadcast_rows, group_baseline_and_std, group_relative, last_valid_index,
+    outcome_scores, verl_group_stats,
+)
+from advantage_server.estimators.registry import (
+    AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
+)
+
+_EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4}
 
 
 @dataclass(frozen=True)
 class GRPOConfig(EstimatorConfig):
-    normalize_rewards: bool = field(default=True, metadata={"doc": "Divide by the group std + 1e-6 (groups with std 0 stay unscaled)."})
-    use_leave_one_out_baseline: bool = field(default=True, metadata={"doc": "Baseline and std over the other samples of the prompt (RLOO)."})
+    normalize_rewards: bool = field(default=True, metadata={
+        "doc": "Divide by the group std + epsilon (nemo_rl: groups with std 0 stay unscaled). verl's "
+               "norm_adv_by_std_in_grpo; false = Dr. GRPO (OpenRLHF dr_grpo)."})
+    use_leave_one_out_baseline: bool | None = field(default=None, metadata={
+        "doc": "Baseline and std over the other samples of the prompt (RLOO). nemo_rl only.",
+        "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
+    semantics: str | None = semantics_field(
+        ("nemo_rl", "verl", "openrlhf", "trl"),
+        "Reference reproduced: nemo_rl (NeMo RL GRPOAdvantageEstimator), verl (compute_grpo_outcome_advantage), "
+        "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer).")
+    epsilon: float | None = field(default=None, metadata={
+        "doc": "Added to the std before dividing.", "range": (0.0, None),
+        "per_semantics": dict(_EPSILON),
+        "default_text": "1e-06 (nemo_rl, verl); 1e-09 (openrlhf); 0.0001 (trl)"})
+    scale_rewards: str | None = field(default=None, metadata={
+        "doc": "TRL scale_rewards: divide by the group std (group), the batch std (batch) or not at all (none).",
+        "enum": "ScaleRewards", "choices": ("group", "batch", "none"),
+        "per_semantics": {"trl": "group"}, "default_text": "group (trl); not applicable otherwise"})
 
 
-@register("grpo", config=GRPOConfig, inputs=[PROMPT_IDS, REWARDS, MASK],
-          reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator")
+@register("grpo", config=GRPOConfig,
+          inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK,
+                  InputSpec("std_rewards", ("[B]",), "float",
+                            "DAPO: per-sample values the std is computed on instead of the rewards.",
+                            required=False)],
+          reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
+                    "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer")
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
 
-    Inputs: prompt_ids [B], rewards [B], mask [B, T]. Returns advantages [B, T]; no returns, no metrics.
+    Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T], optional std_rewards [B].
+    Returns advantages [B, T]; no returns, no metrics.
     """
-    rewards = batch["rewards"]
-    adv = group_relative(batch["prompt_ids"], rewards, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
-    return AdvantageResult(adv.to(rewards.dtype)[:, None].expand(batch.B, batch.T))
+    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    std_rewards = batch.get("std_rewards")
+    dtype = rewards.dtype
+    scores = outcome_scores(rewards)
+    if cfg.semantics == "nemo_rl":
+        adv = group_relative(group, scores, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
+                             cfg.epsilon, std_rewards)
+        return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))
+    if cfg.semantics == "verl":
+        mean, std = verl_group_stats(group, scores)
+        if std_rewards is not None:
+            _, std = verl_group_stats(group, std_rewards)
+        adv = scores - mean
+        if cfg.normalize_rewards:
+            adv = adv / (std + cfg.epsilon)
+        return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(dtype))
+    mean, std = group_baseline_and_std(group, scores, leave_one_out=False)  # group of one: mean = r, std = 0
+    if std_rewards is not None:
+        _, std = group_baseline_and_std(group, std_rewards, leave_one_out=False)
+    adv = scores - mean
+    if cfg.semantics == "openrlhf":
+        if cfg.normalize_rewards:
+            adv = adv / (std + cfg.epsilon)
+        upto = torch.arange(batch.T, device=mask.device)[None, :] <= last_valid_index(mask)[:, None]
+        return AdvantageResult(torch.where(upto, adv[:, None], 0.0).to(dtype))
+    # trl
+    if cfg.scale_rewards == "batch":
+        s = (std_rewards if std_rewards is not None else scores).to(torch.float64)
+        std = s.std() if s.numel() > 1 else torch.zeros((), dtype=torch.float64, device=s.device)
+        std = std.expand_as(adv)
+    if cfg.normalize_rewards and cfg.scale_rewards != "none":
+        adv = adv / (std + cfg.epsilon)
+    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from advantage_server.estimators.common import MASK, REWARDS, masked_moments
+from advantage_server.estimators import jit
+from advantage_server.estimators.common import MASK, REWARDS, broadcast_rows, masked_moments
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
@@ -25,6 +27,18 @@ def raw_reward(cfg: RawRewardConfig, batch: Batch) -> AdvantageResult:
 
     Inputs: rewards [B], mask [B, T]. Returns advantages [B, T]; no returns, no metrics.
     """
+    rewards, mask = batch["rewards"], batch["mask"]
+    if jit.applies(rewards, mask):
+        # CPU: the whitening of a row-constant matrix needs only per-row valid counts
+        a = jit.numpy_as(rewards, torch.float64)
+        if cfg.normalize_advantages:
+            counts = jit.row_counts(mask)
+            dt = jit.np_dtype(rewards.dtype)  # the scalar arithmetic of the torch path, in the compute dtype
+            denom = max(float(counts.sum()), 1.0)
+            mean = (a * counts).sum() / denom
+            var = dt((counts * (a - mean) ** 2).sum() / denom)
+            a = (jit.numpy_as(rewards, rewards.dtype) - dt(mean)) * (dt(1.0) / np.sqrt(max(var, dt(1e-8))))
+        return AdvantageResult(broadcast_rows(torch.from_numpy(np.asarray(a)), batch.B, batch.T, rewards.dtype))
     adv = batch["rewards"][:, None].expand(batch.B, batch.T)
     if cfg.normalize_advantages:
         mean, var = masked_moments(adv, batch["mask"], count_floor=1.0)

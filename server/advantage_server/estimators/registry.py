@@ -31,7 +31,8 @@ class AdvantageResult:
     """What every estimator returns.
 
     advantages: ``[B, T]`` tensor, always.
-    returns:    ``[B, T]`` tensor for estimators that produce value targets (GAE), else ``None``.
+    returns:    ``[B, T]`` tensor where the estimator computes returns (see ``EstimatorSpec.returns_for``),
+                else ``None``.
     metrics:    scalar diagnostics (OPD reports three), else empty.
     """
 
@@ -40,9 +41,27 @@ class AdvantageResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+#: the ``Semantics`` enum's short names: which public reference an estimator setting reproduces
+SEMANTICS = ("nemo_rl", "verl", "openrlhf", "trl")
+
+
 @dataclass(frozen=True)
 class EstimatorConfig:
-    """Base of the typed estimator configs. Field ``metadata["doc"]`` documents each field."""
+    """Base of the typed estimator configs.
+
+    Field metadata:
+
+    ``doc``           what the field does (shown by ``ListEstimators``).
+    ``range``         ``(lo, hi)`` inclusive bounds for a number (``None`` = open).
+    ``choices``       allowed values of an enum field (its short names, e.g. ``("verl", "openrlhf")``).
+    ``enum``          the proto enum type name of an enum field (``"Semantics"``).
+    ``default_text``  the default as ``ListEstimators`` shows it, where the dataclass default is
+                      ``None`` because the real default depends on ``semantics``.
+    ``per_semantics`` ``{semantics: default}`` for a field whose default depends on the ``semantics``
+                      field; the field does not apply under a semantics missing from the mapping, and
+                      setting it there is an error.
+    ``default``       for the ``semantics`` field itself: the semantics an unset field means.
+    """
 
     def validate(self) -> None:
         """Raise :class:`InvalidInput` naming ``config.<field>`` for out-of-range values."""
@@ -50,11 +69,50 @@ class EstimatorConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidInput(f"config.{f.name}", f"must be finite, got {value}")
+            choices = f.metadata.get("choices")
+            if choices is not None and value is not None and value not in choices:
+                raise InvalidInput(f"config.{f.name}", f"{value!r} is not available here; use "
+                                                       f"{' or '.join(map(str, choices))}")
             lo, hi = f.metadata.get("range", (None, None))
             if value is None or isinstance(value, (bool, str, tuple)):
                 continue
             if (lo is not None and value < lo) or (hi is not None and value > hi):
                 raise InvalidInput(f"config.{f.name}", f"must be in [{lo}, {hi}], got {value}")
+
+    def resolved(self) -> "EstimatorConfig":
+        """This config with its ``semantics`` and the semantics-dependent defaults filled in.
+
+        Raises :class:`InvalidInput` naming ``config.<field>`` for a field that was set although it
+        does not apply under the chosen semantics (``use_leave_one_out_baseline`` with verl, ...).
+        Configs without a ``semantics`` field come back unchanged.
+        """
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if "semantics" not in fields:
+            return self
+        changes: dict[str, Any] = {}
+        semantics = self.semantics if self.semantics is not None else fields["semantics"].metadata["default"]
+        if self.semantics is None:
+            changes["semantics"] = semantics
+        for f in fields.values():
+            per = f.metadata.get("per_semantics")
+            if per is None:
+                continue
+            value = getattr(self, f.name)
+            if semantics not in per:
+                if value is not None:
+                    raise InvalidInput(f"config.{f.name}",
+                                       f"does not apply with semantics = {semantics}; it applies with "
+                                       f"{' or '.join(per)}. Leave it unset, or choose another semantics")
+            elif value is None:
+                changes[f.name] = per[semantics]
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def semantics_field(choices: tuple[str, ...], doc: str) -> Any:
+    """The ``semantics`` field of a config: ``choices[0]`` is the default (an unset field)."""
+    assert all(c in SEMANTICS for c in choices), choices
+    return field(default=None, metadata={
+        "doc": doc, "choices": choices, "enum": "Semantics", "default": choices[0], "default_text": choices[0]})
 
 
 @dataclass(frozen=True)
@@ -122,6 +180,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class EstimatorSpec:
+    """One registered estimator.
+
+    produces_returns: always fills ``AdvantageResult.returns``.
+    returns_when:     ``(predicate(cfg), text)`` when it fills returns only under some configs.
+    """
+
     name: str
     fn: Callable[[Any, Batch], AdvantageResult]
     config: type
@@ -130,6 +194,11 @@ class EstimatorSpec:
     reference: str
     produces_returns: bool
     metrics: tuple[str, ...]
+    returns_when: tuple[Callable[[Any], bool], str] | None = None
+
+    def returns_for(self, cfg: Any) -> bool:
+        """Whether the estimator fills ``returns`` under the (resolved) config ``cfg``."""
+        return self.produces_returns or (self.returns_when is not None and bool(self.returns_when[0](cfg)))
 
 
 REGISTRY: dict[str, EstimatorSpec] = {}
@@ -141,10 +210,14 @@ def register(
     config: type,
     inputs: list[InputSpec],
     reference: str,
-    produces_returns: bool = False,
+    produces_returns: bool | tuple[Callable[[Any], bool], str] = False,
     metrics: tuple[str, ...] = (),
 ) -> Callable:
-    """Register an estimator function under ``name``. Registering a name twice is a ``ValueError``."""
+    """Register an estimator function under ``name``. Registering a name twice is a ``ValueError``.
+
+    ``produces_returns`` is ``True`` (always fills ``returns``), ``False``, or a
+    ``(predicate(cfg), text)`` pair like ``InputSpec.required_when`` when it depends on the config.
+    """
 
     def deco(fn: Callable[[Any, Batch], AdvantageResult]) -> Callable:
         if name in REGISTRY:
@@ -158,8 +231,9 @@ def register(
             inputs=tuple(inputs),
             description=(fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
             reference=reference,
-            produces_returns=produces_returns,
+            produces_returns=produces_returns is True,
             metrics=tuple(metrics),
+            returns_when=produces_returns if isinstance(produces_returns, tuple) else None,
         )
         return fn
 

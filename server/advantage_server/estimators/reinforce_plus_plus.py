@@ -1,48 +1,142 @@
-"""Reinforce++ (Hu et al. 2025, arXiv:2501.03262), NeMo RL flavour.
+"""Reinforce++ (Hu et al. 2025, arXiv:2501.03262).
 
-Math:
-    a_i      = r_i - mean of prompt group (minus_baseline; a group of one gets 0), else r_i
-    A_{i,t}  = a_i - penalty * KL_t                  (use_kl_in_reward; KL estimator k1/k2/k3)
-    A        = (A - mu) / sqrt(max(var, 1e-8))       mu, var over the tokens where mask = 1
-The whitening is applied at every position, masked ones included (as NeMo RL does).
-With no valid token at all, mu = var = 0 (NeMo raw_reward's count floor of 1), so A = a * 1e4:
-finite where the reference divides by zero.
+Inputs: ``rewards`` [B] or [B, T], ``mask`` [B, T]; ``prompt_ids`` [B] when ``minus_baseline``
+(nemo_rl); ``logprobs`` and ``reference_logprobs`` [B, T] when ``use_kl_in_reward``.
+KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured), penalty =
+``reference_policy_kl_penalty``.
+
+``semantics = nemo_rl`` (default; NeMo RL ``ReinforcePlusPlusAdvantageEstimator``). No returns.
+    a_i      = r_i - mean of prompt group (``minus_baseline``, default true; a group of one gets 0), else r_i
+               (a [B, T] reward is summed over T first)
+    A_{i,t}  = a_i - penalty * KL_t                  (``use_kl_in_reward``)
+    A        = (A - mu) / sqrt(max(var, 1e-8))       mu, biased var over the tokens where mask = 1
+    The whitening is applied at every position, masked ones included (as NeMo RL does). With no valid
+    token at all, mu = var = 0 (NeMo raw_reward's count floor of 1), so A = a * 1e4: finite where the
+    reference divides by zero.
+``semantics = verl`` (verl ``compute_reinforce_plus_plus_outcome_advantage``). Returns G.
+    r_t      = token reward ([B] placed on the row's last mask = 1 position) - penalty * KL_t * mask_t
+    G_t      = r_t + gamma * mask_{t+1} * G_{t+1}     (a mask = 0 position cuts the return: holes reset it)
+    A        = (G - mu) * rsqrt(var + 1e-8) * mask   mu, unbiased var over the mask = 1 tokens
+    Returns G at every position (verl does not mask them). One valid token: var = 0; none: mu = var = 0.
+``semantics = openrlhf`` (OpenRLHF ``reinforce``). Returns G.
+    r_t      = (token reward - penalty * KL_t) * mask_t
+    G_t      = sum_{k >= t} gamma^(k - t) r_k        (no resets)
+    A        = (G - mu) / sqrt(max(var, 1e-8))       mu, biased var over the mask = 1 tokens, every position
+``gamma`` (verl, openrlhf) defaults to 1.0; ``minus_baseline`` applies to nemo_rl only.
+
+Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
+float64 temporaries; :func:`~advantage_server.estimators.common.whiten_rows_clamped`). The verl recursion is the discounted reverse cumulative sum S of the token rewards minus, at
+each t, S at the next mask = 0 position after t discounted back to t (float64, no per-step loop);
+:func:`verl_returns_loop` is the per-step loop twin (test oracle).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
+from advantage_server.estimators import jit
 from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, PROMPT_IDS, REWARDS, KLInRewardConfig, apply_kl, group_relative, masked_moments,
+    KL_INPUTS, MASK, PROMPT_IDS, KLInRewardConfig, apply_kl, broadcast_rows, group_relative, outcome_scores,
+    place_rewards, whiten_clamped, whiten_rows_clamped, whiten_unbiased,
 )
-from advantage_server.estimators.registry import AdvantageResult, Batch, register
+from advantage_server.estimators.gae import discounted_reverse_cumsum
+from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 
 @dataclass(frozen=True)
 class ReinforcePlusPlusConfig(KLInRewardConfig):
-    minus_baseline: bool = field(default=True, metadata={"doc": "Subtract the per-prompt mean reward."})
+    minus_baseline: bool | None = field(default=None, metadata={
+        "doc": "Subtract the per-prompt mean reward. nemo_rl only (use reinforce_plus_plus_baseline otherwise).",
+        "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
+    semantics: str | None = semantics_field(
+        ("nemo_rl", "verl", "openrlhf"),
+        "Reference reproduced: nemo_rl (NeMo RL ReinforcePlusPlusAdvantageEstimator), verl "
+        "(compute_reinforce_plus_plus_outcome_advantage), openrlhf (reinforce).")
+    gamma: float | None = field(default=None, metadata={
+        "doc": "Discount of the returns.", "range": (0.0, 1.0),
+        "per_semantics": {"verl": 1.0, "openrlhf": 1.0}, "default_text": "1.0 (verl, openrlhf); not applicable to nemo_rl"})
 
 
-_PROMPT_IDS = replace(PROMPT_IDS, required=False, required_when=(lambda cfg: cfg.minus_baseline, "minus_baseline = true"),
+_PROMPT_IDS = replace(PROMPT_IDS, required=False,
+                      required_when=(lambda cfg: bool(cfg.minus_baseline), "semantics = nemo_rl and minus_baseline = true"),
                       fix=PROMPT_IDS.fix + ", or set minus_baseline = false")
+_REWARDS = InputSpec(
+    "rewards", ("[B]", "[B, T]"), "float",
+    "Reward of each sample [B], or token-level rewards [B, T]. nemo_rl sums [B, T] over T; verl and openrlhf "
+    "place a [B] reward on the row's last mask = 1 position.",
+    fix="send one reward per sample [B], or token-level rewards [B, T]",
+)
+
+
+def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * mask_{t+1} * G_{t+1}`` (G_T = 0), float64 ``[B, T]``, without a per-step loop.
+
+    G_t = S_t - gamma^(z - t) S_z with S the discounted reverse cumulative sum of r and z the first
+    position after t where mask = 0 (T if none, S_T = 0).
+    """
+    r = token_rewards.to(torch.float64)
+    B, T = r.shape
+    S = torch.nn.functional.pad(discounted_reverse_cumsum(r, torch.full((B,), gamma, dtype=torch.float64,
+                                                                         device=r.device)), (0, 1))
+    pos = torch.arange(T + 1, device=r.device)
+    zero_at = torch.where(torch.nn.functional.pad(mask.bool(), (0, 1), value=False), T, pos[None, :].expand(B, T + 1))
+    zero_at[:, T] = T
+    first_zero_from = zero_at.flip(1).cummin(1).values.flip(1)             # first mask = 0 position >= t
+    z = first_zero_from[:, 1:]                                             # first mask = 0 position > t
+    decay = torch.tensor(gamma, dtype=torch.float64, device=r.device) ** (z - pos[None, :T]).to(torch.float64)
+    return S[:, :T] - decay * S.gather(1, z)
+
+
+def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-step loop twin of :func:`verl_returns` (test oracle), backwards over t as verl does."""
+    r = token_rewards.to(torch.float64)
+    m = mask.to(torch.float64)
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=torch.float64)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+        running = running * m[:, t]
+    return out
 
 
 @register("reinforce_plus_plus", config=ReinforcePlusPlusConfig,
-          inputs=[_PROMPT_IDS, REWARDS, MASK, *KL_INPUTS],
-          reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator")
+          inputs=[_PROMPT_IDS, _REWARDS, MASK, *KL_INPUTS],
+          reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator; verl "
+                    "compute_reinforce_plus_plus_outcome_advantage; OpenRLHF reinforce",
+          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf"),
+                            "semantics = verl or semantics = openrlhf"))
 def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> AdvantageResult:
-    """Reward minus the per-prompt mean, minus an optional token-level KL, whitened over valid tokens.
+    """Reward minus the per-prompt mean (or discounted returns), minus an optional token-level KL, whitened.
 
-    Inputs: prompt_ids [B] (read when minus_baseline), rewards [B], mask [B, T]; logprobs and
-    reference_logprobs [B, T] when use_kl_in_reward. Returns advantages [B, T]; no returns, no metrics.
+    Inputs: prompt_ids [B] (read when minus_baseline), rewards [B] or [B, T], mask [B, T]; logprobs and
+    reference_logprobs [B, T] when use_kl_in_reward. Returns advantages [B, T]; returns [B, T] under verl
+    and openrlhf semantics; no metrics.
     """
     rewards, mask = batch["rewards"], batch["mask"]
-    if cfg.minus_baseline:
-        a = group_relative(batch["prompt_ids"], rewards, leave_one_out=False, normalize=False).to(rewards.dtype)
-    else:
-        a = rewards
-    adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
-    mean, var = masked_moments(adv, mask, count_floor=1.0)
-    return AdvantageResult((adv - mean) * torch.rsqrt(var.clamp(min=1e-8)))
+    dtype = rewards.dtype
+    if cfg.semantics == "nemo_rl":
+        scores = outcome_scores(rewards)
+        if cfg.minus_baseline:
+            a = group_relative(batch["prompt_ids"], scores, leave_one_out=False, normalize=False)
+        else:
+            a = scores
+        kl_active = cfg.use_kl_in_reward and cfg.reference_policy_kl_penalty != 0
+        if not kl_active and jit.applies(a, mask):
+            # CPU: A is constant along each row, so its masked whitening needs only per-row valid counts
+            w = whiten_rows_clamped(jit.numpy_as(a, dtype).astype(np.float64), mask)
+            return AdvantageResult(broadcast_rows(torch.from_numpy(w), batch.B, batch.T, dtype))
+        a = a.to(dtype)
+        adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
+        return AdvantageResult(whiten_clamped(adv, mask))
+    tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)
+    if cfg.semantics == "verl":
+        returns = verl_returns(tokens, mask, cfg.gamma)
+        adv = whiten_unbiased(returns, mask) * mask
+    else:  # openrlhf
+        g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=mask.device)
+        returns = discounted_reverse_cumsum(tokens * mask, g)
+        adv = whiten_clamped(returns, mask)
+    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))

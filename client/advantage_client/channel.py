@@ -1,0 +1,131 @@
+"""How the client connects: one or several replicas, TLS, a bearer token, load balancing and retries.
+
+* ``channel_target(["10.0.0.1:50051", "10.0.0.2:50051"])`` -> ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``: gRPC
+  connects to every replica; a DNS name (``"dns:///advantage.svc:50051"``) whose name resolves to several
+  addresses does the same.
+* :func:`service_config`: ``round_robin`` over the replicas that are up and report SERVING (client-side
+  health checking: a draining replica leaves the rotation as soon as it says NOT_SERVING), and a retry
+  policy: a call that fails with UNAVAILABLE (replica killed, restarting, draining) is retried, with
+  exponential backoff, up to 5 attempts in all. The service is stateless and deterministic, so a retry
+  gives the same result.
+* :func:`make_channel`: plaintext, or TLS with a CA bundle and, for mutual TLS, a client certificate.
+* :func:`auth_metadata`: ``authorization: Bearer <token>`` sent with every call.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import pathlib
+from typing import Any, Sequence
+
+import grpc
+
+SERVICE_NAME = "advantage.v1.AdvantageService"
+
+#: retried: UNAVAILABLE only (no server answered, or it is shutting down); gRPC caps maxAttempts at 5.
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def service_config(retry: bool = True, wait_for_ready: bool = False, health_check: bool = True) -> dict[str, Any]:
+    """The gRPC service config the client uses (see the module docstring)."""
+    method: dict[str, Any] = {"name": [{"service": SERVICE_NAME}]}
+    if retry:
+        method["retryPolicy"] = RETRY_POLICY
+    if wait_for_ready:
+        method["waitForReady"] = True
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]}
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": SERVICE_NAME}
+    return config
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """A gRPC target string for one address (as given) or several replicas (IP literals, all IPv4 or all IPv6)."""
+    if isinstance(target, str):
+        return target
+    addresses = list(target)
+    if not addresses:
+        raise ValueError("target: give at least one address")
+    if len(addresses) == 1:
+        return addresses[0]
+    families, parts = set(), []
+    for address in addresses:
+        host, sep, port = str(address).rpartition(":")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if not sep or not port.isdigit() or ip is None:
+            raise ValueError(f"target: {address!r} is not IP:PORT. Name several replicas by IP address "
+                             "(all IPv4 or all IPv6), or pass one DNS name that resolves to all of them, "
+                             "e.g. 'dns:///advantage.svc:50051'")
+        families.add(ip.version)
+        parts.append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")
+    if len(families) != 1:
+        raise ValueError("target: replicas must be all IPv4 or all IPv6 addresses")
+    return f"ipv{families.pop()}:{','.join(parts)}"
+
+
+def _pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return pathlib.Path(value).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {value}: {exc.strerror}") from None
+
+
+def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None = None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying a bearer token (empty without one). The token never appears in errors."""
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        try:
+            token = pathlib.Path(token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"token_file {token_file}: cannot read it ({type(exc).__name__})") from None
+        if not token:
+            raise ValueError(f"token_file {token_file}: the file is empty")
+    if token is None:
+        return ()
+    return (("authorization", f"Bearer {token.strip()}"),)
+
+
+def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
+                 tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None,
+                 retry: bool = True, wait_for_ready: bool = False, options: Sequence[tuple[str, Any]] = ()
+                 ) -> grpc.Channel:
+    """A channel to ``target`` with the service config above. TLS when ``tls`` or any ``tls_*`` is given:
+    ``tls_ca`` verifies the server (system roots when None); ``tls_cert`` + ``tls_key`` is the client
+    certificate for mutual TLS. PEM bytes or file paths. ``options``: more gRPC channel arguments."""
+    limit = max_message_mb * 1024 * 1024
+    options = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.service_config", json.dumps(service_config(retry, wait_for_ready))),
+        ("grpc.enable_retries", 1 if retry else 0),
+        # a request larger than the retry buffer (256 KiB by default) would not be retried
+        ("grpc.per_rpc_retry_buffer_size", limit),
+        ("grpc.retry_buffer_size", limit),
+        # notice a vanished server during a long call (the server permits pings every 10 s or more)
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        *options,
+    ]
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("mutual TLS needs both tls_cert and tls_key")
+    if tls or tls_ca is not None or tls_cert is not None:
+        credentials = grpc.ssl_channel_credentials(_pem(tls_ca, "tls_ca"), _pem(tls_key, "tls_key"),
+                                                   _pem(tls_cert, "tls_cert"))
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)

@@ -1,0 +1,294 @@
+"""verl drop-in: ``get_adv_estimator_fn`` returns functions with verl's keyword signature that compute
+through the advantage service.
+
+A verl user swaps one import and keeps every call::
+
+    # was: from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+    from advantage_client.verl import get_adv_estimator_fn
+
+    adv_estimator_fn = get_adv_estimator_fn(config.algorithm.adv_estimator)  # server: $ADVANTAGE_SERVICE_TARGET
+    advantages, returns = adv_estimator_fn(token_level_rewards=token_level_rewards,
+                                           response_mask=response_mask,
+                                           index=data.non_tensor_batch["uid"],
+                                           config=config.algorithm)
+
+``get_adv_estimator_fn(name, target)`` takes the server address (``"host:port"``) or an
+:class:`~advantage_client.AdvantageClient` as ``target``; without one it uses the environment variable
+``ADVANTAGE_SERVICE_TARGET`` (default ``localhost:50051``), so verl's one-argument call works unchanged.
+
+The returned function accepts verl's keyword names (``token_level_rewards``, ``response_mask``,
+``index``, ``values``, ``gamma``, ``lam``, ``epsilon``, ``norm_adv_by_std_in_grpo``,
+``reward_baselines``, ``old_log_probs``, ``sum_pi_squared``, ``rollout_is_weights``,
+``handle_zero_tail``, ``f_norm``, ``alpha``, ``config``) and, positionally, each verl function's own
+argument order. Unknown keywords are ignored, as verl's ``**kwargs`` does. Each option is read where
+verl's function reads it: ``grpo_passk`` reads ``norm_adv_by_std_in_grpo`` and ``reinforce_plus_plus``
+reads ``gamma`` from ``config`` (a dict, an OmegaConf ``DictConfig``, verl's ``AlgoConfig`` or any object
+with those attributes); ``gpg``'s ``alpha`` is recomputed by verl from the batch, so the keyword is
+ignored; ``epsilon`` is passed on only to the estimators whose verl function uses it.
+It returns ``(advantages, returns)`` as torch tensors ``[B, T]`` on ``response_mask``'s device, in
+``token_level_rewards``' dtype; where verl returns the advantages tensor twice (GRPO family, RLOO, OPO,
+GPG, REINFORCE++-baseline), so does this function.
+
+Group labels (``index``): a NumPy array (or list, or tensor) of uid strings or integers; equal labels
+form a group, so ``"007"`` and ``"7"`` are two groups. ``grpo_vectorized`` reproduces verl's
+``as_torch_index`` instead, which turns numeric-looking strings into integers (``"007"`` and ``"7"``
+become one group). ``rloo_vectorized`` groups with ``np.unique`` in verl, i.e. by the labels as given,
+and multiplies by (group size > 1): a group of one gets 0 there, where verl's ``rloo`` (and the
+service's ``rloo``) keeps the sample's score; this function zeroes those rows for ``rloo_vectorized``.
+
+Not reproduced: verl's ``grpo_vectorized`` computes the group statistics in float32 and floors the group
+variance at ``epsilon`` (std >= sqrt(epsilon)); the service computes them exactly (float64) with
+``grpo``'s verl semantics, so a group whose reward variance is below ``epsilon`` (but not 0) is divided
+by its true std + epsilon rather than sqrt(epsilon) + epsilon.
+
+Names: verl's registry names ``gae``, ``grpo``, ``grpo_vectorized``, ``grpo_passk``,
+``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``rloo``, ``rloo_vectorized``,
+``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` (or verl's
+``AdvantageEstimator`` enum members). Shared service estimators (gae, grpo, reinforce_plus_plus, rloo,
+...) run with ``semantics = verl``.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from advantage_client import wire
+from advantage_client.client import AdvantageClient, reduce_prompt_ids
+
+DEFAULT_TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
+_DEFAULT_TARGET = "localhost:50051"
+
+
+@dataclass(frozen=True)
+class _VerlEstimator:
+    service: str                 # service estimator name
+    positional: tuple[str, ...]  # verl's own positional argument order
+    inputs: tuple[str, ...]      # verl keyword names of the tensors verl's function reads
+    same_returns: bool           # verl returns (advantages, advantages)
+
+
+_OUTCOME = ("token_level_rewards", "response_mask", "index", "epsilon", "config")
+_GRPO = ("token_level_rewards", "response_mask", "index", "epsilon", "norm_adv_by_std_in_grpo", "config")
+_OTB = ("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
+        "handle_zero_tail", "epsilon")
+_GROUPED = ("token_level_rewards", "response_mask", "index")
+
+ESTIMATORS: dict[str, _VerlEstimator] = {
+    "gae": _VerlEstimator("gae", ("token_level_rewards", "values", "response_mask", "gamma", "lam"),
+                          ("token_level_rewards", "response_mask", "values"), False),
+    "grpo": _VerlEstimator("grpo", _GRPO, _GROUPED, True),
+    "grpo_vectorized": _VerlEstimator("grpo", _GRPO, _GROUPED, True),
+    "grpo_passk": _VerlEstimator("grpo_passk", _GRPO, _GROUPED, True),
+    "reinforce_plus_plus": _VerlEstimator("reinforce_plus_plus", ("token_level_rewards", "response_mask", "config"),
+                                          ("token_level_rewards", "response_mask"), False),
+    "reinforce_plus_plus_baseline": _VerlEstimator("reinforce_plus_plus_baseline", _OUTCOME, _GROUPED, True),
+    "remax": _VerlEstimator("remax", ("token_level_rewards", "reward_baselines", "response_mask", "config"),
+                            ("token_level_rewards", "response_mask", "reward_baselines"), False),
+    "rloo": _VerlEstimator("rloo", _OUTCOME, _GROUPED, True),
+    "rloo_vectorized": _VerlEstimator("rloo", _OUTCOME, _GROUPED, True),
+    "opo": _VerlEstimator("opo", _OUTCOME, _GROUPED, True),
+    "gpg": _VerlEstimator("gpg", ("token_level_rewards", "response_mask", "index", "epsilon", "f_norm", "alpha",
+                                  "config"), _GROUPED, True),
+    "optimal_token_baseline": _VerlEstimator(
+        "optimal_token_baseline", _OTB,
+        _GROUPED + ("old_log_probs", "sum_pi_squared", "rollout_is_weights"), False),
+    "tir_optimal_token_baseline": _VerlEstimator(
+        "tir_optimal_token_baseline", _OTB,
+        _GROUPED + ("old_log_probs", "sum_pi_squared", "rollout_is_weights"), False),
+}
+
+#: verl keyword -> service input name
+_INPUT_NAMES = {
+    "token_level_rewards": "rewards", "response_mask": "mask", "index": "prompt_ids", "values": "values",
+    "reward_baselines": "reward_baselines", "old_log_probs": "logprobs", "sum_pi_squared": "sum_pi_squared",
+    "rollout_is_weights": "rollout_is_weights",
+}
+
+_clients: dict[Any, AdvantageClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _client_for(target: Any) -> AdvantageClient:
+    if isinstance(target, AdvantageClient):
+        return target
+    if target is None:
+        target = os.environ.get(DEFAULT_TARGET_ENV, _DEFAULT_TARGET)
+    if isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target):
+        key: Any = tuple(target)  # replica addresses
+    elif isinstance(target, str):
+        key = target
+    else:
+        raise TypeError(f"target must be a 'host:port' string, a list of them or an AdvantageClient, "
+                        f"got {type(target).__name__}")
+    with _clients_lock:  # verl looks the estimator up on every step: one channel per address
+        if key not in _clients:
+            _clients[key] = AdvantageClient(list(key) if isinstance(key, tuple) else key)
+        return _clients[key]
+
+
+def config_get(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` for a mapping (dict, ``DictConfig``), ``config.key`` for an object; ``default`` if absent."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    getter = getattr(config, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except (TypeError, KeyError, AttributeError):
+            pass
+    return getattr(config, key, default)
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def group_labels(index: Any, name: str) -> np.ndarray:
+    """verl ``index`` -> what the client sends as ``prompt_ids`` (labels; the client maps them to ids).
+
+    Equal labels form a group, as in verl's dict-based estimators. ``grpo_vectorized`` follows verl's
+    ``as_torch_index``: integers as given, near-integer floats rounded, and an array whose every
+    label parses as an integer (``"007"``, ``"7"``) converted to those integers.
+    """
+    arr = _numpy(index).reshape(-1)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    if name == "grpo_vectorized":
+        if arr.dtype.kind == "f":
+            rounded = np.rint(arr.astype(np.float64))
+            if np.allclose(arr, rounded, rtol=0.0, atol=1e-6):
+                return rounded.astype(np.int64)
+        try:
+            return arr.astype(np.int64)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if arr.dtype.kind in "fb":  # float or bool labels: group by value
+        return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    return arr
+
+
+def _zero_singleton_groups(advantages: Any, labels: np.ndarray) -> Any:
+    """verl's rloo_vectorized multiplies by (group size > 1): a group of one gets 0, where verl's loop
+    ``rloo`` (what the service's rloo computes) keeps the sample's score."""
+    ids = reduce_prompt_ids(labels)  # any labels -> int64 ids, as the client sends them
+    inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)[1:]
+    keep = (counts[inverse.reshape(-1)] > 1)[:, None]
+    if keep.all():
+        return advantages
+    if hasattr(advantages, "new_tensor"):
+        return advantages * advantages.new_tensor(keep)
+    return advantages * keep
+
+
+def _output_dtype(token_level_rewards: Any) -> str:
+    name = str(getattr(token_level_rewards, "dtype", "float32")).replace("torch.", "")
+    return name if name in ("float64", "bfloat16", "float16") else "float32"
+
+
+def _service_config(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The service config for verl estimator ``name``, each option read where verl's function reads it."""
+    config = args.get("config")
+    cfg: dict[str, Any] = {}
+    if name == "gae":
+        gamma = args.get("gamma") if args.get("gamma") is not None else config_get(config, "gamma")
+        lam = args.get("lam") if args.get("lam") is not None else config_get(config, "lam")
+        if gamma is None or lam is None:
+            raise TypeError("gae needs `gamma` and `lam` (keywords, or keys of `config`)")
+        cfg.update(gae_gamma=float(gamma), gae_lambda=float(lam))
+    elif name in ("grpo", "grpo_vectorized"):
+        norm = args.get("norm_adv_by_std_in_grpo")
+        cfg.update(normalize_rewards=bool(True if norm is None else norm),
+                   epsilon=float(1e-6 if args.get("epsilon") is None else args["epsilon"]))
+    elif name == "grpo_passk":  # verl reads the flag from config, not from the keyword
+        cfg.update(normalize_rewards=bool(config_get(config, "norm_adv_by_std_in_grpo", True)),
+                   epsilon=float(1e-6 if args.get("epsilon") is None else args["epsilon"]))
+    elif name == "reinforce_plus_plus":  # verl reads gamma from config (AlgoConfig default 1.0)
+        gamma = config_get(config, "gamma")
+        if gamma is None:
+            gamma = args.get("gamma")
+        cfg.update(gamma=float(1.0 if gamma is None else gamma))
+    elif name == "gpg":  # alpha is recomputed by verl as B / max(#nonzero scores, 1): not forwarded
+        cfg.update(f_norm=float(1.0 if args.get("f_norm") is None else args["f_norm"]))
+    elif name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        if args.get("handle_zero_tail") is not None:
+            cfg.update(handle_zero_tail=bool(args["handle_zero_tail"]))
+        cfg.update(epsilon=float(1e-8 if args.get("epsilon") is None else args["epsilon"]))
+    return cfg
+
+
+def _with_semantics(service: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Add ``semantics = verl`` where the service's config message has that field (shared names)."""
+    _, cls = wire.ESTIMATOR_FIELDS.get(service, (None, None))
+    if cls is not None and "semantics" in cls.DESCRIPTOR.fields_by_name:
+        return {"semantics": "verl", **cfg}
+    return cfg
+
+
+def get_adv_estimator_fn(name_or_enum: Any, target: Any = None) -> Callable[..., tuple[Any, Any]]:
+    """The verl advantage estimator ``name_or_enum`` (a registry name or ``AdvantageEstimator`` member),
+    computed by the advantage server at ``target`` (``"host:port"`` or an ``AdvantageClient``; default
+    ``$ADVANTAGE_SERVICE_TARGET`` or ``localhost:50051``).
+
+    Returns ``fn(**verl_kwargs) -> (advantages, returns)``. Raises ``ValueError`` for a name verl's
+    registry does not have (as verl does).
+    """
+    name = name_or_enum.value if isinstance(name_or_enum, enum.Enum) else name_or_enum
+    spec = ESTIMATORS.get(name)
+    if spec is None:
+        raise ValueError(f"Unknown advantage estimator simply: {name}; the service runs {sorted(ESTIMATORS)}")
+    client = _client_for(target)
+
+    def adv_estimator_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if len(args) > len(spec.positional):
+            raise TypeError(f"{name} takes at most {len(spec.positional)} positional arguments "
+                            f"({', '.join(spec.positional)}), got {len(args)}")
+        bound = dict(kwargs)  # unknown keywords are ignored below, as verl's **kwargs does
+        for key, value in zip(spec.positional, args):
+            if key in kwargs:
+                raise TypeError(f"{name} got multiple values for argument {key!r}")
+            bound[key] = value
+        rewards, mask = bound.get("token_level_rewards"), bound.get("response_mask")
+        if rewards is None or mask is None:
+            raise TypeError(f"{name} needs token_level_rewards and response_mask")
+        cfg = _with_semantics(spec.service, _service_config(name, bound))
+        tensors = {}
+        for key in spec.inputs:
+            value = bound.get(key)
+            if value is None:
+                continue
+            tensors[_INPUT_NAMES[key]] = group_labels(value, name) if key == "index" else value
+        result = client.compute(spec.service, cfg, output_dtype=_output_dtype(rewards), **tensors)
+        device = getattr(mask, "device", None)
+        advantages = result.advantages
+        if name == "rloo_vectorized" and "prompt_ids" in tensors:
+            advantages = _zero_singleton_groups(advantages, tensors["prompt_ids"])
+        if device is not None and hasattr(advantages, "to"):
+            advantages = advantages.to(device)
+        if spec.same_returns:
+            return advantages, advantages
+        returns = result.returns
+        if returns is None:
+            raise RuntimeError(f"the server's {spec.service!r} returned no `returns`; verl's {name} returns them")
+        if device is not None and hasattr(returns, "to"):
+            returns = returns.to(device)
+        return advantages, returns
+
+    adv_estimator_fn.__name__ = f"remote_{name}"
+    adv_estimator_fn.__qualname__ = adv_estimator_fn.__name__
+    adv_estimator_fn.__doc__ = (f"verl's {name!r} advantage estimator, computed by the advantage service "
+                                f"({spec.service!r}). Returns (advantages, returns).")
+    adv_estimator_fn.name = name  # type: ignore[attr-defined]
+    adv_estimator_fn.client = client  # type: ignore[attr-defined]
+    return adv_estimator_fn
+
+
+__all__ = ["get_adv_estimator_fn", "ESTIMATORS", "config_get", "group_labels", "DEFAULT_TARGET_ENV"]

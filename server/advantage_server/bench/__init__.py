@@ -1,0 +1,17 @@
+"""``advantage-bench``: how fast the estimators run against the published reference code, the peer and the
+memory floor; concurrency; server memory; end to end over gRPC on loopback (pluggable transport rows).
+
+Run ``advantage-bench --help``; ``advantage-bench --quick`` finishes in under a minute. Modules:
+:mod:`.run` (the command and its table), :mod:`.references` (the reference loops and the peer),
+:mod:`.workloads` (inputs and floor bytes), :mod:`.measure` (timing, bandwidth, RSS),
+:mod:`.transports` (the e2e rows; add yours there), :mod:`.serve` and :mod:`.memprobe` (helper processes).
+"""
+from __future__ import annotations
+
+
+def main(argv=None):
+    from advantage_server.bench.run import main as _main
+    return _main(argv)
+
+
+__all__ = ["main"]

@@ -1,0 +1,3 @@
+from advantage_server.bench import main
+
+main()

@@ -1,0 +1,149 @@
+"""Measuring: medians after warm-up, copy bandwidth (the memory floor's yardstick), peak RSS, the machine."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Timing:
+    median_s: float
+    runs: list[float]
+
+    @property
+    def ms(self) -> float:
+        return self.median_s * 1e3
+
+
+def timeit(fn: Callable[[], Any], repeats: int, warmup: int = 1, budget_s: float | None = None) -> Timing:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs. With ``budget_s``, stops
+    early (after at least one timed run) once the timed runs have taken that long: the slow
+    references get fewer runs than the kernels, never zero."""
+    for _ in range(warmup):
+        fn()
+    runs: list[float] = []
+    spent = 0.0
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+        spent += runs[-1]
+        if budget_s is not None and spent >= budget_s:
+            break
+    return Timing(statistics.median(runs), runs)
+
+
+@dataclass
+class Bandwidth:
+    """Copy bandwidth: (bytes read + bytes written) per second of a large memcpy."""
+
+    numpy_gbps: float   # np.copyto, one thread
+    torch_gbps: float   # Tensor.copy_, torch's intra-op threads
+    size_mib: int
+
+    @property
+    def best_gbps(self) -> float:
+        """The floor uses the faster of the two: the stricter yardstick."""
+        return max(self.numpy_gbps, self.torch_gbps)
+
+
+def copy_bandwidth(size_mib: int = 256, repeats: int = 7) -> Bandwidth:
+    n = size_mib * (1 << 20) // 4
+    src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    dst[:] = 0  # touch the pages before timing
+    t_np = timeit(lambda: np.copyto(dst, src), repeats)
+    ts, td = torch.from_numpy(src), torch.from_numpy(dst)
+    t_torch = timeit(lambda: td.copy_(ts), repeats)
+    moved = 2 * n * 4
+    return Bandwidth(moved / t_np.median_s / 1e9, moved / t_torch.median_s / 1e9, size_mib)
+
+
+# ------------------------------------------------------------------------------------ memory
+def _status_kib(key: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak(pid: int | str = "self") -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of a process (Linux ``clear_refs`` 5)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    return _status_kib("VmRSS", pid) * 1024
+
+
+def peak_bytes(pid: int | str = "self") -> int:
+    return _status_kib("VmHWM", pid) * 1024
+
+
+def peak_extra_rss(fn: Callable[[], Any]) -> int | None:
+    """Peak RSS above the RSS before ``fn()`` while it runs, in bytes (None where the peak cannot be reset)."""
+    try:
+        before = rss_bytes()
+        if not reset_peak():
+            return None
+        result = fn()
+        extra = peak_bytes() - before
+        del result
+        return max(0, extra)
+    except (OSError, KeyError):
+        return None
+
+
+# ----------------------------------------------------------------------------------- machine
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB"
+    except (ValueError, OSError):
+        mem = "?"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 0
+    from advantage_server.estimators import jit
+    versions = [f"python {platform.python_version()}", f"torch {torch.__version__}", f"numpy {np.__version__}"]
+    if jit._numba is not None:
+        versions.append(f"numba {jit._numba.__version__}" + ("" if jit.NUMBA else " (disabled)"))
+    else:
+        versions.append("numba absent (torch kernels)")
+    try:
+        import torchrl
+        versions.append(f"torchrl {torchrl.__version__}")
+    except Exception:
+        versions.append("torchrl absent")
+    return {"cpu": cpu, "cores": str(cores), "memory": mem, "torch_threads": str(torch.get_num_threads()),
+            "versions": ", ".join(versions)}
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"

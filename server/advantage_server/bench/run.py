@@ -1,0 +1,459 @@
+"""``advantage-bench``: the estimator kernels against the published reference code, the vectorized peer
+and the memory floor; concurrency; server memory per request; end to end over gRPC on loopback.
+
+Prints one table per run (medians of repeated runs after a warm-up), with the machine, the copy
+bandwidth and the load average before and after (other work on the machine skews timings: compare the
+ratios within one run). See BENCHMARKS.md for the command and results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from advantage_server.bench import measure, references, transports, workloads
+from advantage_server.core import AdvantageCore, config_from_dict
+from advantage_server.estimators import REGISTRY, Batch, jit
+from advantage_server.estimators.gae import gae_kernel, token_level_rewards
+
+DEFAULT_SIZES = "256x1024x8,1024x4096x16,512x8192x8"
+DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8"
+QUICK_SIZES = "64x256x8,256x1024x8"
+QUICK_GROUP_SIZES = "8192x16x8"
+GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
+SECTIONS = ("kernel", "concurrency", "memory", "e2e")
+MiB = 1 << 20
+
+
+@dataclass
+class Row:
+    section: str
+    estimator: str
+    size: str
+    impl: str
+    ms: float | None = None          # median wall time
+    vs_ours: float | None = None     # time / our time for the same operation (concurrency: throughput ratio)
+    vs_floor: float | None = None    # time / memory-floor time
+    gbps: float | None = None        # floor bytes (e2e: payload bytes) per second
+    extra_mib: float | None = None   # peak RSS above the RSS before the call
+    err: float | None = None         # max |this - reference| / max(1, max |reference|)
+    note: str = ""
+
+
+@dataclass
+class Report:
+    argv: list[str]
+    machine: dict[str, str]
+    bandwidth: measure.Bandwidth | None = None
+    load_before: str = ""
+    load_after: str = ""
+    peak_rss_mib: float = 0.0
+    seconds: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        return row
+
+
+def parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    sizes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            B, T, G = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"bad size {item!r}: write BxTxG, e.g. 512x8192x8") from None
+        sizes.append((B, T, G))
+    return sizes
+
+
+def size_label(B: int, T: int, G: int) -> str:
+    return f"{B}x{T}x{G}"
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    g, r = got.to(torch.float64), ref.to(torch.float64)
+    return float((g - r).abs().max()) / max(1.0, float(r.abs().max()))
+
+
+def dense(result: Any) -> Any:
+    """An estimator result with its tensors as dense memory (an ``expand`` view is written out)."""
+    result.advantages = result.advantages.contiguous()
+    if result.returns is not None:
+        result.returns = result.returns.contiguous()
+    return result
+
+
+# ------------------------------------------------------------------------------------ kernel
+def prepared(estimator: str, B: int, T: int, G: int, seed: int = 0):
+    config, tensors = workloads.inputs(estimator, B, T, G, seed)
+    spec = REGISTRY[estimator]
+    cfg = config_from_dict(spec, config).resolved()
+    batch = Batch(AdvantageCore("cpu").prepare(spec, cfg, tensors))
+    return spec, cfg, batch, tensors
+
+
+def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, bw: float) -> None:
+    B, T, G = size
+    label = size_label(*size)
+    spec, cfg, batch, tensors = prepared(estimator, B, T, G)
+    floor_b = workloads.floor_bytes(estimator, B, T)
+    floor_s = floor_b / (bw * 1e9)
+
+    def run_ours():
+        return dense(spec.fn(cfg, batch))
+
+    t_ours = measure.timeit(run_ours, args.repeats)
+    ours = run_ours()
+    extra = measure.peak_extra_rss(run_ours)
+    report.add(Row("kernel", estimator, label, "ours: estimator (in-process)", t_ours.ms, 1.0, t_ours.median_s / floor_s,
+                   floor_b / t_ours.median_s / 1e9, None if extra is None else extra / MiB,
+                   note=f"{len(t_ours.runs)} runs"))
+    ref_budget = args.ref_budget
+
+    if estimator == "gae":
+        mask, values = batch["mask"], batch["values"]
+        tok = token_level_rewards(batch["rewards"], mask)
+        kfloor_b = workloads.gae_kernel_floor_bytes(B, T)
+        kfloor_s = kfloor_b / (bw * 1e9)
+        gamma, lam = cfg.gae_gamma, cfg.gae_lambda
+        t_k = measure.timeit(lambda: gae_kernel(tok, values, mask, gamma, lam), args.repeats)
+        k_out = gae_kernel(tok, values, mask, gamma, lam)
+        extra = measure.peak_extra_rss(lambda: gae_kernel(tok, values, mask, gamma, lam))
+        report.add(Row("kernel", estimator, label, "ours: gae_kernel", t_k.ms, 1.0, t_k.median_s / kfloor_s,
+                       kfloor_b / t_k.median_s / 1e9, None if extra is None else extra / MiB,
+                       note="token rewards [B,T] -> advantages, no whitening"))
+        if not args.no_refs:
+            t_ref = measure.timeit(lambda: references.gae_per_step_loop(tok, values, mask, gamma, lam),
+                                   args.ref_repeats, budget_s=ref_budget)
+            ref = references.gae_per_step_loop(tok, values, mask, gamma, lam)
+            report.add(Row("kernel", estimator, label, "ref: per-time-step loop", t_ref.ms, t_ref.median_s / t_k.median_s,
+                           t_ref.median_s / kfloor_s, kfloor_b / t_ref.median_s / 1e9, err=rel_err(k_out, ref),
+                           note=f"x ours vs gae_kernel; err = gae_kernel vs this loop; {len(t_ref.runs)} runs"))
+        peer_label, peer = references.torchrl_peer()
+        prep = references.prepare_peer(tok, values, gamma, lam)
+        t_peer = measure.timeit(lambda: peer(prep), args.repeats)
+        full = torch.ones_like(mask)
+        k_full = gae_kernel(tok, values, full, gamma, lam)
+        t_k_full = measure.timeit(lambda: gae_kernel(tok, values, full, gamma, lam), args.repeats)
+        report.add(Row("kernel", estimator, label, "ours: gae_kernel, full rows", t_k_full.ms, 1.0,
+                       t_k_full.median_s / kfloor_s, kfloor_b / t_k_full.median_s / 1e9,
+                       note="all-ones mask: the peer's workload"))
+        report.add(Row("kernel", estimator, label, peer_label, t_peer.ms, t_peer.median_s / t_k_full.median_s,
+                       t_peer.median_s / kfloor_s, kfloor_b / t_peer.median_s / 1e9,
+                       err=rel_err(peer(prep), k_full),
+                       note="x ours vs gae_kernel on full rows (no mask support); err vs ours"))
+        report.add(Row("kernel", estimator, label, "memory floor: gae_kernel", kfloor_s * 1e3, None, 1.0, bw,
+                       note=f"{kfloor_b / MiB:.1f} MiB moved"))
+        report.add(Row("kernel", estimator, label, "memory floor: estimator", floor_s * 1e3, None, 1.0, bw,
+                       note=f"{floor_b / MiB:.1f} MiB moved"))
+        return
+
+    ref_fn: Callable[[], Any] | None = None
+    ref_label = ""
+    ids = tensors.get("prompt_ids")
+    if estimator == "grpo":
+        ref_label = "ref: per-prompt loop"
+        ref_fn = lambda: references.grpo_per_prompt_loop(ids, tensors["rewards"], T)  # noqa: E731
+    elif estimator == "gdpo":
+        ref_label = "ref: per-prompt loop per component"
+        comps = [tensors[k] for k in sorted(k for k in tensors if k.startswith("reward/"))]
+        ref_fn = lambda: references.gdpo_per_prompt_loop(ids, comps, T)  # noqa: E731
+    elif estimator == "reinforce_plus_plus":
+        ref_label = "ref: per-prompt loop + masked whitening"
+        ref_fn = lambda: references.reinforce_pp_per_prompt_loop(ids, tensors["rewards"], tensors["mask"])  # noqa: E731
+    elif estimator == "opd":
+        ref_label = "ref: straightforward torch"
+        ref_fn = lambda: references.opd_straightforward(tensors["teacher_logprobs"], tensors["prev_logprobs"],  # noqa: E731
+                                                        tensors["mask"])[0]
+    if ref_fn is not None and not args.no_refs:
+        t_ref = measure.timeit(ref_fn, args.ref_repeats, budget_s=ref_budget)
+        report.add(Row("kernel", estimator, label, ref_label, t_ref.ms, t_ref.median_s / t_ours.median_s,
+                       t_ref.median_s / floor_s, floor_b / t_ref.median_s / 1e9, err=rel_err(ours.advantages, ref_fn()),
+                       note=f"err = ours vs this; {len(t_ref.runs)} runs"))
+    report.add(Row("kernel", estimator, label, "memory floor", floor_s * 1e3, None, 1.0, bw,
+                   note=f"{floor_b / MiB:.2f} MiB moved"))
+
+
+# ------------------------------------------------------------------------------- concurrency
+def concurrency_section(report: Report, estimator: str, size: tuple[int, int, int], args) -> None:
+    B, T, G = size
+    spec, cfg, batch, _ = prepared(estimator, B, T, G)
+    call = lambda: spec.fn(cfg, batch)  # noqa: E731
+    call()
+    callers = args.callers
+    t_one = measure.timeit(call, 3).median_s
+    per_thread = max(2, min(50, int(args.concurrency_seconds / max(t_one, 1e-4) / callers)))
+
+    def throughput(n_threads: int) -> float:
+        total = per_thread * callers
+        if n_threads == 1:
+            t0 = time.perf_counter()
+            for _ in range(total):
+                call()
+            return total / (time.perf_counter() - t0)
+        barrier = threading.Barrier(n_threads + 1)
+        errors: list[BaseException] = []
+
+        def worker():
+            barrier.wait()
+            try:
+                for _ in range(total // n_threads):
+                    call()
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+        for th in threads:
+            th.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return (total // n_threads) * n_threads / (time.perf_counter() - t0)
+
+    label = size_label(*size)
+    for split in (True, False):
+        old = jit.set_row_parallel(split)
+        try:
+            one = throughput(1)
+            many = throughput(callers)
+        finally:
+            jit.set_row_parallel(old)
+        how = "rows split over the cores" if split else "each call on one core"
+        report.add(Row("concurrency", estimator, label, f"1 caller ({how})", 1e3 / one, 1.0,
+                       note=f"{one:.1f} calls/s"))
+        report.add(Row("concurrency", estimator, label, f"{callers} callers ({how})", 1e3 / many, many / one,
+                       note=f"{many:.1f} calls/s; x ours = throughput / 1 caller's"))
+
+
+# ------------------------------------------------------------------------------------ memory
+def memory_section(report: Report, estimator: str, size: tuple[int, int, int]) -> None:
+    B, T, G = size
+    proc = subprocess.run([sys.executable, "-m", "advantage_server.bench.memprobe", estimator, str(B), str(T), str(G)],
+                          capture_output=True, text=True, timeout=600)
+    label = size_label(*size)
+    if proc.returncode != 0:
+        report.add(Row("memory", estimator, label, "core.compute peak extra RSS", note="probe failed: "
+                       + (proc.stderr.strip().splitlines() or ["?"])[-1][:80]))
+        return
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    extra = out["extra"]
+    ratio = None if extra is None else extra / out["payload"]
+    report.add(Row("memory", estimator, label, "core.compute peak extra RSS", None,
+                   extra_mib=None if extra is None else extra / MiB,
+                   note=(f"request {out['payload'] / MiB:.1f} MiB, response {out['response'] / MiB:.1f} MiB; "
+                         + ("peak not measurable here" if ratio is None else f"{ratio:.2f}x request payload"))))
+
+
+# ----------------------------------------------------------------------------------- e2e
+class BenchServer:
+    """The benchmark's server in its own process (``advantage_server.bench.serve``)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "advantage_server.bench.serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the benchmark server did not start")
+        info = json.loads(line)
+        self.address, self.pid = info["address"], info["pid"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=15)
+        except Exception:  # pragma: no cover
+            self.proc.kill()
+
+
+def e2e_section(report: Report, server: BenchServer, transport: transports.Transport, size: tuple[int, int, int],
+                args, in_process_ms: dict[str, float], ref_ms: dict[str, float]) -> None:
+    B, T, G = size
+    label = size_label(*size)
+    reason = transport.skip_reason()
+    if reason:
+        report.add(Row("e2e", "gae", label, transport.name, note=f"skipped: {reason}"))
+        return
+    config, tensors = workloads.inputs("gae", B, T, G)
+    session = transport.open(server.address)
+    try:
+        call = lambda: transport.compute(session, "gae", config, tensors)  # noqa: E731
+        res = call()
+        big = workloads.payload_bytes(tensors) > 128 * MiB
+        t = measure.timeit(call, 3 if big else args.repeats, warmup=0 if big else 1)
+        measure.reset_peak(server.pid)
+        before = measure.rss_bytes(server.pid)
+        res = call()
+        extra = measure.peak_bytes(server.pid) - before
+    finally:
+        transport.close(session)
+    request = workloads.payload_bytes(tensors)
+    response = res.advantages.numel() * res.advantages.element_size() + (
+        0 if res.returns is None else res.returns.numel() * res.returns.element_size())
+    moved = request + response
+    err = None
+    if not big:  # the same batch in-process: the transport must not change a bit of it
+        spec, cfg, batch, _ = prepared("gae", B, T, G)
+        err = rel_err(res.advantages, spec.fn(cfg, batch).advantages)
+    ours = in_process_ms.get(label)
+    ref = ref_ms.get(label)
+    note = (f"req {request / MiB:.1f} MiB + resp {response / MiB:.1f} MiB = {moved / MiB / t.median_s:.0f} MiB/s; "
+            f"server peak +{extra / MiB:.0f} MiB = {extra / request:.2f}x req")
+    if ref is not None:
+        note += f"; vs in-process ref loop: {t.ms / ref:.2f}x"
+    report.add(Row("e2e", "gae", label, transport.name, t.ms, None if ours is None else t.ms / ours, None,
+                   moved / t.median_s / 1e9, extra / MiB, err, note))
+
+
+# ------------------------------------------------------------------------------------- table
+def fmt(v: float | None, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def render(report: Report) -> str:
+    m = report.machine
+    lines = [
+        f"advantage-bench: {' '.join(report.argv) or '(defaults)'}",
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; torch threads {m['torch_threads']}; {m['versions']}",
+    ]
+    if report.bandwidth:
+        bwr = report.bandwidth
+        lines.append(f"copy bandwidth ({bwr.size_mib} MiB, read+write): numpy {bwr.numpy_gbps:.1f} GB/s, torch "
+                     f"{bwr.torch_gbps:.1f} GB/s -> floor uses {bwr.best_gbps:.1f} GB/s")
+    lines.append(f"load average: {report.load_before} before, {report.load_after} after; "
+                 f"bench peak RSS {report.peak_rss_mib:.0f} MiB; {report.seconds:.0f} s")
+    lines.append("columns: ms = median; x ours = time / ours (concurrency: throughput / 1 caller); x floor = time / "
+                 "memory-floor time; GB/s = floor bytes (e2e: payload bytes) / time; +RSS = peak RSS above the "
+                 "RSS before; err = max abs diff / max(1, max |ref|)")
+    header = ["section", "estimator", "BxTxG", "implementation", "ms", "x ours", "x floor", "GB/s", "+RSS MiB", "err",
+              "note"]
+    table = [[r.section, r.estimator, r.size, r.impl, fmt(r.ms, ".3f"), fmt(r.vs_ours, ".2f"), fmt(r.vs_floor, ".2f"),
+              fmt(r.gbps, ".2f"), fmt(r.extra_mib, ".1f"), fmt(r.err, ".1e"), r.note] for r in report.rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
+    numeric = {4, 5, 6, 7, 8, 9}
+
+    def line(cells):
+        return " | ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    lines.append(line(header))
+    lines.append("-+-".join("-" * w for w in widths))
+    lines.extend(line(r) for r in table)
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="advantage-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}; groups {QUICK_GROUP_SIZES}), "
+                    "3 repeats, no transport-size row: under a minute")
+    ap.add_argument("--sizes", default=None, help=f"BxTxG list for every estimator (default {DEFAULT_SIZES})")
+    ap.add_argument("--group-sizes", default=None,
+                    help=f"BxTxG list for the group estimators and OPD only (default {DEFAULT_GROUP_SIZES})")
+    ap.add_argument("--estimators", default=",".join(workloads.ESTIMATORS))
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per kernel row (default 9; quick 3)")
+    ap.add_argument("--ref-repeats", type=int, default=3, help="timed runs per reference-loop row")
+    ap.add_argument("--ref-budget", type=float, default=10.0, help="seconds of timed runs per reference row (>= 1 run)")
+    ap.add_argument("--no-refs", action="store_true", help="skip the slow reference loops")
+    ap.add_argument("--callers", type=int, default=8, help="concurrent in-process callers")
+    ap.add_argument("--concurrency-seconds", type=float, default=None, help="work per concurrency measurement")
+    ap.add_argument("--transports", default=None, help="e2e transport rows by name (default: all registered)")
+    ap.add_argument("--transport-mib", type=int, default=None,
+                    help="extra e2e row with a GAE request of about this many MiB (default 256; quick 0 = none)")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before measuring")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> Report:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    group_sizes = parse_sizes(args.group_sizes if args.group_sizes is not None
+                              else (QUICK_GROUP_SIZES if args.quick else DEFAULT_GROUP_SIZES))
+    args.repeats = args.repeats or (3 if args.quick else 9)
+    if args.quick:
+        args.ref_repeats = min(args.ref_repeats, 2)
+        args.ref_budget = min(args.ref_budget, 2.0)
+    args.concurrency_seconds = args.concurrency_seconds or (0.5 if args.quick else 2.0)
+    transport_mib = args.transport_mib if args.transport_mib is not None else (0 if args.quick else 256)
+    estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    for e in estimators:
+        if e not in workloads.ESTIMATORS:
+            raise SystemExit(f"unknown estimator {e!r}; choose from {', '.join(workloads.ESTIMATORS)}")
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if sections - set(SECTIONS):
+        raise SystemExit(f"unknown section(s) {sorted(sections - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+    transports.load_plugins()
+    chosen = transports.select(args.transports)
+
+    t_start = time.perf_counter()
+    report = Report(argv=["advantage-bench", *argv], machine=measure.machine(), load_before=measure.loadavg())
+    report.bandwidth = measure.copy_bandwidth(64 if args.quick else 256, 5 if args.quick else 9)
+    bw = report.bandwidth.best_gbps
+
+    in_process_ms: dict[str, float] = {}
+    ref_ms: dict[str, float] = {}
+    if "kernel" in sections:
+        for est in estimators:
+            for size in sizes + ([s for s in group_sizes] if est in GROUP_ESTIMATORS else []):
+                kernel_section(report, est, size, args, bw)
+                if est == "gae":
+                    label = size_label(*size)
+                    for r in report.rows:
+                        if r.size == label and r.estimator == "gae" and r.section == "kernel":
+                            if r.impl == "ours: estimator (in-process)":
+                                in_process_ms[label] = r.ms
+                            elif r.impl == "ref: per-time-step loop":
+                                ref_ms[label] = r.ms
+    if "concurrency" in sections:
+        if "gae" in estimators:
+            concurrency_section(report, "gae", sizes[-1], args)
+        if "grpo" in estimators and group_sizes:
+            concurrency_section(report, "grpo", group_sizes[-1], args)
+    if "memory" in sections:
+        for est in estimators:
+            for size in ([sizes[-1]] if est != "gae" else sizes) + ([group_sizes[-1]] if est in GROUP_ESTIMATORS
+                                                                   and group_sizes else []):
+                memory_section(report, est, size)
+    if "e2e" in sections and "gae" in estimators:
+        e2e_sizes = list(sizes)
+        if transport_mib:
+            T = 8192
+            B = max(1, transport_mib * MiB // (2 * T * 4))  # mask + values float32
+            e2e_sizes.append((B, T, 8))
+        server = BenchServer()
+        try:
+            for tr in chosen:
+                for size in e2e_sizes:
+                    e2e_section(report, server, tr, size, args, in_process_ms, ref_ms)
+        finally:
+            server.close()
+
+    report.load_after = measure.loadavg()
+    report.peak_rss_mib = measure.peak_bytes() / MiB
+    report.seconds = time.perf_counter() - t_start
+    print(render(report), flush=True)
+    if args.json:
+        data = asdict(report)
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

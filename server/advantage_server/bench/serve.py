@@ -1,0 +1,27 @@
+"""The benchmark's server: ``python -m advantage_server.bench.serve`` starts an advantage server on an
+ephemeral loopback port, prints ``{"address": ..., "pid": ...}`` as one JSON line, and serves until
+its standard input closes (the benchmark holds the pipe; when the benchmark dies, the server stops)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m advantage_server.bench.serve")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-message-mb", type=int, default=2047)
+    args = ap.parse_args(argv)
+    from advantage_server import create_server
+    server = create_server("127.0.0.1", 0, device=args.device, max_message_mb=args.max_message_mb).start()
+    print(json.dumps({"address": server.address, "pid": os.getpid()}), flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        server.stop(grace=1.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Compiled CPU kernels: the optional numba JIT, and a row-parallel runner for it.
+
+The estimators have one pure-torch implementation (used on a GPU, and on the CPU when numba is
+absent) and, for the CPU, numba kernels that make one pass over memory with the GIL released. This
+module holds what those CPU kernels share:
+
+* :data:`NUMBA` - whether numba is importable and enabled. ``ADVANTAGE_NUMBA=0`` in the environment
+  turns the numba paths off (the torch paths then run everywhere); tests switch it per call with
+  :func:`use_numba`.
+* :func:`njit` - ``numba.njit(nogil=True, cache=True)``: compiled once per argument signature and
+  cached on disk, so a new server process loads the machine code instead of compiling it again. Without
+  numba it returns the Python function unchanged (never called on the hot path then).
+* :func:`parallel_rows` - runs ``kernel(lo, hi, *args)`` on row ranges that split ``[0, B)``, on a
+  small process-wide thread pool plus the calling thread. The kernels release the GIL, so the chunks
+  and concurrent requests run on all cores. A fixed pool (instead of numba's own ``parallel=True``
+  threading layers) is safe to call from many request threads at once and after ``fork``.
+
+Why not torch's intra-op threads: under CPU contention (another process on one of the two cores)
+OpenMP's barrier waits for the descheduled thread, and one torch call can take 10x its uncontended
+time; the chunks here are independent, so a late chunk only delays its own rows.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+try:  # numba is a dependency, but the torch paths must keep working without it
+    import numba as _numba
+except Exception:  # pragma: no cover - exercised by installs without numba
+    _numba = None
+
+#: numba importable and not disabled by ``ADVANTAGE_NUMBA=0``
+NUMBA: bool = _numba is not None and os.environ.get("ADVANTAGE_NUMBA", "1") not in ("0", "false", "no", "off")
+
+_local = threading.local()
+
+#: below this many elements a kernel runs on the calling thread alone (a hand-off costs ~20 us)
+PARALLEL_MIN_ELEMENTS = 1 << 17
+
+
+def njit(fn: Callable | None = None, *, contract: bool = False) -> Callable:
+    """``numba.njit(nogil=True, cache=True)`` when numba is installed, else ``fn`` itself.
+
+    ``contract=True`` lets LLVM fuse a multiply and an add into one FMA (one rounding instead of two:
+    as accurate or more, and half the latency on a recurrence's critical path); nothing else of
+    fast-math (no reassociation: sums keep their order).
+    """
+    def wrap(f: Callable) -> Callable:
+        if _numba is None:
+            return f
+        return _numba.njit(nogil=True, cache=True, fastmath={"contract"} if contract else False,
+                           error_model="numpy")(f)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def enabled() -> bool:
+    """Whether the numba CPU kernels are used for the current thread (see :func:`use_numba`)."""
+    flag = getattr(_local, "flag", None)
+    return NUMBA if flag is None else (flag and _numba is not None)
+
+
+@contextlib.contextmanager
+def use_numba(flag: bool) -> Iterator[None]:
+    """Force the numba kernels on or off in this thread (tests run both paths against the loop twins)."""
+    old = getattr(_local, "flag", None)
+    _local.flag = flag
+    try:
+        yield
+    finally:
+        _local.flag = old
+
+
+def applies(*tensors: torch.Tensor | None) -> bool:
+    """True when the numba kernels should run on these tensors: numba on, every tensor on the CPU,
+    float32/float64 data (masks may also be bool/uint8), no autograd history."""
+    if not enabled():
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu" or t.requires_grad:
+            return False
+        if t.dtype not in (torch.float32, torch.float64, torch.bool, torch.uint8, torch.int64, torch.int32):
+            return False
+    return True
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous numpy view of a CPU tensor (a copy only when ``t`` is not contiguous)."""
+    return t.detach().contiguous().numpy()
+
+
+# ------------------------------------------------------------------------------------ the pool
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def workers() -> int:
+    """Cores this process may run on (the pool's size, plus the calling thread's share)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, workers() - 1), thread_name_prefix="advantage-kernel")
+        return _pool
+
+
+def _reset_after_fork() -> None:  # the parent's pool threads do not exist in a forked child
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+_row_parallel = True
+
+
+def set_row_parallel(flag: bool) -> bool:
+    """Split a kernel's rows over the cores (default) or run each call on its calling thread alone
+    (the benchmark's concurrency section measures both). Returns the previous setting."""
+    global _row_parallel
+    old, _row_parallel = _row_parallel, bool(flag)
+    return old
+
+
+def parallel_rows(kernel: Callable[..., Any], B: int, T: int, *args: Any) -> None:
+    """Run ``kernel(lo, hi, *args)`` over row ranges covering ``[0, B)``, in parallel when worthwhile.
+
+    The kernel must release the GIL (``njit`` above does) and write only rows ``lo..hi-1`` of its
+    outputs. The calling thread runs the last range itself; the others go to the pool.
+    """
+    n = workers()
+    if n <= 1 or B < 2 or B * T < PARALLEL_MIN_ELEMENTS or not _row_parallel:
+        kernel(0, B, *args)
+        return
+    parts = min(n, B)
+    bounds = [B * i // parts for i in range(parts + 1)]
+    pool = _get_pool()
+    futures = [pool.submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(parts - 1)]
+    kernel(bounds[parts - 1], bounds[parts], *args)
+    for f in futures:
+        f.result()
+
+
+# ------------------------------------------------------------------------- shared small kernels
+_NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32}
+
+
+def np_dtype(dtype: torch.dtype) -> type:
+    """The numpy scalar type of a torch dtype (float32, float64, int64, int32)."""
+    return _NP_DTYPE[dtype]
+
+
+def numpy_as(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A CPU tensor's values as a numpy array of ``dtype`` (a view when it already has it). Casting with
+    numpy instead of ``Tensor.to`` keeps small casts off torch's intra-op thread pool (see above)."""
+    a = t.detach().numpy()
+    want = _NP_DTYPE[dtype]
+    return a if a.dtype == want else a.astype(want)
+
+
+@njit
+def _fill_rows(lo, hi, vals, out):  # pragma: no cover - compiled
+    for b in range(lo, hi):
+        x = vals[b]
+        for t in range(out.shape[1]):
+            out[b, t] = x
+
+
+def broadcast_rows(vals: np.ndarray, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B]`` values -> a dense ``[B, T]`` tensor of ``dtype`` (row b filled with ``vals[b]``), written
+    in parallel. The dense result is what the response carries; writing it here is the one write."""
+    B = vals.shape[0]
+    out = torch.empty((B, T), dtype=dtype)
+    parallel_rows(_fill_rows, B, T, np.ascontiguousarray(vals), out.numpy())
+    return out
+
+
+@njit
+def _count_rows(lo, hi, mask, out):  # pragma: no cover - compiled
+    for b in range(lo, hi):
+        c = 0
+        for t in range(mask.shape[1]):
+            if mask[b, t] != 0:
+                c += 1
+        out[b] = c
+
+
+def row_counts(mask: torch.Tensor) -> np.ndarray:
+    """``[B]`` float64: the number of mask != 0 positions of each row of a CPU ``[B, T]`` mask."""
+    m = as_numpy(mask)
+    out = np.zeros(m.shape[0], dtype=np.float64)
+    parallel_rows(_count_rows, m.shape[0], m.shape[1], m, out)
+    return out

@@ -1,0 +1,87 @@
+"""Reinforce++-baseline (Hu et al. 2025, arXiv:2501.03262): reward minus the prompt group's mean, whitened.
+
+Inputs: ``prompt_ids`` [B] (or [B, L]), ``rewards`` [B] or [B, T], ``mask`` [B, T]; ``logprobs`` and
+``reference_logprobs`` [B, T] when ``use_kl_in_reward`` (KL_t as in reinforce_plus_plus).
+
+``semantics = verl`` (default; verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``). No returns
+(verl returns the advantages twice).
+    s_i     = r_i - penalty * sum_t KL_t mask_t     (r: [B] rewards, or [B, T] summed over all T)
+    a_i     = s_i - mean_g(s)        a group of one has mean 0, so a = s
+    A_{i,t} = whiten(a_i * mask_{i,t}) * mask_{i,t}, whiten = (x - mu) * rsqrt(var + 1e-8) with mu and
+              the unbiased variance over the mask = 1 tokens (one valid token: var = 0; none: mu = var = 0,
+              where verl divides by zero).
+``semantics = openrlhf`` (OpenRLHF ``reinforce_baseline``). Returns G.
+    a_i     = r_i - mean_g(r)        ([B, T] rewards summed over T; a group of one gets 0)
+    r_t     = a_i on the row's last mask = 1 position, minus penalty * KL_t * mask_t
+    G_t     = sum_{k >= t} r_k mask_k                            (gamma 1, as OpenRLHF forces)
+    A       = (G - mu) / sqrt(max(var, 1e-8)), mu and biased var over the mask = 1 tokens, every position.
+
+Kernel: group means by index_add (float64, tied groups exact); :func:`rppb_scalars_loop` is the
+per-group loop twin (test oracle) of the per-sample baseline step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from advantage_server.estimators.common import (
+    KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, kl_total,
+    openrlhf_outcome, outcome_scores, verl_group_stats, whiten_unbiased,
+)
+from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
+
+
+@dataclass(frozen=True)
+class ReinforcePlusPlusBaselineConfig(KLInRewardConfig):
+    semantics: str | None = semantics_field(
+        ("verl", "openrlhf"),
+        "Reference reproduced: verl (compute_reinforce_plus_plus_baseline_outcome_advantage), openrlhf "
+        "(reinforce_baseline).")
+
+
+def rppb_scalars(group: torch.Tensor, scores: torch.Tensor, semantics: str) -> torch.Tensor:
+    """Per-sample ``score - group mean``, float64 ``[B]``; a group of one: verl keeps s, openrlhf gives 0."""
+    if semantics == "verl":
+        mean, _ = verl_group_stats(group, scores)
+    else:
+        mean, _ = group_baseline_and_std(group, scores, leave_one_out=False)
+    return scores.to(torch.float64) - mean
+
+
+def rppb_scalars_loop(group: torch.Tensor, scores: torch.Tensor, semantics: str) -> torch.Tensor:
+    """Loop twin of :func:`rppb_scalars` (test oracle)."""
+    s = scores.to(torch.float64).cpu().tolist()
+    g = group.cpu().tolist()
+    out = list(s)
+    for gid in set(g):
+        members = [i for i, x in enumerate(g) if x == gid]
+        vals = [s[i] for i in members]
+        if len(members) == 1:
+            mean = 0.0 if semantics == "verl" else vals[0]
+        else:
+            mean = vals[0] if all(v == vals[0] for v in vals) else sum(vals) / len(vals)
+        for i in members:
+            out[i] = s[i] - mean
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@register("reinforce_plus_plus_baseline", config=ReinforcePlusPlusBaselineConfig,
+          inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK, *KL_INPUTS],
+          reference="arXiv:2501.03262; verl compute_reinforce_plus_plus_baseline_outcome_advantage; "
+                    "OpenRLHF reinforce_baseline",
+          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"))
+def reinforce_plus_plus_baseline(cfg: ReinforcePlusPlusBaselineConfig, batch: Batch) -> AdvantageResult:
+    """Reward minus the per-prompt mean reward, whitened over the valid tokens of the batch.
+
+    Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]; logprobs and reference_logprobs [B, T] when
+    use_kl_in_reward. Returns advantages [B, T]; returns [B, T] under openrlhf semantics; no metrics.
+    """
+    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    dtype = rewards.dtype
+    if cfg.semantics == "verl":
+        a = rppb_scalars(group, outcome_scores(rewards) - kl_total(cfg, batch, mask), "verl")
+        m = mask.to(torch.float64)
+        return AdvantageResult((whiten_unbiased(a[:, None] * m, mask) * m).to(dtype))
+    adv, returns = openrlhf_outcome(rppb_scalars(group, outcome_scores(rewards), "openrlhf"), mask, cfg, batch)
+    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))

@@ -1,0 +1,81 @@
+"""RLOO, REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740; Kool et al. 2019).
+
+Inputs: ``prompt_ids`` [B] (or [B, L]), ``rewards`` [B] or [B, T] (summed over all T positions), ``mask``
+[B, T]; ``logprobs`` and ``reference_logprobs`` [B, T] when ``use_kl_in_reward`` (KL_t as in
+reinforce_plus_plus).
+
+Math, per sample i of a prompt group of n samples:
+    a_i = s_i - (sum_{j != i} s_j) / (n - 1)  =  (s_i - mean_g) * n / (n - 1)
+
+``semantics = verl`` (default; verl ``compute_rloo_outcome_advantage``). No returns (verl returns the
+advantages twice).
+    s_i = r_i - penalty * sum_t KL_t mask_t; a group of one keeps a = s (baseline 0);
+    A_{i,t} = a_i * mask_{i,t}.
+    verl's ``rloo_vectorized`` computes the same numbers except for a group of one, which it gives 0.
+``semantics = openrlhf`` (OpenRLHF ``rloo``). Returns G.
+    s_i = r_i; a group of one keeps a = s (baseline 0; OpenRLHF divides by n - 1 = 0 there);
+    a_i on the row's last mask = 1 position minus penalty * KL_t * mask_t, G = reverse cumulative sum
+    (gamma 1), A = (G - mu) / sqrt(max(var, 1e-8)) over the mask = 1 tokens (biased var), every position.
+
+Numerics: the leave-one-out mean is computed in float64 by removal from the group mean
+(:func:`~advantage_server.estimators.common.group_baseline_and_std`), exact when the others are tied.
+:func:`rloo_scalars_loop` is the per-group loop twin (test oracle).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from advantage_server.estimators.common import (
+    KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, group_sizes, kl_total,
+    openrlhf_outcome, outcome_scores,
+)
+from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
+
+
+@dataclass(frozen=True)
+class RLOOConfig(KLInRewardConfig):
+    semantics: str | None = semantics_field(
+        ("verl", "openrlhf"), "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo).")
+
+
+def rloo_scalars(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``s_i - mean of the others``, float64 ``[B]``; a group of one keeps ``s``."""
+    s = scores.to(torch.float64)
+    baseline, _ = group_baseline_and_std(group, s, leave_one_out=True)
+    return torch.where(group_sizes(group) > 1, s - baseline, s)
+
+
+def rloo_scalars_loop(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Loop twin of :func:`rloo_scalars` (test oracle)."""
+    s = scores.to(torch.float64).cpu().tolist()
+    g = group.cpu().tolist()
+    out = list(s)
+    for gid in set(g):
+        members = [i for i, x in enumerate(g) if x == gid]
+        if len(members) == 1:
+            continue
+        for i in members:
+            others = [s[j] for j in members if j != i]
+            base = others[0] if all(v == others[0] for v in others) else sum(others) / len(others)
+            out[i] = s[i] - base
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@register("rloo", config=RLOOConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK, *KL_INPUTS],
+          reference="arXiv:2402.14740; verl compute_rloo_outcome_advantage; OpenRLHF rloo",
+          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"))
+def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
+    """Reward minus the mean reward of the other samples of the same prompt.
+
+    Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]; logprobs and reference_logprobs [B, T] when
+    use_kl_in_reward. Returns advantages [B, T]; returns [B, T] under openrlhf semantics; no metrics.
+    """
+    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    dtype = rewards.dtype
+    if cfg.semantics == "verl":
+        a = rloo_scalars(group, outcome_scores(rewards) - kl_total(cfg, batch, mask))
+        return AdvantageResult((a[:, None] * mask.to(torch.float64)).to(dtype))
+    adv, returns = openrlhf_outcome(rloo_scalars(group, outcome_scores(rewards)), mask, cfg, batch)
+    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))

@@ -1,0 +1,288 @@
+"""Server limits and request lifetime: size and element caps, admission, deadlines, out-of-memory, drain.
+
+One :class:`RequestGate` per server decides, for every ``AdvantageService`` call:
+
+* **drain**: once :meth:`RequestGate.start_draining` ran (SIGTERM), every new call is refused with
+  UNAVAILABLE (a client with the retry policy tries another replica); calls already admitted finish,
+  and :meth:`RequestGate.wait_idle` tells the server when the last one did.
+* **admission**: at most ``max_concurrent_requests`` ``ComputeAdvantage`` calls are in progress at once
+  (computing, or waiting for one of the ``workers`` compute slots). The next one is refused at once with
+  RESOURCE_EXHAUSTED naming ``--max-concurrent-requests`` and its value: there is no unbounded queue.
+* **compute slots**: at most ``workers`` calls compute at once; an admitted call waits for a slot only
+  while its client is still there and its deadline has not passed.
+
+:func:`checkpoint` is the hook the core calls between its stages (decoded, prepared, computed): it
+raises :class:`RequestExpired` when the call was cancelled or its deadline passed, so an expired request
+stops instead of keeping the device busy. :func:`is_out_of_memory` recognises device and host
+allocation failures, which the servicer answers with RESOURCE_EXHAUSTED.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from advantage_server.errors import ResourceLimit
+
+log = logging.getLogger("advantage_server")
+
+#: threads beyond ``max(workers, max_concurrent_requests)`` for health checks, ListEstimators and
+#: refusals, so these never wait behind computations.
+SPARE_THREADS = 8
+#: gRPC's own cap on calls of any kind inside the server (``maximum_concurrent_rpcs``) is this many
+#: times the thread pool: a hard bound on what can queue for a thread even under a flood.
+BACKSTOP_FACTOR = 4
+
+DEFAULT_MAX_MESSAGE_MB = 1024
+DEFAULT_MAX_BATCH_ELEMENTS = 1 << 27
+DEFAULT_MAX_CONCURRENT_REQUESTS = 32
+DEFAULT_WORKERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The server's limits (each one a CLI flag of the same name)."""
+
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    max_batch_elements: int = DEFAULT_MAX_BATCH_ELEMENTS
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    workers: int = DEFAULT_WORKERS
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+    @property
+    def thread_pool_size(self) -> int:
+        return max(self.workers, self.max_concurrent_requests) + SPARE_THREADS
+
+    @property
+    def grpc_max_concurrent_rpcs(self) -> int:
+        return self.thread_pool_size * BACKSTOP_FACTOR
+
+
+class Draining(Exception):
+    """The server is shutting down; the call was not started (UNAVAILABLE: retry on another replica)."""
+
+
+class RequestExpired(Exception):
+    """The client cancelled the call or its deadline passed; the work stopped at ``stage``."""
+
+    def __init__(self, stage: str, deadline: bool):
+        self.stage = stage
+        self.deadline = deadline
+        what = "deadline expired" if deadline else "client cancelled the call"
+        super().__init__(f"{what} {stage}; the request was not finished")
+
+
+def check_batch_elements(inputs: dict[str, Any], limit: int) -> None:
+    """``ResourceLimit`` when a tensor message in ``inputs`` (name -> ``advantage.v1.Tensor``) declares more
+    than ``limit`` elements. Runs on the declared shape, before any byte is decoded. Empty dimensions
+    count as 1 here, so ``[0, 2**62]`` is refused too (no array library can lay that shape out); shapes
+    with a negative dimension are left to the decoder (INVALID_ARGUMENT)."""
+    for name, tensor in inputs.items():
+        shape = list(tensor.shape)
+        if any(d < 0 for d in shape):
+            continue
+        n = math.prod(max(d, 1) for d in shape)
+        if n > limit:
+            size = f"{math.prod(shape)} elements" if 0 not in shape else f"dimensions whose product is {n}"
+            raise ResourceLimit(f"{name} has shape {shape} = {size}, more than the server's "
+                                f"--max-batch-elements={limit}; split the batch into smaller requests")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device (CUDA) or host allocation failure, as torch, numpy and Python report them."""
+    if isinstance(exc, MemoryError):
+        return True
+    oom = getattr(__import__("torch"), "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+_CHECKPOINT: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "advantage_checkpoint", default=None)
+
+
+def checkpoint(stage: str) -> None:
+    """Called by the core between stages; raises :class:`RequestExpired` when the current call is over.
+
+    A no-op outside a gRPC call (in-process use of the core)."""
+    check = _CHECKPOINT.get()
+    if check is not None:
+        check(stage)
+
+
+@contextlib.contextmanager
+def checkpoints(check: Callable[[str], None]) -> Iterator[None]:
+    """Install ``check`` as the current call's checkpoint for the duration of the block."""
+    token = _CHECKPOINT.set(check)
+    try:
+        yield
+    finally:
+        _CHECKPOINT.reset(token)
+
+
+def grpc_liveness(context: Any) -> Callable[[str], None]:
+    """A checkpoint for a ``grpc.ServicerContext``: raises when the call was cancelled or expired."""
+    def check(stage: str) -> None:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise RequestExpired(stage, deadline=True)
+        if not context.is_active():
+            raise RequestExpired(stage, deadline=False)
+    return check
+
+
+# ------------------------------------------------------------------------------ the gate
+class RequestGate:
+    """Admission (``max_concurrent_requests``), compute slots (``workers``) and drain for one server."""
+
+    def __init__(self, max_concurrent_requests: int, workers: int):
+        self.max_concurrent_requests = max_concurrent_requests
+        self.workers = workers
+        self._cond = threading.Condition()
+        self._in_flight = 0   # every admitted call of the service (ComputeAdvantage and the rest)
+        self._limited = 0     # admitted ComputeAdvantage calls
+        self._draining = False
+        self._slots = threading.BoundedSemaphore(workers)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @contextlib.contextmanager
+    def admit(self, limited: bool, on_termination: Callable[[Callable[[], None]], bool] | None = None
+              ) -> Iterator[None]:
+        """Hold one place for a call; ``limited`` calls count against ``max_concurrent_requests``.
+
+        Raises :class:`Draining` after :meth:`start_draining`, ``ResourceLimit`` when the limit is reached.
+        The concurrency place is given back when the block ends (a client that is slow to read its
+        response does not hold it); the call stays *in flight* for the drain until ``on_termination``
+        (``ServicerContext.add_callback``: the response was delivered, or the call ended otherwise)
+        reports it, so a drain never cuts a response that is still being sent.
+        """
+        with self._cond:
+            if self._draining:
+                raise Draining("the server is shutting down and takes no new calls; retry on another replica")
+            if limited and self._limited >= self.max_concurrent_requests:
+                raise ResourceLimit(
+                    f"the server is at its concurrency limit: --max-concurrent-requests={self.max_concurrent_requests} "
+                    "requests are already in progress; retry with backoff, or add replicas")
+            self._in_flight += 1
+            self._limited += limited
+
+        def leave() -> None:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._limited -= limited
+            if on_termination is None or not on_termination(leave):
+                leave()
+
+    @contextlib.contextmanager
+    def compute_slot(self, check: Callable[[str], None], poll: float = 0.05) -> Iterator[None]:
+        """Wait for one of the ``workers`` compute slots while ``check`` passes (the call is alive)."""
+        check("while waiting for a compute slot")
+        while not self._slots.acquire(timeout=poll):
+            check("while waiting for a compute slot")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def start_draining(self) -> None:
+        with self._cond:
+            self._draining = True
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no admitted call is left (``timeout`` None: no limit). True when idle."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+# ------------------------------------------------------------------------------ memory
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class MemoryTrimmer:
+    """Hands freed heap memory back to the OS when resident memory grew by more than ``step`` bytes.
+
+    A large request (or a large upload its client cancelled) leaves gRPC's many small receive buffers
+    freed but still resident in glibc's heap; without trimming, a server that saw a few 200 MB requests
+    keeps gigabytes resident (measured: 8 cancelled 192 MiB uploads took a server from 233 MiB to 3 GiB
+    resident; with this, it comes back to ~240 MiB). Checks every ``interval`` seconds (one read of
+    /proc/self/statm); a no-op where glibc's ``malloc_trim`` or /proc is missing.
+    """
+
+    def __init__(self, interval: float = 1.0, step: int = 64 << 20):
+        self.interval, self.step = interval, step
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            self._trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+        self.trims = 0
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None and _resident_bytes() is not None
+
+    def start(self) -> "MemoryTrimmer":
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="advantage-memory-trim", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        baseline = _resident_bytes() or 0
+        while not self._stop.wait(self.interval):
+            rss = _resident_bytes() or 0
+            if rss > baseline + self.step:
+                self._trim(0)
+                self.trims += 1
+                baseline = _resident_bytes() or rss
+                log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, baseline >> 20)
+            elif rss < baseline:
+                baseline = rss

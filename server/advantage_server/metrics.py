@@ -1,0 +1,291 @@
+"""Operator endpoints: Prometheus metrics, request ids, and a plaintext health port for kubelet probes.
+
+:class:`ObservabilityInterceptor` (the outermost interceptor of every server, see ``create_server``)
+wraps each unary ``advantage.v1.AdvantageService`` call:
+
+* request id: the caller's ``x-request-id`` metadata (at most 128 printable characters), or a new
+  random one, echoed back in the call's trailing metadata (also on errors) and attached to every log
+  record written while the call is served (:mod:`advantage_server.logs`);
+* metrics, recorded in a per-server :class:`ServerMetrics` registry and served over HTTP on
+  ``--metrics-port`` (``GET /metrics``, Prometheus text format):
+
+  ====================================================  ===========  ===============================
+  name                                                  type         labels
+  ====================================================  ===========  ===============================
+  ``advantage_requests_total``                          counter      method, estimator, code
+  ``advantage_request_duration_seconds``                histogram    method, estimator
+  ``advantage_request_size_bytes``                      histogram    method, estimator
+  ``advantage_response_size_bytes``                     histogram    method, estimator (OK calls)
+  ``advantage_requests_in_flight``                      gauge        method
+  ``advantage_device_memory_bytes``                     gauge        device, kind
+  ``process_*``, ``python_*``                           (prometheus-client's process/GC/platform)
+  ====================================================  ===========  ===============================
+
+  ``code`` is the gRPC status name (``OK``, ``INVALID_ARGUMENT``, ...); ``estimator`` the request's
+  estimator field (``grpo``, ``gae``, ...), ``none`` when the request names none (or for
+  ``ListEstimators``), ``invalid`` when its bytes are not a protobuf message. Sizes are the serialized
+  message bytes; the duration runs from the request bytes to the serialized response. Device memory:
+  ``kind="allocated"`` and ``"reserved"`` (PyTorch's caching allocator) on a CUDA device,
+  ``kind="resident"`` (the process's resident set) on the CPU.
+
+:class:`HealthPort` serves only ``grpc.health.v1.Health``, in plaintext, on a second port (``--health-port``),
+sharing the main server's health states (NOT_SERVING while draining): the kubelet's native gRPC probes
+speak neither TLS nor bearer tokens, so they cannot check a TLS main port.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from concurrent import futures
+from typing import Any, Callable, Iterable
+
+import grpc
+import torch
+from prometheus_client import (
+    CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector, ProcessCollector, start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from advantage_server import logs
+
+REQUEST_ID_KEY = "x-request-id"
+_REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE_BUCKETS = tuple(float(256 * 4 ** i) for i in range(13))  # 256 B .. 4 GiB
+
+
+class DeviceMemoryCollector:
+    """``advantage_device_memory_bytes{device, kind}``, read at scrape time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("advantage_device_memory_bytes",
+                                   "Memory in use on the server's compute device: allocated and reserved by "
+                                   "PyTorch's CUDA caching allocator, or the process's resident set on the CPU",
+                                   labels=["device", "kind"])
+        name = str(self.device)
+        if self.device.type == "cuda":
+            if torch.cuda.is_initialized():
+                family.add_metric([name, "allocated"], float(torch.cuda.memory_allocated(self.device)))
+                family.add_metric([name, "reserved"], float(torch.cuda.memory_reserved(self.device)))
+        else:
+            rss = _resident_bytes()
+            if rss is not None:
+                family.add_metric([name, "resident"], float(rss))
+        yield family
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ServerMetrics:
+    """The Prometheus collectors of one server (their own registry, so several servers can share a
+    process), and the HTTP endpoint that serves them (:meth:`serve`)."""
+
+    def __init__(self, device: torch.device):
+        self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        self.requests = Counter("advantage_requests", "Calls finished, by method, estimator and gRPC status code",
+                                ["method", "estimator", "code"], registry=self.registry)
+        self.duration = Histogram("advantage_request_duration_seconds",
+                                  "Time from the request bytes to the serialized response",
+                                  ["method", "estimator"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_bytes = Histogram("advantage_request_size_bytes", "Serialized request size",
+                                       ["method", "estimator"], buckets=SIZE_BUCKETS, registry=self.registry)
+        self.response_bytes = Histogram("advantage_response_size_bytes", "Serialized response size of OK calls",
+                                        ["method", "estimator"], buckets=SIZE_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("advantage_requests_in_flight", "Calls being served now", ["method"],
+                               registry=self.registry)
+        self.registry.register(DeviceMemoryCollector(device))
+        self._http: Any = None
+        self.port: int | None = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``GET /metrics`` on ``host:port`` (0 = any free port) in a daemon thread; returns the port.
+        A port in use raises ``RuntimeError``."""
+        try:
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise RuntimeError(f"cannot bind the metrics port {host}:{port}: {exc}") from None
+        self.port = int(self._http.server_port)
+        return self.port
+
+    def start(self) -> None:  # serving started in serve(); part of the side-endpoint protocol
+        pass
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class HealthPort:
+    """A plaintext gRPC server with only the health service (``health_servicer``, shared with the main
+    server) on ``host:port``. Bound at construction (a port in use raises ``RuntimeError``)."""
+
+    def __init__(self, health_servicer: Any, host: str, port: int):
+        from grpc_health.v1 import health_pb2_grpc
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-port"),
+                                   options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot bind the health port {address}: {exc}") from None
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the health port {address}: the port is in use or the address is invalid")
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(0).wait()
+
+
+# ------------------------------------------------------------------------------------------ interceptor
+def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def oneof_field_number(data: bytes, numbers: frozenset[int]) -> int | None:
+    """Which of the field ``numbers`` (one oneof) the serialized message ``data`` sets, by walking its
+    top-level fields (skipping every value, so a request of any size costs a few tag reads). The last
+    one wins, as when protobuf parses it. Raises ``ValueError`` when ``data`` is not a message."""
+    view, pos, found = memoryview(data), 0, None
+    try:
+        while pos < len(view):
+            key, pos = _varint(view, pos)
+            number, wire_type = key >> 3, key & 7
+            if number in numbers:
+                found = number
+            if wire_type == 0:
+                _, pos = _varint(view, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 2:
+                length, pos = _varint(view, pos)
+                pos += length
+            elif wire_type == 5:
+                pos += 4
+            else:
+                raise ValueError(f"unsupported wire type {wire_type}")
+    except IndexError:
+        raise ValueError("truncated message") from None
+    if pos != len(view):
+        raise ValueError("truncated message")
+    return found
+
+
+def request_id_of(metadata: Any) -> str:
+    """The caller's ``x-request-id`` when it is 1-128 printable ASCII characters, else a new random id."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_KEY:
+            value = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if _REQUEST_ID_OK.fullmatch(value):
+                return value
+    return uuid.uuid4().hex
+
+
+class ObservabilityInterceptor(grpc.ServerInterceptor):
+    """Request ids, log context and metrics for the unary methods of ``service`` (see the module docstring).
+
+    ``estimators``: the service's request messages by method name, each with its estimator oneof as
+    ``{field number: field name}`` (empty for a method without one). Calls of other services (health,
+    reflection) and streaming methods pass through untouched.
+    """
+
+    def __init__(self, service: str, estimators: dict[str, dict[int, str]], metrics: ServerMetrics):
+        self.prefix = f"/{service}/"
+        self.estimators = estimators
+        self.metrics = metrics
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        full = handler_call_details.method
+        if handler is None or not full.startswith(self.prefix) or handler.unary_unary is None:
+            return handler
+        method = full[len(self.prefix):]
+        request_id = request_id_of(handler_call_details.invocation_metadata)
+        return grpc.unary_unary_rpc_method_handler(
+            self._observed(method, request_id, handler), request_deserializer=None, response_serializer=None)
+
+    def _estimator(self, method: str, data: Any) -> str:
+        fields = self.estimators.get(method)
+        if not fields or not isinstance(data, (bytes, bytearray, memoryview)):
+            return "none"
+        try:
+            number = oneof_field_number(data, frozenset(fields))
+        except ValueError:
+            return "invalid"
+        return fields[number] if number is not None else "none"
+
+    def _observed(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
+        behavior, deserialize = handler.unary_unary, handler.request_deserializer
+        serialize = handler.response_serializer
+        m = self.metrics
+
+        def observed(data: bytes, context: grpc.ServicerContext) -> bytes:
+            started = time.perf_counter()
+            estimator = self._estimator(method, data)
+            echo = ((REQUEST_ID_KEY, request_id),)
+            context.set_trailing_metadata(echo)
+            token = logs.CALL.set({"request_id": request_id, "method": method, "estimator": estimator})
+            in_flight = m.in_flight.labels(method)
+            in_flight.inc()
+            size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+            code = "OK"
+            try:
+                response = behavior(deserialize(data) if deserialize else data, context)
+                out = serialize(response) if serialize else response
+                if context.code() not in (None, grpc.StatusCode.OK):
+                    code = context.code().name
+                else:
+                    m.response_bytes.labels(method, estimator).observe(len(out))
+                return out
+            except BaseException:
+                status = context.code()
+                code = status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
+                trailing = tuple(context.trailing_metadata() or ())
+                if not any(k == REQUEST_ID_KEY for k, _ in trailing):
+                    context.set_trailing_metadata(trailing + echo)
+                raise
+            finally:
+                in_flight.dec()
+                logs.CALL.reset(token)
+                m.requests.labels(method, estimator, code).inc()
+                m.duration.labels(method, estimator).observe(time.perf_counter() - started)
+                m.request_bytes.labels(method, estimator).observe(size)
+
+        return observed
+
+
+def estimator_fields(service_descriptor: Any) -> dict[str, dict[int, str]]:
+    """``{method: {field number: name}}`` of the ``estimator`` oneof of each method's request message."""
+    out: dict[str, dict[int, str]] = {}
+    for method in service_descriptor.methods:
+        oneof = method.input_type.oneofs_by_name.get("estimator")
+        out[method.name] = {f.number: f.name for f in oneof.fields} if oneof is not None else {}
+    return out
+

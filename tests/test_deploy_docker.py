@@ -1,0 +1,143 @@
+"""The Dockerfile: hadolint passes, both targets run the `advantage-server` console script the tests start as a
+non-root user, and the image's own CMD and HEALTHCHECK work against a real server (no Docker engine needed)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from test_server_cli import ServerProcess, free_port, server_command
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+TARGETS = ("cpu", "gpu")
+
+
+def tool(name: str) -> str:
+    """A linter installed by the test extra; a missing one fails in CI and skips elsewhere."""
+    here = pathlib.Path(sys.executable).with_name(name)
+    found = str(here) if here.exists() else shutil.which(name)
+    if found:
+        return found
+    if os.environ.get("CI"):
+        pytest.fail(f"{name} is not installed: `pip install -c constraints.txt -e '.[test]'` (make setup) installs it")
+    pytest.skip(f"{name} is not installed (the test extra installs it)")
+
+
+def stages(text: str) -> dict[str, list[tuple[str, str]]]:
+    """``{stage name: [(INSTRUCTION, arguments), ...]}``, continuation lines joined, comments dropped."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    logical = ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        logical += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
+        if line.rstrip().endswith("\\"):
+            continue
+        instruction, _, args = logical.strip().partition(" ")
+        logical = ""
+        if instruction.upper() == "FROM":
+            current = []
+            words = args.split()
+            out[words[-1] if len(words) >= 3 and words[-2].upper() == "AS" else f"stage{len(out)}"] = current
+        current.append((instruction.upper(), args.strip()))
+    return out
+
+
+def last(stage: list[tuple[str, str]], instruction: str) -> str:
+    values = [args for ins, args in stage if ins == instruction]
+    assert values, f"no {instruction}"
+    return values[-1]
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"not exec form: {args}"
+    return value
+
+
+STAGES = stages(DOCKERFILE.read_text())
+
+
+def test_hadolint_passes():
+    proc = subprocess.run([tool("hadolint"), "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"hadolint:\n{proc.stdout}{proc.stderr}"
+
+
+def test_hadolint_really_lints(tmp_path):
+    """The linter runs offline and fails on a finding (so a green run means something)."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(DOCKERFILE.read_text().replace("USER 10001:10001", "USER advantage", 1)
+                   + "RUN apt-get install curl\n")
+    proc = subprocess.run([tool("hadolint"), "--config", str(ROOT / ".hadolint.yaml"), str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "DL3066" in proc.stdout and "DL3008" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_targets_run_the_console_script_as_non_root(target):
+    stage = STAGES[target]
+    entrypoint = exec_form(last(stage, "ENTRYPOINT"))
+    assert entrypoint == ["advantage-server"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["advantage-server"] == "advantage_server.cli:main"
+    # ... the same console script the process tests start
+    assert pathlib.Path(server_command()[0]).name == "advantage-server" or server_command()[1:] == [
+        "-m", "advantage_server.cli"]
+    user = last(stage, "USER").split(":")
+    assert all(part.isdigit() and int(part) > 0 for part in user), f"USER {user}: numeric, non-root"
+    exposed = set(last(stage, "EXPOSE").split())
+    assert {"50051", "50052", "9090"} <= exposed
+    healthcheck = last(stage, "HEALTHCHECK")
+    command = exec_form(healthcheck[healthcheck.index("CMD") + 3:].strip())
+    assert command[0] == "advantage-healthcheck"
+    assert scripts["advantage-healthcheck"] == "advantage_server.cli:healthcheck_main"
+    cmd = exec_form(last(stage, "CMD"))
+    assert cmd[cmd.index("--health-port") + 1] == command[command.index("--address") + 1].rsplit(":", 1)[1]
+
+
+def test_gpu_target_uses_an_official_cuda_pytorch_base():
+    text = DOCKERFILE.read_text()
+    base = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG TORCH_CUDA_IMAGE="))
+    assert base.startswith("pytorch/pytorch:") and "-cuda" in base and base.endswith("-runtime"), base
+    assert STAGES["gpu"][0] == ("FROM", "${TORCH_CUDA_IMAGE} AS gpu")
+    assert "--device" in (cmd := exec_form(last(STAGES["gpu"], "CMD"))) and cmd[cmd.index("--device") + 1] == "auto"
+
+
+def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
+    """Start the server with the cpu image's CMD (its ports swapped for free ones, loopback only), then run the
+    image's HEALTHCHECK command: SERVING (exit 0) while up, exit 1 once stopped."""
+    stage = STAGES["cpu"]
+    cmd = exec_form(last(stage, "CMD"))
+    healthcheck = last(stage, "HEALTHCHECK")
+    check = exec_form(healthcheck[healthcheck.index("CMD") + 3:].strip())
+    ports = {p: free_port() for p in ("50051", "50052", "9090")}
+    args = [str(ports.get(a, a)) for a in cmd]
+    for flag in ("--host", "--port"):  # the helper passes --host 127.0.0.1 and the port itself
+        i = args.index(flag)
+        assert flag != "--host" or args[i + 1] == "0.0.0.0"
+        del args[i:i + 2]
+    srv = ServerProcess(tmp_path, ports["50051"], *args, name="image-cmd")
+    try:
+        srv.wait_listening()
+        assert f"health on port {ports['50052']}" in srv.stdout and f"metrics on port {ports['9090']}" in srv.stdout
+        host_check = [str(pathlib.Path(sys.executable).with_name(check[0])), *check[1:]]
+        addr = host_check.index("--address") + 1
+        host_check[addr] = host_check[addr].replace(":50052", f":{ports['50052']}")
+        assert host_check[addr] == f"127.0.0.1:{ports['50052']}"
+        ok = subprocess.run(host_check, capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stdout + ok.stderr
+    finally:
+        srv.proc.terminate()
+        assert srv.wait(timeout=30) == 0, srv.stderr
+        srv.close()
+    down = subprocess.run(host_check, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "unhealthy" in down.stderr, down.stdout + down.stderr

@@ -1,0 +1,241 @@
+"""Graceful drain under load (SIGTERM), failover across three replicas (kill -9 of one in the middle of a
+run of requests), and bitwise determinism, with real `advantage-server` processes.
+
+Every server listens on 127.0.0.1 only; every loop is bounded in count and time.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.client import build_request
+from reliability_support import (
+    CALLS, batch, count_events, report, request_for, slow_env, start_server, stop_server, wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+# --------------------------------------------------------------------------------- drain
+def test_sigterm_under_load_drains(tmp_path, capsys):
+    env, events = slow_env(tmp_path, 0.4)
+    srv = start_server(tmp_path, "drain", "--workers", "4", "--grace", "30", "--log-level", "DEBUG", env=env)
+    request = request_for("gae", seed=1)
+    statuses: list[str] = []
+    outcomes: list[tuple[float, float, str, bytes]] = []  # (sent, done, code, advantages bytes)
+    lock, stop = threading.Lock(), threading.Event()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            expected = pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(request, timeout=30).advantages.data
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+
+            def watcher():
+                try:
+                    for reply in watch:
+                        statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                except grpc.RpcError:
+                    pass
+            threading.Thread(target=watcher, daemon=True).start()
+            wait_for(lambda: statuses == ["SERVING"], 10, "the health watch")
+
+            def client():
+                with grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                                 ("grpc.enable_retries", 0)]) as ch:
+                    call = pb_grpc.AdvantageServiceStub(ch).ComputeAdvantage
+                    for _ in range(60):  # bounded; stops at the first refusal after the signal
+                        sent = time.monotonic()
+                        try:
+                            code, data = "OK", call(request, timeout=30).advantages.data
+                        except grpc.RpcError as err:
+                            code, data = err.code().name, b""
+                        with lock:
+                            outcomes.append((sent, time.monotonic(), code, data))
+                        if code != "OK" or stop.is_set() and srv.proc.poll() is not None:
+                            return
+            threads = [threading.Thread(target=client) for _ in range(8)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: count_events(events, "start") >= 12, 30, "load on the server")
+            signalled = time.monotonic()
+            in_flight_at_signal = count_events(events, "start") - count_events(events, "end")
+            stop.set()
+            rc = stop_server(srv, timeout=40)
+            exited = time.monotonic()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads)
+    finally:
+        srv.close()
+    assert rc == 0, srv.stderr
+    codes = [c for _, _, c, _ in outcomes]
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    ok = [o for o in outcomes if o[2] == "OK"]
+    assert all(data == expected for _, _, _, data in ok), "a drained request returned a different result"
+    accepted, finished = count_events(events, "start"), count_events(events, "end")
+    # every request the server started (1 reference + the load) finished and reached its client
+    assert accepted == finished == len(ok) + 1, (accepted, finished, len(ok))
+    completed_across_signal = sum(1 for sent, done, code, _ in ok if sent < signalled < done)
+    assert completed_across_signal >= 1, "no request was in flight when the signal came"
+    refused_after = sum(1 for sent, _, code, _ in outcomes if code == "UNAVAILABLE" and sent >= signalled)
+    assert refused_after >= 1 and codes.count("UNAVAILABLE") == refused_after
+    assert statuses[:2] == ["SERVING", "NOT_SERVING"], statuses
+    log = srv.stderr
+    assert log.index("shutting down") < log.index("stopped"), log
+    # the open health watch did not hold the exit until the 30 s grace ran out
+    assert exited - signalled < 15, exited - signalled
+    report(capsys, f"drain: SIGTERM with {in_flight_at_signal} computing; {len(ok)} OK (all bitwise equal, "
+                   f"{completed_across_signal} in flight at the signal), {refused_after} UNAVAILABLE after it, "
+                   f"0 other; health watch {statuses}; exit 0 after {exited - signalled:.1f}s")
+
+
+# ------------------------------------------------------------------------------ failover
+def test_kill_minus_nine_of_one_replica_loses_no_request(tmp_path, capsys):
+    replicas, event_files = [], []
+    try:
+        for i in range(3):
+            env, events = slow_env(tmp_path, 0.03)
+            replicas.append(start_server(tmp_path, f"replica{i}", "--workers", "4", env=env))
+            event_files.append(events)
+        request = request_for("grpo", seed=2, B=32, T=64)
+        results: list[bytes] = []
+        failures: list[str] = []
+        lock = threading.Lock()
+        total, per_thread, kill_after = 240, 60, 80
+        killed_at = {}
+        with AdvantageClient([r.address for r in replicas], timeout=30) as client:
+            client.wait_ready(10)
+
+            def worker():
+                for _ in range(per_thread):
+                    try:
+                        reply = client._stub.ComputeAdvantage(request, timeout=30)
+                        with lock:
+                            results.append(reply.advantages.data)
+                            if len(results) == kill_after:
+                                victim = replicas[1]
+                                killed_at["in_flight"] = (count_events(event_files[1], "start")
+                                                          - count_events(event_files[1], "end"))
+                                killed_at["served"] = count_events(event_files[1], "end")
+                                victim.proc.kill()  # SIGKILL: no drain, connections reset
+                    except grpc.RpcError as err:
+                        with lock:
+                            failures.append(f"{err.code().name}: {err.details()}")
+            threads = [threading.Thread(target=worker) for _ in range(4)]
+            t0 = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            elapsed = time.monotonic() - t0
+        assert not any(t.is_alive() for t in threads)
+        assert replicas[1].proc.wait(timeout=10) == -9
+        assert not failures, failures[:5]
+        assert len(results) == total
+        assert len(set(results)) == 1, "replicas disagree"
+        served = [count_events(e, "end") for e in event_files]
+        assert killed_at["served"] > 0, "the killed replica never served before the kill"
+        assert all(served[i] > 0 for i in (0, 2)), served
+        for i in (0, 2):  # the survivors are healthy
+            with grpc.insecure_channel(replicas[i].address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for r in replicas:
+            r.close()
+    report(capsys, f"failover: {total} requests over 3 replicas, replica 1 killed -9 after {kill_after} "
+                   f"({killed_at['in_flight']} of its calls in flight, retried elsewhere); 0 failed; served per "
+                   f"replica {served}; {total / elapsed:.0f} req/s")
+
+
+# --------------------------------------------------------------------------- determinism
+def test_same_request_gives_bitwise_identical_results(client, capsys):
+    """Every estimator, float32 and float64 inputs: repeated and concurrent calls return the same bytes."""
+    from concurrent import futures
+
+    requests = {}
+    for name, (config, names) in CALLS.items():
+        data = batch(11, B=64, T=128)
+        requests[name] = build_request(name, config, **{k: data[k] for k in names})
+        data64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in data.items()}
+        requests[name + "/f64"] = build_request(name, config, output_dtype="float64",
+                                                **{k: data64[k] for k in names})
+    stub = client._stub
+    first = {k: stub.ComputeAdvantage(r, timeout=30) for k, r in requests.items()}
+    jobs = [k for k in requests for _ in range(6)]
+    with futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda k: (k, stub.ComputeAdvantage(requests[k], timeout=30)), jobs))
+    for k, reply in replies:
+        assert reply.SerializeToString(deterministic=True) == first[k].SerializeToString(deterministic=True), k
+    report(capsys, f"determinism: {len(requests)} requests (6 estimators x f32/f64) x {len(jobs) // len(requests)} "
+                   f"concurrent repeats on 8 threads: all {len(jobs)} results bitwise identical to the first")
+
+
+def test_failover_client_survives_a_restart_with_wait_for_ready(tmp_path):
+    """A single replica restarted on the same port: with wait_for_ready the call waits for it instead of failing."""
+    srv = start_server(tmp_path, "restart-a")
+    port = srv.port
+    try:
+        with AdvantageClient(srv.address, timeout=60, wait_for_ready=True) as client:
+            client.compute("raw_reward", None, rewards=np.ones(2, np.float32), mask=np.ones((2, 2), np.float32))
+            assert stop_server(srv) == 0
+            srv.close()
+            result: dict = {}
+
+            def call():
+                try:
+                    result["res"] = client.compute("raw_reward", {"normalize_advantages": False},
+                                                   rewards=np.full(2, 3.0, np.float32), mask=np.ones((2, 2), np.float32),
+                                                   as_numpy=True)
+                except AdvantageServiceError as err:
+                    result["err"] = err
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(1.0)
+            assert t.is_alive(), f"the call did not wait for the server: {result}"
+            from reliability_support import ServerProcess
+            srv = ServerProcess(tmp_path, port, name="restart-b")
+            srv.wait_listening()
+            t.join(timeout=60)
+            assert "res" in result, result
+            np.testing.assert_array_equal(result["res"].advantages, np.full((2, 2), 3.0, np.float32))
+    finally:
+        srv.close()
+
+
+def test_round_robin_spreads_calls_and_skips_a_replica_that_is_not_serving(capsys):
+    """Client-side health checking: a replica that reports NOT_SERVING (draining) gets no more calls."""
+    from advantage_server import create_server
+
+    replicas = [create_server("127.0.0.1", 0, device="cpu").start() for _ in range(2)]
+    counts = [0, 0]
+    for i, srv in enumerate(replicas):
+        def counted(request, _orig=srv.core.compute, _i=i):
+            counts[_i] += 1
+            return _orig(request)
+        srv.core.compute = counted
+    args = dict(rewards=np.ones(2, np.float32), mask=np.ones((2, 2), np.float32))
+    try:
+        with AdvantageClient([r.address for r in replicas], timeout=10) as client:
+            client.wait_ready(10)
+            for _ in range(20):
+                client.compute("raw_reward", None, **args)
+            spread = list(counts)
+            replicas[0].health.set("advantage.v1.AdvantageService", health_pb2.HealthCheckResponse.NOT_SERVING)
+            time.sleep(0.5)
+            before = counts[0]
+            for _ in range(20):
+                client.compute("raw_reward", None, **args)
+    finally:
+        for r in replicas:
+            r.stop(grace=1.0)
+    assert min(spread) >= 5, f"round_robin did not spread the calls: {spread}"
+    assert counts[0] == before, f"the NOT_SERVING replica still got calls: {counts}"
+    report(capsys, f"round_robin: 20 calls over 2 replicas -> {spread}; after one reported NOT_SERVING, the next 20 "
+                   f"all went to the other ({counts[1] - spread[1]})")
