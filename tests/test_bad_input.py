@@ -252,6 +252,8 @@ class _RecordingChannel:
             raise AssertionError(f"sent {method}")
         return send
 
+    stream_stream = unary_unary  # ComputeAdvantageStream
+
     def close(self):
         pass
 

@@ -3,6 +3,7 @@ values through a real server, and the CartPole demo writes its per-update CSV an
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 import pathlib
 import re
@@ -80,3 +81,21 @@ def test_readme_shows_the_committed_learning_curve():
     assert "docs/cartpole_learning_curve.png" in pictures
     png = ROOT / "docs" / "cartpole_learning_curve.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 100_000
+
+
+def test_bench_report_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from advantage_server.bench.plot import main as plot_main
+    from advantage_server.bench.plot import plot_report
+
+    rows = [dict(section="kernel", estimator="gae", size="64x256x8", impl="ours: estimator (in-process)", ms=0.25),
+            dict(section="kernel", estimator="gae", size="64x256x8", impl="ref: per-time-step loop", ms=31.0),
+            dict(section="kernel", estimator="gae", size="64x256x8", impl="ref: skipped", ms=None),
+            dict(section="memory", estimator="gae", size="64x256x8", impl="core.compute peak extra RSS", ms=None,
+                 extra_mib=0.4)]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"argv": ["advantage-bench"], "rows": rows}))
+    png = tmp_path / "bench.png"
+    assert plot_main([str(report), str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_report({"rows": rows}, tmp_path / "again.png") == 3

@@ -232,3 +232,35 @@ def test_metrics_port_in_use_is_an_error(tmp_path):
         taken.listen()
         with pytest.raises(RuntimeError, match="metrics port"):
             create_server("127.0.0.1", 0, device="cpu", metrics_port=taken.getsockname()[1])
+
+
+def test_json_log_records_carry_the_call_context():
+    import io
+    import logging
+
+    from advantage_server import logs
+
+    stream = io.StringIO()
+    handler = logs.configure("INFO", "json", stream)
+    try:
+        log = logging.getLogger("advantage_server.test")
+        log.info("outside a call")
+        token = logs.CALL.set({"request_id": "r-1", "method": "ComputeAdvantage", "estimator": "gae"})
+        try:
+            log.warning("inside %s", "a call", extra={"shape": [2, 3]})
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                log.exception("failed")
+        finally:
+            logs.CALL.reset(token)
+        with pytest.raises(ValueError, match="--log-format"):
+            logs.configure("INFO", "xml")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    outside, inside, failed = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert outside["message"] == "outside a call" and "request_id" not in outside
+    assert inside["message"] == "inside a call" and inside["level"] == "WARNING"
+    assert (inside["request_id"], inside["method"], inside["estimator"]) == ("r-1", "ComputeAdvantage", "gae")
+    assert inside["shape"] == "[2, 3]" and inside["time"].endswith("Z")
+    assert failed["request_id"] == "r-1" and "ValueError: boom" in failed["exception"]

@@ -239,3 +239,31 @@ def test_round_robin_spreads_calls_and_skips_a_replica_that_is_not_serving(capsy
     assert counts[0] == before, f"the NOT_SERVING replica still got calls: {counts}"
     report(capsys, f"round_robin: 20 calls over 2 replicas -> {spread}; after one reported NOT_SERVING, the next 20 "
                    f"all went to the other ({counts[1] - spread[1]})")
+
+
+def test_drain_while_health_watchers_disconnect(tmp_path, capsys):
+    """SIGTERM at the moment many clients with client-side health checking go away. grpcio-health-checking's
+    servicer deadlocks here (status sent under its lock while the closing watch needs the lock); the
+    server's own servicer must drain and exit 0 every time."""
+    rounds, watchers = 3, 48
+    took = []
+    for r in range(rounds):
+        srv = start_server(tmp_path, f"watch-{r}")
+        try:
+            channels = [grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                        for _ in range(watchers)]
+            streams = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+                       for ch in channels]
+            for stream in streams:
+                assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+            closer = threading.Thread(target=lambda: [ch.close() for ch in channels])
+            t0 = time.monotonic()
+            srv.proc.send_signal(__import__("signal").SIGTERM)
+            closer.start()
+            assert stop_server(srv, timeout=20) == 0
+            took.append(time.monotonic() - t0)
+            closer.join(timeout=20)
+        finally:
+            srv.close()
+    report(capsys, f"drain with {watchers} health watchers disconnecting at SIGTERM, {rounds} rounds: exit 0 after "
+                   f"{', '.join(f'{t:.1f}' for t in took)} s")

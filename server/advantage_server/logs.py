@@ -66,15 +66,18 @@ class JsonFormatter(logging.Formatter):
 
 def configure(level: str = "INFO", fmt: str = "text", stream: IO[str] | None = None) -> logging.Handler:
     """Send every log record of the process to ``stream`` (default stderr) as ``fmt`` ("text" or "json"),
-    at ``level`` and above. Replaces the root logger's handlers; returns the new handler."""
+    at ``level`` and above, through a root handler (replacing the one an earlier call installed; handlers
+    others installed stay). Returns the new handler."""
     if fmt not in FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(CallContextFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler._advantage_server = True  # type: ignore[attr-defined]
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if getattr(h, "_advantage_server", False)]:
         root.removeHandler(old)
+        old.close()
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler

@@ -44,18 +44,20 @@ from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_WORKERS,
     Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, check_batch_elements, checkpoints, grpc_liveness,
     is_out_of_memory,
 )
+from advantage_server import transport
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
 
 log = logging.getLogger("advantage_server")
 _SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"]
 SERVICE_NAME = _SERVICE.full_name
 #: methods that count against ``--max-concurrent-requests`` (the others are cheap descriptions)
-LIMITED_METHODS = frozenset({"ComputeAdvantage"})
+LIMITED_METHODS = frozenset({"ComputeAdvantage", "ComputeAdvantageShm"})
 
 # Keepalive: the server pings a silent connection every 60 s and drops it when no answer comes within
 # 20 s (a client that vanished, or stopped reading, does not hold its resources for hours); clients
@@ -100,6 +102,8 @@ def _decode(cls: type, data: bytes) -> Any:
 
 def tensor_fields(msg: Any) -> dict[str, Any]:
     """Every ``advantage.v1.Tensor`` at the top level of ``msg`` (fields and map values), by field path."""
+    if hasattr(msg, "tensor_fields"):  # a codec-decoded request (advantage_server.transport)
+        return msg.tensor_fields()
     out: dict[str, Any] = {}
     for fd, value in msg.ListFields():
         if fd.message_type is None:
@@ -120,7 +124,7 @@ def _summary(method: str, request: Any) -> str:
     return f"{method} {request.WhichOneof('estimator')} {shapes}"
 
 
-class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
+class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServicer):
     """The service methods (on decoded messages) plus the pipeline around them (:meth:`handler`)."""
 
     def __init__(self, core: AdvantageCore, limits: Limits | None = None):
@@ -132,8 +136,8 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
     def ComputeAdvantage(self, request, context):
         check_batch_elements(tensor_fields(request), self.limits.max_batch_elements)
         alive = grpc_liveness(context)
-        with self.gate.compute_slot(alive), checkpoints(alive):
-            return self.core.compute(request)
+        with self.gate.compute_slot(alive), checkpoints(alive):  # the result is encoded by the codec
+            return transport.ResultPayload(*self.core.compute_result(request))
 
     def ListEstimators(self, request, context):
         return list_estimators()
@@ -144,6 +148,8 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(self, method.name)
+        if method.name in transport.CUSTOM_HANDLERS:  # ComputeAdvantageStream
+            return self.custom_handler(method)
         if method.client_streaming or method.server_streaming:  # none today; no gate, gRPC decodes
             kind = {(False, True): grpc.unary_stream_rpc_method_handler,
                     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -159,7 +165,8 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
             try:
                 with self.gate.admit(limited, context.add_callback):
                     grpc_liveness(context)("before decoding")  # the client may have gone during the upload
-                    request = _decode(request_cls, data)
+                    request = (transport.decode_request(data) if method.name == "ComputeAdvantage"
+                               else _decode(request_cls, data))
                     what = _summary(method.name, request)
                     return behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
@@ -174,7 +181,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
             context.abort_with_status(rpc_status.to_status(status))
 
         return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None,
-                                                   response_serializer=response_cls.SerializeToString)
+                                                   response_serializer=transport.response_serializer(response_cls))
 
     def _status(self, exc: Exception, what: str) -> status_pb2.Status:
         if is_out_of_memory(exc):
@@ -311,7 +318,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     )
     servicer = AdvantageServicer(core, limits)
     servicer.register(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = HealthServicer(experimental_non_blocking=True)  # grpc_health's, minus its shutdown deadlock
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

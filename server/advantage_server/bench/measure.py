@@ -16,6 +16,7 @@ import torch
 class Timing:
     median_s: float
     runs: list[float]
+    result: Any = None  # what the last run returned
 
     @property
     def ms(self) -> float:
@@ -30,14 +31,16 @@ def timeit(fn: Callable[[], Any], repeats: int, warmup: int = 1, budget_s: float
         fn()
     runs: list[float] = []
     spent = 0.0
+    result = None
     for _ in range(max(1, repeats)):
+        result = None
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         runs.append(time.perf_counter() - t0)
         spent += runs[-1]
         if budget_s is not None and spent >= budget_s:
             break
-    return Timing(statistics.median(runs), runs)
+    return Timing(statistics.median(runs), runs, result)
 
 
 @dataclass

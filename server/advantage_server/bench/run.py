@@ -101,6 +101,17 @@ def prepared(estimator: str, B: int, T: int, G: int, seed: int = 0):
     return spec, cfg, batch, tensors
 
 
+def timeit_ref(fn: Callable[[], Any], args) -> measure.Timing:
+    """A reference loop: warmed up only when it is quick (a per-prompt loop at B = 65536 takes seconds and
+    has nothing to warm up), at most ``--ref-repeats`` runs within ``--ref-budget`` seconds."""
+    t0 = time.perf_counter()
+    first = fn()
+    once = time.perf_counter() - t0
+    if once * (args.ref_repeats + 1) > args.ref_budget:
+        return measure.Timing(once, [once], first)
+    return measure.timeit(fn, args.ref_repeats, warmup=0, budget_s=args.ref_budget)
+
+
 def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, bw: float) -> None:
     B, T, G = size
     label = size_label(*size)
@@ -117,8 +128,6 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
     report.add(Row("kernel", estimator, label, "ours: estimator (in-process)", t_ours.ms, 1.0, t_ours.median_s / floor_s,
                    floor_b / t_ours.median_s / 1e9, None if extra is None else extra / MiB,
                    note=f"{len(t_ours.runs)} runs"))
-    ref_budget = args.ref_budget
-
     if estimator == "gae":
         mask, values = batch["mask"], batch["values"]
         tok = token_level_rewards(batch["rewards"], mask)
@@ -132,9 +141,8 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
                        kfloor_b / t_k.median_s / 1e9, None if extra is None else extra / MiB,
                        note="token rewards [B,T] -> advantages, no whitening"))
         if not args.no_refs:
-            t_ref = measure.timeit(lambda: references.gae_per_step_loop(tok, values, mask, gamma, lam),
-                                   args.ref_repeats, budget_s=ref_budget)
-            ref = references.gae_per_step_loop(tok, values, mask, gamma, lam)
+            t_ref = timeit_ref(lambda: references.gae_per_step_loop(tok, values, mask, gamma, lam), args)
+            ref = t_ref.result
             report.add(Row("kernel", estimator, label, "ref: per-time-step loop", t_ref.ms, t_ref.median_s / t_k.median_s,
                            t_ref.median_s / kfloor_s, kfloor_b / t_ref.median_s / 1e9, err=rel_err(k_out, ref),
                            note=f"x ours vs gae_kernel; err = gae_kernel vs this loop; {len(t_ref.runs)} runs"))
@@ -175,9 +183,9 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
         ref_fn = lambda: references.opd_straightforward(tensors["teacher_logprobs"], tensors["prev_logprobs"],  # noqa: E731
                                                         tensors["mask"])[0]
     if ref_fn is not None and not args.no_refs:
-        t_ref = measure.timeit(ref_fn, args.ref_repeats, budget_s=ref_budget)
+        t_ref = timeit_ref(ref_fn, args)
         report.add(Row("kernel", estimator, label, ref_label, t_ref.ms, t_ref.median_s / t_ours.median_s,
-                       t_ref.median_s / floor_s, floor_b / t_ref.median_s / 1e9, err=rel_err(ours.advantages, ref_fn()),
+                       t_ref.median_s / floor_s, floor_b / t_ref.median_s / 1e9, err=rel_err(ours.advantages, t_ref.result),
                        note=f"err = ours vs this; {len(t_ref.runs)} runs"))
     report.add(Row("kernel", estimator, label, "memory floor", floor_s * 1e3, None, 1.0, bw,
                    note=f"{floor_b / MiB:.2f} MiB moved"))
@@ -374,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra e2e row with a GAE request of about this many MiB (default 256; quick 0 = none)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before measuring")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
     return ap
 
 
@@ -425,10 +435,14 @@ def main(argv: list[str] | None = None) -> Report:
             concurrency_section(report, "gae", sizes[-1], args)
         if "grpo" in estimators and group_sizes:
             concurrency_section(report, "grpo", group_sizes[-1], args)
-    if "memory" in sections:
+    if "memory" in sections:  # one fresh process per probe (~2 s each): quick mode probes gae and grpo once
         for est in estimators:
-            for size in ([sizes[-1]] if est != "gae" else sizes) + ([group_sizes[-1]] if est in GROUP_ESTIMATORS
-                                                                   and group_sizes else []):
+            if args.quick and est not in ("gae", "grpo"):
+                continue
+            probe = [sizes[-1]] if (args.quick or est != "gae") else list(sizes)
+            if est in GROUP_ESTIMATORS and group_sizes and not (args.quick and est == "gae"):
+                probe = [group_sizes[-1]] if args.quick else probe + [group_sizes[-1]]
+            for size in probe:
                 memory_section(report, est, size)
     if "e2e" in sections and "gae" in estimators:
         e2e_sizes = list(sizes)
@@ -452,6 +466,9 @@ def main(argv: list[str] | None = None) -> Report:
         data = asdict(report)
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
+    if args.plot:
+        from advantage_server.bench.plot import plot_report
+        plot_report(report, args.plot)
     return report
 
 

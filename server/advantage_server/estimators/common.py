@@ -237,7 +237,8 @@ def group_index(prompt_ids: torch.Tensor) -> torch.Tensor:
 
 @jit.njit
 def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cover - compiled
-    """Numba twin of :func:`_group_baseline_and_std_torch`, the same arithmetic in the same order: the
+    """Numba twin of :func:`_group_baseline_and_std_torch`, the same arithmetic in the same order (but
+    for divisions by a group's n - 1 and n - 2, done as multiplications by their reciprocals): the
     rewards are gathered group by group with a counting sort (index order kept within a group; skipped
     when the ids are already non-decreasing, as trainers lay groups out), each group is then done in
     one go on contiguous memory, and the results scattered back. r float64 [B]; writes baseline, std
@@ -318,14 +319,21 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
             if abs(rs[k] - mean) == top:
                 n_top += 1
                 k_top = k
-        # branch-free per member; the lone dominant member is redone below
+        # branch-free per member, per-group reciprocals instead of divisions (a few ulp from the torch
+        # path); the lone dominant member is redone below
+        lo_others = n_lo == n - 1
+        hi_others = n_hi == n - 1
+        pos_dof = 1.0 if dof > 0 else 0.0
+        inv_others = 1.0 / others
+        n_over_others = nf / others
+        inv_dof = 1.0 / max(dof, 1.0)
         for k in range(s, e):
             x = rs[k]
             c = x - mean
-            b = mean - c / others
-            m2 = max(m2g - c * c * nf / others, 0.0)
-            others_tied = tied or (x == hi and n_lo == n - 1) or (x == lo and n_hi == n - 1)
-            sd = math.sqrt(m2 / max(dof, 1.0)) if dof > 0 else 0.0
+            b = mean - c * inv_others
+            m2 = max(m2g - c * c * n_over_others, 0.0)
+            others_tied = tied | ((x == hi) & lo_others) | ((x == lo) & hi_others)
+            sd = math.sqrt(m2 * inv_dof) * pos_dof
             out_b[k] = (lo if x == hi else hi) if others_tied else b
             out_s[k] = 0.0 if others_tied else sd
         if n_top == 1:
@@ -341,8 +349,8 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
                 if q != k_top:
                     d = rs[q] - mean_x
                     m2x += d * d
-            others_tied = tied or (x == hi and n_lo == n - 1) or (x == lo and n_hi == n - 1)
-            sd = math.sqrt(m2x / max(dof, 1.0)) if dof > 0 else 0.0
+            others_tied = tied | ((x == hi) & lo_others) | ((x == lo) & hi_others)
+            sd = math.sqrt(m2x * inv_dof) * pos_dof
             out_b[k_top] = (lo if x == hi else hi) if others_tied else mean_x
             out_s[k_top] = 0.0 if others_tied else sd
     if not in_order:
@@ -459,20 +467,28 @@ def group_baseline_and_std_loop(group: torch.Tensor, rewards: torch.Tensor, leav
     return torch.tensor(baseline, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
 
 
+@jit.njit
+def _relative(r, baseline, std, normalize, epsilon):  # pragma: no cover - compiled
+    """In place: r = r - baseline, then / (std + epsilon) where std > 0 when normalize."""
+    for i in range(r.shape[0]):
+        a = r[i] - baseline[i]
+        if normalize and std[i] > 0:
+            a = a / (std[i] + epsilon)
+        r[i] = a
+
+
 def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool, normalize: bool,
                    epsilon: float = 1e-6, std_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO advantage per sample, float64 ``[B]``: (r - baseline), divided by (std + epsilon) where std > 0.
 
     ``std_rewards`` (DAPO): compute the std on these values instead of on ``rewards``.
     """
-    if jit.applies(group, rewards, std_rewards) and group.numel() > 0:  # CPU: numpy on [B], no torch thread pool
+    if jit.applies(group, rewards, std_rewards) and group.numel() > 0:  # CPU: no torch thread pool on [B]
         r, baseline, std = _group_stats_numpy(group, rewards, leave_one_out)
         if std_rewards is not None:
             std = _group_stats_numpy(group, std_rewards, leave_one_out)[2]
-        a = r - baseline
-        if normalize:
-            a = np.where(std > 0, a / (std + epsilon), a)
-        return torch.from_numpy(a)
+        _relative(r, baseline, std, bool(normalize), float(epsilon))  # in place: r becomes the advantage
+        return torch.from_numpy(r)
     baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
     if std_rewards is not None:
         _, std = group_baseline_and_std(group, std_rewards, leave_one_out)

@@ -32,10 +32,14 @@ keep the next valid position's advantage, whitened). Under verl ``gae_lambda`` d
 ``length_adaptive_alpha`` are rejected. Where verl divides by zero (one valid token, or none) the
 whitening uses variance 0 (and mean 0 with none), so the result stays finite.
 
-Kernel: the valid positions of each row are packed to the left (one scatter), the recursion becomes a
-constant-coefficient discounted reverse cumulative sum, computed in blocks of ``_CHUNK`` steps as a
-small matrix product per block, with block carries solved by the same routine on the coarser grid
-(recursively: log-depth, no per-step loop). :func:`gae_loop` is the per-step loop twin (test oracle).
+Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
+(:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
+estimator fuses both lambdas, the returns and per-row moments into that pass and whitens in a second
+one (:func:`_gae_fused`). Kernel, GPU and without numba (:func:`gae_kernel_torch`): the valid positions
+of each row are packed to the left (one scatter), the recursion becomes a constant-coefficient
+discounted reverse cumulative sum, computed in blocks of ``_CHUNK`` steps as a small matrix product per
+block, with block carries solved by the same routine on the coarser grid (recursively: log-depth, no
+per-step loop). :func:`gae_loop` is the per-step loop twin (test oracle) of both.
 Reference: NeMo RL ``GeneralizedAdvantageEstimator`` (nemo_rl); verl ``compute_gae_advantage_return`` (verl).
 """
 from __future__ import annotations
@@ -308,11 +312,11 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
     """The whole GAE estimator on the CPU in two passes over memory (numba): pass 1 computes both
     lambdas' advantages, the returns and per-row moments; pass 2 whitens in place and zeroes masked
     positions. Same results as the torch path of :func:`gae` (float tolerance)."""
-    want_stats = bool(cfg.normalize_advantages)
-    adv, ret, stats, m = _gae_numba(rewards, values, mask, cfg.gae_gamma, lam_policy, lam_value, bootstrap,
-                                    True, want_stats)
     zero_masked = cfg.semantics != "verl"
-    if want_stats:
+    whiten = bool(cfg.normalize_advantages)
+    adv, ret, stats, m = _gae_numba(rewards, values, mask, cfg.gae_gamma, lam_policy, lam_value, bootstrap,
+                                    True, whiten or zero_masked)
+    if whiten:
         # Chan et al.'s pairwise combination of the per-row (count, sum, centred M2), in float64
         count, total, m2 = stats[:, 0], stats[:, 1], stats[:, 2]
         n = float(count.sum())
@@ -329,8 +333,8 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
         scale = torch.rsqrt(var + 1e-8)
         jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, float(mean),
                           float(scale), zero_masked)
-    elif zero_masked:
-        adv = torch.where(mask.bool(), adv, 0)
+    elif zero_masked:  # (a - 0) * 1 = a: only the zeroing
+        jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, 0.0, 1.0, True)
     return AdvantageResult(adv, returns=ret)
 
 

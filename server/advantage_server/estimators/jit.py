@@ -7,9 +7,11 @@ module holds what those CPU kernels share:
 * :data:`NUMBA` - whether numba is importable and enabled. ``ADVANTAGE_NUMBA=0`` in the environment
   turns the numba paths off (the torch paths then run everywhere); tests switch it per call with
   :func:`use_numba`.
-* :func:`njit` - ``numba.njit(nogil=True, cache=True)``: compiled once per argument signature and
-  cached on disk, so a new server process loads the machine code instead of compiling it again. Without
-  numba it returns the Python function unchanged (never called on the hot path then).
+* :func:`njit` - ``numba.njit(nogil=True, cache=True)``: compiled on first use, once per argument
+  signature, and cached on disk (next to this package, else in numba's user cache directory; set
+  ``NUMBA_CACHE_DIR`` for a read-only install), so a new server process loads the machine code instead
+  of compiling it again (~0.5 s per kernel variant the first time). Without numba it returns the
+  Python function unchanged (never called on the hot path then).
 * :func:`parallel_rows` - runs ``kernel(lo, hi, *args)`` on row ranges that split ``[0, B)``, on a
   small process-wide thread pool plus the calling thread. The kernels release the GIL, so the chunks
   and concurrent requests run on all cores. A fixed pool (instead of numba's own ``parallel=True``
@@ -44,18 +46,25 @@ _local = threading.local()
 PARALLEL_MIN_ELEMENTS = 1 << 17
 
 
-def njit(fn: Callable | None = None, *, contract: bool = False) -> Callable:
+def njit(fn: Callable | None = None, *, contract: bool = False, reassoc: bool = False) -> Callable:
     """``numba.njit(nogil=True, cache=True)`` when numba is installed, else ``fn`` itself.
 
     ``contract=True`` lets LLVM fuse a multiply and an add into one FMA (one rounding instead of two:
-    as accurate or more, and half the latency on a recurrence's critical path); nothing else of
-    fast-math (no reassociation: sums keep their order).
+    as accurate or more, and half the latency on a recurrence's critical path). ``reassoc=True`` lets
+    it reorder the additions of a sum so the loop runs on SIMD lanes (float64 sums of float32 data:
+    the order changes the last bits only; still deterministic for a given build). Nothing else of
+    fast-math (no NaN/inf assumptions).
     """
+    flags = ({"contract"} if contract else set()) | ({"reassoc"} if reassoc else set())
+
     def wrap(f: Callable) -> Callable:
         if _numba is None:
             return f
-        return _numba.njit(nogil=True, cache=True, fastmath={"contract"} if contract else False,
-                           error_model="numpy")(f)
+        options = dict(nogil=True, fastmath=flags or False, error_model="numpy")
+        try:
+            return _numba.njit(cache=True, **options)(f)
+        except RuntimeError:  # no writable cache location (read-only install, no $HOME): compile per process
+            return _numba.njit(cache=False, **options)(f)
 
     return wrap if fn is None else wrap(fn)
 
@@ -103,7 +112,11 @@ _pool_lock = threading.Lock()
 
 
 def workers() -> int:
-    """Cores this process may run on (the pool's size, plus the calling thread's share)."""
+    """Threads one kernel call splits its rows over: ``$ADVANTAGE_KERNEL_THREADS`` when set (e.g. a
+    container's CPU quota), else the cores this process may run on."""
+    env = os.environ.get("ADVANTAGE_KERNEL_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
@@ -138,23 +151,57 @@ def set_row_parallel(flag: bool) -> bool:
     return old
 
 
+class _Chunks:
+    """Row chunks handed out one at a time to whichever thread asks first (the caller and the pool)."""
+
+    def __init__(self, kernel: Callable[..., Any], bounds: list[int], args: tuple):
+        self.kernel, self.bounds, self.args = kernel, bounds, args
+        self.lock = threading.Lock()
+        self.claimed = 0
+        self.finished = 0
+        self.all_done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        n = len(self.bounds) - 1
+        while True:
+            with self.lock:
+                i = self.claimed
+                if i >= n:
+                    return
+                self.claimed = i + 1
+            try:
+                self.kernel(self.bounds[i], self.bounds[i + 1], *self.args)
+            except BaseException as err:  # pragma: no cover - a kernel bug; re-raised in the caller
+                self.error = err
+            with self.lock:
+                self.finished += 1
+                if self.finished == n:
+                    self.all_done.set()
+
+
 def parallel_rows(kernel: Callable[..., Any], B: int, T: int, *args: Any) -> None:
     """Run ``kernel(lo, hi, *args)`` over row ranges covering ``[0, B)``, in parallel when worthwhile.
 
     The kernel must release the GIL (``njit`` above does) and write only rows ``lo..hi-1`` of its
-    outputs. The calling thread runs the last range itself; the others go to the pool.
+    outputs. The rows are cut into a few chunks per core, claimed one by one by the calling thread and
+    the pool: when another process holds a core (or the pool is busy with other requests), the caller
+    simply does more of the chunks itself instead of waiting for a descheduled thread. The call returns
+    when every chunk is done; a pool task that starts later finds none left.
     """
     n = workers()
     if n <= 1 or B < 2 or B * T < PARALLEL_MIN_ELEMENTS or not _row_parallel:
         kernel(0, B, *args)
         return
-    parts = min(n, B)
-    bounds = [B * i // parts for i in range(parts + 1)]
+    parts = max(2, min(B, 4 * n, B * T // (PARALLEL_MIN_ELEMENTS // 4)))
+    chunks = _Chunks(kernel, [B * i // parts for i in range(parts + 1)], args)
     pool = _get_pool()
-    futures = [pool.submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(parts - 1)]
-    kernel(bounds[parts - 1], bounds[parts], *args)
-    for f in futures:
-        f.result()
+    for _ in range(min(n - 1, parts - 1)):
+        pool.submit(chunks.work)
+    chunks.work()
+    chunks.all_done.wait()
+    if chunks.error is not None:
+        raise chunks.error
 
 
 # ------------------------------------------------------------------------- shared small kernels

@@ -29,33 +29,30 @@ class OPDConfig(EstimatorConfig):
     pass
 
 
-@jit.njit
+@jit.njit(reassoc=True)
 def _opd_rows(lo, hi, teacher, prev, mask, adv, stats):  # pragma: no cover - compiled; tested through opd
     """Rows ``lo..hi-1``: adv = (teacher - prev) * mask in the input dtype; stats[b] = (valid count, sum
-    of the gap, sum of adv over valid tokens, centred sum of squares of adv about the row mean)."""
+    of adv, centred sum of squares of adv about the row mean), sums in float64 over the valid tokens.
+    adv is 0 where mask = 0 and the mask is 0/1, so the sums run over every position, branch-free (SIMD);
+    the gap's masked sum is adv's sum."""
     T = teacher.shape[1]
     for b in range(lo, hi):
-        n = 0
-        gap_sum = 0.0
+        n = 0.0
         adv_sum = 0.0
         for t in range(T):
-            g = teacher[b, t] - prev[b, t]
-            adv[b, t] = g * mask[b, t]
-            if mask[b, t] != 0:
-                n += 1
-                gap_sum += g
-                adv_sum += adv[b, t]
+            a = (teacher[b, t] - prev[b, t]) * mask[b, t]
+            adv[b, t] = a
+            n += np.float64(mask[b, t])
+            adv_sum += np.float64(a)
         m2 = 0.0
         if n > 0:
             mu = adv_sum / n
             for t in range(T):
-                if mask[b, t] != 0:
-                    d = adv[b, t] - mu
-                    m2 += d * d
+                d = (np.float64(adv[b, t]) - mu) * np.float64(mask[b, t])
+                m2 += d * d
         stats[b, 0] = n
-        stats[b, 1] = gap_sum
-        stats[b, 2] = adv_sum
-        stats[b, 3] = m2
+        stats[b, 1] = adv_sum
+        stats[b, 2] = m2
 
 
 def _opd_numba(teacher: torch.Tensor, prev: torch.Tensor, mask: torch.Tensor) -> AdvantageResult:
@@ -63,10 +60,11 @@ def _opd_numba(teacher: torch.Tensor, prev: torch.Tensor, mask: torch.Tensor) ->
     float64 (Chan et al.), equal to the torch path's float64 two-pass values up to rounding."""
     B, T = mask.shape
     adv = torch.empty((B, T), dtype=teacher.dtype)
-    stats = np.zeros((B, 4), dtype=np.float64)
+    stats = np.zeros((B, 3), dtype=np.float64)
     jit.parallel_rows(_opd_rows, B, T, jit.as_numpy(teacher), jit.as_numpy(prev), jit.as_numpy(mask),
                       adv.numpy(), stats)
-    n_row, gap_sum, adv_sum, m2 = stats[:, 0], stats[:, 1], stats[:, 2], stats[:, 3]
+    n_row, adv_sum, m2 = stats[:, 0], stats[:, 1], stats[:, 2]
+    gap_sum = adv_sum  # gap * mask = adv exactly (0/1 mask): the torch path's two sums are equal
     n = float(n_row.sum())
     count = max(n, 1.0)
     adv_mean = float(adv_sum.sum()) / count

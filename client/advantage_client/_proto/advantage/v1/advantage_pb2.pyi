@@ -1338,3 +1338,290 @@ class InputSpec(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InputSpec: _TypeAlias = InputSpec  # noqa: Y015
+
+@_typing.final
+class ComputeAdvantageChunk(_message.Message):
+    """One piece of a serialized ComputeAdvantageRequest (ComputeAdvantageStream)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    total_size: _builtins.int
+    """The whole request's byte length; set on the first chunk (later chunks may
+    repeat it, with the same value).
+    """
+    data: _builtins.bytes
+    """the next bytes of the serialized request"""
+    def __init__(
+        self,
+        *,
+        total_size: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "total_size", b"total_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComputeAdvantageChunk: _TypeAlias = ComputeAdvantageChunk  # noqa: Y015
+
+@_typing.final
+class AdvantageResultChunk(_message.Message):
+    """One piece of a serialized AdvantageResult (ComputeAdvantageStream)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    total_size: _builtins.int
+    """the whole result's byte length; set on the first chunk"""
+    data: _builtins.bytes
+    """the next bytes of the serialized result"""
+    def __init__(
+        self,
+        *,
+        total_size: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "total_size", b"total_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdvantageResultChunk: _TypeAlias = AdvantageResultChunk  # noqa: Y015
+
+@_typing.final
+class RegisterSharedMemoryRequest(_message.Message):
+    """A POSIX shared-memory segment (multiprocessing.shared_memory / shm_open
+    name, without the leading "/") created by the client.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    byte_size: _builtins.int
+    """bytes of the segment the server may use, from 0"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterSharedMemoryRequest: _TypeAlias = RegisterSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class RegisterSharedMemoryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    region_id: _builtins.str
+    """names the region in SharedMemoryTensor"""
+    key: _builtins.str
+    """secret: send it with every call using the region"""
+    def __init__(
+        self,
+        *,
+        region_id: _builtins.str = ...,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "region_id", b"region_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterSharedMemoryResponse: _TypeAlias = RegisterSharedMemoryResponse  # noqa: Y015
+
+@_typing.final
+class UnregisterSharedMemoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    region_id: _builtins.str
+    key: _builtins.str
+    def __init__(
+        self,
+        *,
+        region_id: _builtins.str = ...,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "region_id", b"region_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterSharedMemoryRequest: _TypeAlias = UnregisterSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class UnregisterSharedMemoryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterSharedMemoryResponse: _TypeAlias = UnregisterSharedMemoryResponse  # noqa: Y015
+
+@_typing.final
+class SharedMemoryTensor(_message.Message):
+    """A tensor laid out like Tensor.data (C order, little-endian) at
+    [offset, offset + prod(shape) * itemsize) of a registered region.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    REGION_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    dtype: Global___DType.ValueType
+    region_id: _builtins.str
+    offset: _builtins.int
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        dtype: Global___DType.ValueType = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        region_id: _builtins.str = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "offset", b"offset", "region_id", b"region_id", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryTensor: _TypeAlias = SharedMemoryTensor  # noqa: Y015
+
+@_typing.final
+class ComputeAdvantageShmRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class InputsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SharedMemoryTensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SharedMemoryTensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    OUTPUT_REGION_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_OFFSET_FIELD_NUMBER: _builtins.int
+    OUTPUT_BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """of every region used by this call"""
+    output_region_id: _builtins.str
+    """where advantages (then returns) are written"""
+    output_offset: _builtins.int
+    output_byte_size: _builtins.int
+    """room from output_offset; too little = INVALID_ARGUMENT"""
+    @_builtins.property
+    def request(self) -> Global___ComputeAdvantageRequest:
+        """The estimator, output_dtype and any inputs sent inline as bytes."""
+
+    @_builtins.property
+    def inputs(self) -> _containers.MessageMap[_builtins.str, Global___SharedMemoryTensor]:
+        """Inputs read from shared memory (names as in ComputeAdvantageRequest.inputs)."""
+
+    def __init__(
+        self,
+        *,
+        request: Global___ComputeAdvantageRequest | None = ...,
+        inputs: _abc.Mapping[_builtins.str, Global___SharedMemoryTensor] | None = ...,
+        key: _builtins.str = ...,
+        output_region_id: _builtins.str = ...,
+        output_offset: _builtins.int = ...,
+        output_byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "key", b"key", "output_byte_size", b"output_byte_size", "output_offset", b"output_offset", "output_region_id", b"output_region_id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComputeAdvantageShmRequest: _TypeAlias = ComputeAdvantageShmRequest  # noqa: Y015
+
+@_typing.final
+class ComputeAdvantageShmResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ADVANTAGES_FIELD_NUMBER: _builtins.int
+    RETURNS_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def advantages(self) -> Global___SharedMemoryTensor: ...
+    @_builtins.property
+    def returns(self) -> Global___SharedMemoryTensor: ...
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        advantages: Global___SharedMemoryTensor | None = ...,
+        returns: Global___SharedMemoryTensor | None = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "returns", b"returns"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "metrics", b"metrics", "returns", b"returns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComputeAdvantageShmResponse: _TypeAlias = ComputeAdvantageShmResponse  # noqa: Y015

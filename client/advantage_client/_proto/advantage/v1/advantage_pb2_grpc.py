@@ -45,6 +45,26 @@ class AdvantageServiceStub:
                 request_serializer=advantage_dot_v1_dot_advantage__pb2.ListEstimatorsRequest.SerializeToString,
                 response_deserializer=advantage_dot_v1_dot_advantage__pb2.ListEstimatorsResponse.FromString,
                 _registered_method=True)
+        self.ComputeAdvantageStream = channel.stream_stream(
+                '/advantage.v1.AdvantageService/ComputeAdvantageStream',
+                request_serializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageChunk.SerializeToString,
+                response_deserializer=advantage_dot_v1_dot_advantage__pb2.AdvantageResultChunk.FromString,
+                _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/advantage.v1.AdvantageService/RegisterSharedMemory',
+                request_serializer=advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/advantage.v1.AdvantageService/UnregisterSharedMemory',
+                request_serializer=advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.ComputeAdvantageShm = channel.unary_unary(
+                '/advantage.v1.AdvantageService/ComputeAdvantageShm',
+                request_serializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmRequest.SerializeToString,
+                response_deserializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmResponse.FromString,
+                _registered_method=True)
 
 
 class AdvantageServiceServicer:
@@ -69,6 +89,42 @@ class AdvantageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeAdvantageStream(self, request_iterator, context):
+        """ComputeAdvantage for large batches, and the only way past protobuf's
+        2 GiB message cap: the serialized bytes of one ComputeAdvantageRequest,
+        cut into chunks of a few MiB, in order; the first chunk carries the total
+        byte length (the server pre-allocates it; beyond its cap the call ends
+        with RESOURCE_EXHAUSTED). The reply is the serialized AdvantageResult, cut
+        the same way. Errors are those of ComputeAdvantage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterSharedMemory(self, request, context):
+        """Shared memory for a trainer on the same host as the server (like
+        Triton's system shared-memory extension): register a POSIX shared-memory
+        segment the client created, then send names and offsets instead of bytes.
+        Only calls carrying the key returned at registration may use the region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeAdvantageShm(self, request, context):
+        """ComputeAdvantage with inputs read from, and results written to,
+        registered shared-memory regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdvantageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +137,26 @@ def add_AdvantageServiceServicer_to_server(servicer, server):
                     servicer.ListEstimators,
                     request_deserializer=advantage_dot_v1_dot_advantage__pb2.ListEstimatorsRequest.FromString,
                     response_serializer=advantage_dot_v1_dot_advantage__pb2.ListEstimatorsResponse.SerializeToString,
+            ),
+            'ComputeAdvantageStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ComputeAdvantageStream,
+                    request_deserializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageChunk.FromString,
+                    response_serializer=advantage_dot_v1_dot_advantage__pb2.AdvantageResultChunk.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'ComputeAdvantageShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeAdvantageShm,
+                    request_deserializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmRequest.FromString,
+                    response_serializer=advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +214,114 @@ class AdvantageService:
             '/advantage.v1.AdvantageService/ListEstimators',
             advantage_dot_v1_dot_advantage__pb2.ListEstimatorsRequest.SerializeToString,
             advantage_dot_v1_dot_advantage__pb2.ListEstimatorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeAdvantageStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/advantage.v1.AdvantageService/ComputeAdvantageStream',
+            advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageChunk.SerializeToString,
+            advantage_dot_v1_dot_advantage__pb2.AdvantageResultChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/advantage.v1.AdvantageService/RegisterSharedMemory',
+            advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            advantage_dot_v1_dot_advantage__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/advantage.v1.AdvantageService/UnregisterSharedMemory',
+            advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            advantage_dot_v1_dot_advantage__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeAdvantageShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/advantage.v1.AdvantageService/ComputeAdvantageShm',
+            advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmRequest.SerializeToString,
+            advantage_dot_v1_dot_advantage__pb2.ComputeAdvantageShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

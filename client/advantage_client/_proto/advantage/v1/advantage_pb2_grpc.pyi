@@ -77,6 +77,25 @@ class AdvantageServiceStub:
     with defaults, its required and optional input tensors with shapes, and
     whether it fills `returns` and which metrics it reports.
     """
+    ComputeAdvantageStream: _grpc.StreamStreamMultiCallable[_advantage_pb2.ComputeAdvantageChunk, _advantage_pb2.AdvantageResultChunk]
+    """ComputeAdvantage for large batches, and the only way past protobuf's
+    2 GiB message cap: the serialized bytes of one ComputeAdvantageRequest,
+    cut into chunks of a few MiB, in order; the first chunk carries the total
+    byte length (the server pre-allocates it; beyond its cap the call ends
+    with RESOURCE_EXHAUSTED). The reply is the serialized AdvantageResult, cut
+    the same way. Errors are those of ComputeAdvantage.
+    """
+    RegisterSharedMemory: _grpc.UnaryUnaryMultiCallable[_advantage_pb2.RegisterSharedMemoryRequest, _advantage_pb2.RegisterSharedMemoryResponse]
+    """Shared memory for a trainer on the same host as the server (like
+    Triton's system shared-memory extension): register a POSIX shared-memory
+    segment the client created, then send names and offsets instead of bytes.
+    Only calls carrying the key returned at registration may use the region.
+    """
+    UnregisterSharedMemory: _grpc.UnaryUnaryMultiCallable[_advantage_pb2.UnregisterSharedMemoryRequest, _advantage_pb2.UnregisterSharedMemoryResponse]
+    ComputeAdvantageShm: _grpc.UnaryUnaryMultiCallable[_advantage_pb2.ComputeAdvantageShmRequest, _advantage_pb2.ComputeAdvantageShmResponse]
+    """ComputeAdvantage with inputs read from, and results written to,
+    registered shared-memory regions.
+    """
 
 @_typing.type_check_only
 class AdvantageServiceAsyncStub(AdvantageServiceStub):
@@ -92,6 +111,25 @@ class AdvantageServiceAsyncStub(AdvantageServiceStub):
     """Describes every estimator the server runs: its config message and fields
     with defaults, its required and optional input tensors with shapes, and
     whether it fills `returns` and which metrics it reports.
+    """
+    ComputeAdvantageStream: _aio.StreamStreamMultiCallable[_advantage_pb2.ComputeAdvantageChunk, _advantage_pb2.AdvantageResultChunk]  # type: ignore[assignment]
+    """ComputeAdvantage for large batches, and the only way past protobuf's
+    2 GiB message cap: the serialized bytes of one ComputeAdvantageRequest,
+    cut into chunks of a few MiB, in order; the first chunk carries the total
+    byte length (the server pre-allocates it; beyond its cap the call ends
+    with RESOURCE_EXHAUSTED). The reply is the serialized AdvantageResult, cut
+    the same way. Errors are those of ComputeAdvantage.
+    """
+    RegisterSharedMemory: _aio.UnaryUnaryMultiCallable[_advantage_pb2.RegisterSharedMemoryRequest, _advantage_pb2.RegisterSharedMemoryResponse]  # type: ignore[assignment]
+    """Shared memory for a trainer on the same host as the server (like
+    Triton's system shared-memory extension): register a POSIX shared-memory
+    segment the client created, then send names and offsets instead of bytes.
+    Only calls carrying the key returned at registration may use the region.
+    """
+    UnregisterSharedMemory: _aio.UnaryUnaryMultiCallable[_advantage_pb2.UnregisterSharedMemoryRequest, _advantage_pb2.UnregisterSharedMemoryResponse]  # type: ignore[assignment]
+    ComputeAdvantageShm: _aio.UnaryUnaryMultiCallable[_advantage_pb2.ComputeAdvantageShmRequest, _advantage_pb2.ComputeAdvantageShmResponse]  # type: ignore[assignment]
+    """ComputeAdvantage with inputs read from, and results written to,
+    registered shared-memory regions.
     """
 
 class AdvantageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -117,6 +155,49 @@ class AdvantageServiceServicer(metaclass=_abc_1.ABCMeta):
         """Describes every estimator the server runs: its config message and fields
         with defaults, its required and optional input tensors with shapes, and
         whether it fills `returns` and which metrics it reports.
+        """
+
+    @_abc_1.abstractmethod
+    def ComputeAdvantageStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_advantage_pb2.ComputeAdvantageChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_advantage_pb2.AdvantageResultChunk], _abc.AsyncIterator[_advantage_pb2.AdvantageResultChunk]]:
+        """ComputeAdvantage for large batches, and the only way past protobuf's
+        2 GiB message cap: the serialized bytes of one ComputeAdvantageRequest,
+        cut into chunks of a few MiB, in order; the first chunk carries the total
+        byte length (the server pre-allocates it; beyond its cap the call ends
+        with RESOURCE_EXHAUSTED). The reply is the serialized AdvantageResult, cut
+        the same way. Errors are those of ComputeAdvantage.
+        """
+
+    @_abc_1.abstractmethod
+    def RegisterSharedMemory(
+        self,
+        request: _advantage_pb2.RegisterSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_advantage_pb2.RegisterSharedMemoryResponse, _abc.Awaitable[_advantage_pb2.RegisterSharedMemoryResponse]]:
+        """Shared memory for a trainer on the same host as the server (like
+        Triton's system shared-memory extension): register a POSIX shared-memory
+        segment the client created, then send names and offsets instead of bytes.
+        Only calls carrying the key returned at registration may use the region.
+        """
+
+    @_abc_1.abstractmethod
+    def UnregisterSharedMemory(
+        self,
+        request: _advantage_pb2.UnregisterSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_advantage_pb2.UnregisterSharedMemoryResponse, _abc.Awaitable[_advantage_pb2.UnregisterSharedMemoryResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ComputeAdvantageShm(
+        self,
+        request: _advantage_pb2.ComputeAdvantageShmRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_advantage_pb2.ComputeAdvantageShmResponse, _abc.Awaitable[_advantage_pb2.ComputeAdvantageShmResponse]]:
+        """ComputeAdvantage with inputs read from, and results written to,
+        registered shared-memory regions.
         """
 
 def add_AdvantageServiceServicer_to_server(servicer: AdvantageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,492 @@
+"""A tensor codec for the hot messages, byte-compatible with protobuf (like Arrow Flight's data body).
+
+``ComputeAdvantageRequest``, ``AdvantageResult`` and ``Tensor`` are written and read here directly in the
+protobuf wire format, so that tensor payloads are never copied through protobuf ``bytes`` fields:
+
+* :func:`encode_request` / :func:`encode_result` build the wire bytes with one copy of each tensor payload
+  (``bytes.join`` over the small headers and ``memoryview``\\ s of the tensors: no Python lists, no
+  ``tobytes``). The output is exactly ``SerializeToString(deterministic=True)`` of the equivalent
+  generated message (map keys sorted), so peers using the plain generated stubs read it unchanged.
+* :func:`decode_request` / :func:`decode_result` parse the wire bytes (from any language's stubs) into
+  :class:`DecodedRequest` / :class:`DecodedResult`, whose tensors are :class:`TensorView`\\ s: ``data`` is a
+  ``memoryview`` slice of the received buffer, so ``numpy.frombuffer`` / ``torch.frombuffer`` on it are
+  zero-copy. They duck-type the generated classes where the service reads them (``WhichOneof``,
+  ``HasField``, ``inputs``, ``cu_seqlens``, ``output_dtype``, the config oneof), so
+  :func:`advantage_client.wire.decode_torch` works on them unchanged.
+
+Decoding follows protobuf's parser: fields in any order, repeated non-repeated fields merged (last scalar
+wins, sub-messages merged), packed or unpacked ``shape``, unknown fields (every wire type, groups included)
+skipped, a known field with the wrong wire type treated as unknown, map entries with missing key/value.
+Bytes that protobuf would reject raise :class:`CodecError` (a ``ValueError``), which the server answers with
+INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from advantage_client import wire
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+_VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
+_REQ = pb.ComputeAdvantageRequest.DESCRIPTOR
+#: estimator oneof: field number -> (field name, config class)
+ONEOF = {f.number: f.name for f in _REQ.oneofs_by_name["estimator"].fields}
+ONEOF_NUMBER = {name: number for number, name in ONEOF.items()}
+_CONFIG_CLS = {name: cls for _, (name, cls) in wire.ESTIMATOR_FIELDS.items()}
+
+
+class CodecError(ValueError):
+    """Bytes that are not a valid message of the schema."""
+
+
+# ------------------------------------------------------------------------------------------- varints
+def varint(value: int) -> bytes:
+    """Protobuf base-128 varint of ``value`` (negative int64/int32 as 10-byte two's complement)."""
+    value &= 0xFFFFFFFFFFFFFFFF
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return varint((number << 3) | wire_type)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    for _ in range(10):
+        if pos >= end:
+            raise CodecError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result & 0xFFFFFFFFFFFFFFFF, pos
+        shift += 7
+    raise CodecError("varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview, pos: int, end: int) -> Iterable[tuple[int, int, Any, int, int]]:
+    """(field number, wire type, value or None, start, stop) for each field in ``buf[pos:end]``;
+    for LEN fields the value is None and ``[start, stop)`` is the payload."""
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        number, wt = key >> 3, key & 7
+        if number == 0 or number > 536870911:
+            raise CodecError(f"invalid field number {number}")
+        if wt == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+            yield number, wt, value, pos, pos
+        elif wt == _I64:
+            if pos + 8 > end:
+                raise CodecError("truncated fixed64")
+            yield number, wt, None, pos, pos + 8
+            pos += 8
+        elif wt == _I32:
+            if pos + 4 > end:
+                raise CodecError("truncated fixed32")
+            yield number, wt, None, pos, pos + 4
+            pos += 4
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            if n > end - pos:
+                raise CodecError(f"field {number}: length {n} runs past the end of the message")
+            yield number, wt, None, pos, pos + n
+            pos += n
+        elif wt == _SGROUP:
+            pos = _skip_group(buf, pos, end, number)
+        else:
+            raise CodecError(f"field {number}: unexpected wire type {wt}")
+
+
+def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int = 0) -> int:
+    if depth > 100:
+        raise CodecError("groups nested too deeply")
+    while True:
+        if pos >= end:
+            raise CodecError(f"group {number} is not closed")
+        key, pos = _read_varint(buf, pos, end)
+        num, wt = key >> 3, key & 7
+        if num == 0:
+            raise CodecError("invalid field number 0")
+        if wt == _EGROUP:
+            if num != number:
+                raise CodecError(f"group {number} closed by end-group {num}")
+            return pos
+        if wt == _VARINT:
+            _, pos = _read_varint(buf, pos, end)
+        elif wt in (_I64, _I32):
+            pos += 8 if wt == _I64 else 4
+            if pos > end:
+                raise CodecError("truncated fixed field")
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            if n > end - pos:
+                raise CodecError("length runs past the end of the message")
+            pos += n
+        elif wt == _SGROUP:
+            pos = _skip_group(buf, pos, end, num, depth + 1)
+        else:
+            raise CodecError(f"unexpected wire type {wt}")
+
+
+def _upb_map_order(a: bytes, b: bytes) -> int:
+    """The order upb's deterministic serializer writes string map keys in: byte-wise ascending, but a
+    key that is a prefix of another comes after it (upb sorts descending and encodes backwards)."""
+    n = min(len(a), len(b))
+    if a[:n] != b[:n]:
+        return -1 if a[:n] < b[:n] else 1
+    return len(b) - len(a)
+
+
+def _sorted_keys(keys: Iterable[str]) -> list[str]:
+    return sorted(keys, key=functools.cmp_to_key(lambda x, y: _upb_map_order(x.encode("utf-8"), y.encode("utf-8"))))
+
+
+def _int32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _int64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+# ------------------------------------------------------------------------------------------ tensors
+@dataclass
+class TensorView:
+    """An ``advantage.v1.Tensor`` whose ``data`` is a view (``memoryview``) of the buffer it came from."""
+
+    dtype: int = 0
+    shape: list[int] = field(default_factory=list)
+    data: Any = b""
+
+    def numpy(self, name: str = "tensor") -> np.ndarray:
+        return wire.decode_numpy(self, name)  # type: ignore[arg-type]
+
+    def torch(self, name: str = "tensor") -> "torch.Tensor":
+        return wire.decode_torch(self, name)  # type: ignore[arg-type]
+
+    def to_message(self) -> pb.Tensor:
+        return pb.Tensor(dtype=self.dtype, shape=self.shape, data=bytes(self.data))
+
+
+def _merge_tensor(t: TensorView, buf: memoryview, pos: int, end: int) -> TensorView:
+    for number, wt, value, start, stop in _fields(buf, pos, end):
+        if number == 1 and wt == _VARINT:
+            t.dtype = _int32(value)
+        elif number == 2 and wt == _VARINT:
+            t.shape.append(_int64(value))
+        elif number == 2 and wt == _LEN:
+            p = start
+            while p < stop:
+                v, p = _read_varint(buf, p, stop)
+                t.shape.append(_int64(v))
+        elif number == 3 and wt == _LEN:
+            t.data = buf[start:stop]
+    return t
+
+
+def tensor_parts(value: Any, name: str = "tensor") -> tuple[int, tuple[int, ...], memoryview]:
+    """(dtype code, shape, payload bytes view) of a tensor-like, with at most one copy (to make it
+    contiguous / move it to the CPU). Accepts ``torch.Tensor``, ``numpy.ndarray``, nested lists,
+    and ``Tensor`` messages or :class:`TensorView`\\ s (written as they are)."""
+    if isinstance(value, (TensorView, pb.Tensor)):
+        return int(value.dtype), tuple(int(d) for d in value.shape), memoryview(value.data)
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype not in wire._FROM_TORCH:
+            raise wire.WireError(name, f"dtype {t.dtype} is not supported; use one of {sorted(wire._BY_NAME)}")
+        code = wire._FROM_TORCH[t.dtype]
+        shape = tuple(t.shape)
+        t = t.to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        arr = t.numpy()
+    else:
+        arr = np.asarray(value)
+        if arr.dtype == np.float64 and not isinstance(value, np.ndarray):
+            arr = arr.astype(np.float32)
+        if arr.dtype not in wire._FROM_NP:
+            raise wire.WireError(name, f"dtype {arr.dtype} is not supported; use one of {sorted(wire._BY_NAME)}")
+        code = wire._FROM_NP[arr.dtype]
+        shape = arr.shape
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return code, shape, memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _tensor_pieces(code: int, shape: Iterable[int], payload: memoryview) -> tuple[list[Any], int]:
+    """The pieces of one serialized Tensor (body only) and its byte length."""
+    head = bytearray()
+    if code:
+        head += b"\x08" + varint(code)
+    shape = list(shape)
+    if shape:
+        packed = b"".join(varint(d) for d in shape)
+        head += b"\x12" + varint(len(packed)) + packed
+    n = payload.nbytes
+    if n:
+        head += b"\x1a" + varint(n)
+        return [bytes(head), payload], len(head) + n
+    return [bytes(head)], len(head)
+
+
+def _message_field(number: int, pieces: list[Any], size: int) -> tuple[list[Any], int]:
+    head = _tag(number, _LEN) + varint(size)
+    return [head, *pieces], len(head) + size
+
+
+def encode_tensor(value: Any, name: str = "tensor") -> bytes:
+    """One serialized ``Tensor`` (= ``encode_tensor(...).SerializeToString()`` of :mod:`wire`)."""
+    pieces, _ = _tensor_pieces(*tensor_parts(value, name))
+    return b"".join(pieces)
+
+
+# ------------------------------------------------------------------------------------------ requests
+def encode_request(estimator: str | None, config: Any = None, inputs: Mapping[str, Any] | None = None,
+                   output_dtype: int = 0, cu_seqlens: Any = None, *, tensors_as_is: bool = False) -> bytes:
+    """Serialized ``ComputeAdvantageRequest``, byte-identical to the generated class's
+    ``SerializeToString(deterministic=True)``. ``config``: the typed config message (or a dict / None,
+    see :func:`wire.config_message`); ``inputs``: name -> tensor-like (``None`` values skipped)."""
+    parts: list[tuple[int, list[Any]]] = []  # (field number, pieces), sorted by number at the end
+    if estimator is not None:
+        cfg = config if (config is not None and hasattr(config, "SerializeToString")) else \
+            wire.config_message(estimator, config)
+        body = cfg.SerializeToString(deterministic=True)
+        number = ONEOF_NUMBER[wire.ESTIMATOR_FIELDS[estimator][0]] if estimator in wire.ESTIMATOR_FIELDS \
+            else ONEOF_NUMBER[estimator]
+        parts.append((number, [_tag(number, _LEN), varint(len(body)), body]))
+    entries: list[Any] = []
+    for key in _sorted_keys(inputs or {}):
+        value = inputs[key]  # type: ignore[index]
+        if value is None:
+            continue
+        tpieces, tsize = _tensor_pieces(*tensor_parts(value, f"inputs[{key!r}]"))
+        kb = key.encode("utf-8")
+        entry_head = b"\x0a" + varint(len(kb)) + kb
+        vpieces, vsize = _message_field(2, tpieces, tsize)
+        entry_size = len(entry_head) + vsize
+        entries += [b"\x52" + varint(entry_size), entry_head, *vpieces]
+    if entries:
+        parts.append((10, entries))
+    if output_dtype:
+        parts.append((11, [b"\x58" + varint(output_dtype)]))
+    if cu_seqlens is not None:
+        tpieces, tsize = _tensor_pieces(*tensor_parts(cu_seqlens, "cu_seqlens"))
+        parts.append((12, _message_field(12, tpieces, tsize)[0]))
+    parts.sort(key=lambda p: p[0])
+    return b"".join(piece for _, pieces in parts for piece in pieces)
+
+
+def request_from_message(msg: pb.ComputeAdvantageRequest) -> bytes:
+    """:func:`encode_request` of a generated message (for tests and tools)."""
+    name = msg.WhichOneof("estimator")
+    return encode_request(name, getattr(msg, name) if name else None, dict(msg.inputs), msg.output_dtype,
+                          msg.cu_seqlens if msg.HasField("cu_seqlens") else None)
+
+
+class DecodedRequest:
+    """A parsed ``ComputeAdvantageRequest`` whose tensors are :class:`TensorView`\\ s into the buffer.
+    Duck-types the generated class where the service reads it."""
+
+    def __init__(self) -> None:
+        self.estimator: str | None = None
+        self._config_bytes: list[Any] = []
+        self._config: Any = None
+        self.inputs: dict[str, TensorView] = {}
+        self.output_dtype: int = 0
+        self.cu_seqlens: TensorView | None = None
+        self.nbytes = 0
+
+    def WhichOneof(self, name: str) -> str | None:  # noqa: N802 - protobuf's name
+        return self.estimator if name == "estimator" else None
+
+    def HasField(self, name: str) -> bool:  # noqa: N802
+        if name == "cu_seqlens":
+            return self.cu_seqlens is not None
+        return name == self.estimator
+
+    def config(self) -> Any:
+        """The typed config message (parsed on first use; config messages are a few bytes)."""
+        if self._config is None and self.estimator is not None:
+            cls = _CONFIG_CLS[self.estimator]
+            try:
+                self._config = cls.FromString(b"".join(bytes(b) for b in self._config_bytes))
+            except Exception as err:  # protobuf's DecodeError
+                raise CodecError(f"{self.estimator}: not a valid {cls.DESCRIPTOR.full_name} ({err})") from None
+        return self._config
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ONEOF_NUMBER:
+            return self.config() if name == self.estimator else _CONFIG_CLS[name]()
+        raise AttributeError(name)
+
+    def tensor_fields(self) -> dict[str, TensorView]:
+        out: dict[str, Any] = {f"inputs[{k!r}]": v for k, v in self.inputs.items()}
+        if self.cu_seqlens is not None:
+            out["cu_seqlens"] = self.cu_seqlens
+        return out
+
+    def to_message(self) -> pb.ComputeAdvantageRequest:
+        msg = pb.ComputeAdvantageRequest(output_dtype=self.output_dtype)
+        if self.estimator is not None:
+            getattr(msg, self.estimator).CopyFrom(self.config())
+        for k, v in self.inputs.items():
+            msg.inputs[k].CopyFrom(v.to_message())
+        if self.cu_seqlens is not None:
+            msg.cu_seqlens.CopyFrom(self.cu_seqlens.to_message())
+        return msg
+
+
+def _map_entry(buf: memoryview, start: int, stop: int) -> tuple[str, TensorView] | None:
+    """(key, value) of one ``map<string, Tensor>`` entry; None for an entry protobuf (upb) moves to the
+    unknown fields because it holds a field other than key and value (it is then ignored)."""
+    key: Any = b""
+    value = TensorView()
+    unknown = False
+    for number, wt, _, s, e in _fields(buf, start, stop):
+        if number == 1 and wt == _LEN:
+            key = buf[s:e]
+        elif number == 2 and wt == _LEN:
+            _merge_tensor(value, buf, s, e)
+        else:
+            unknown = True
+    try:
+        text = bytes(key).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CodecError("a map key is not valid UTF-8") from None
+    return None if unknown else (text, value)
+
+
+def decode_request(data: Any) -> DecodedRequest:
+    """Parse a serialized ``ComputeAdvantageRequest`` without copying tensor payloads."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    req = DecodedRequest()
+    req.nbytes = buf.nbytes
+    cu: list[tuple[int, int]] = []
+    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes):
+        if number in ONEOF and wt == _LEN:
+            name = ONEOF[number]
+            if name != req.estimator:
+                req.estimator, req._config_bytes = name, []
+            segment = bytes(buf[start:stop])
+            try:  # protobuf parses every occurrence, including those a later oneof member replaces
+                _CONFIG_CLS[name].FromString(segment)
+            except Exception as err:  # protobuf's DecodeError
+                raise CodecError(f"{name}: not a valid {_CONFIG_CLS[name].DESCRIPTOR.full_name} ({err})") from None
+            req._config_bytes.append(segment)
+        elif number == 10 and wt == _LEN:
+            entry = _map_entry(buf, start, stop)
+            if entry is not None:
+                req.inputs[entry[0]] = entry[1]  # a repeated key: the last entry wins
+        elif number == 11 and wt == _VARINT:
+            req.output_dtype = _int32(value)
+        elif number == 12 and wt == _LEN:
+            cu.append((start, stop))
+    if cu:
+        req.cu_seqlens = TensorView()
+        for s, e in cu:
+            _merge_tensor(req.cu_seqlens, buf, s, e)
+    req.config()  # invalid config bytes are an invalid request
+    return req
+
+
+# ------------------------------------------------------------------------------------------- results
+def encode_result(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None) -> bytes:
+    """Serialized ``AdvantageResult`` (= ``SerializeToString(deterministic=True)``)."""
+    pieces: list[Any] = []
+    if advantages is not None:
+        pieces += _message_field(1, *_tensor_pieces(*tensor_parts(advantages, "advantages")))[0]
+    if returns is not None:
+        pieces += _message_field(2, *_tensor_pieces(*tensor_parts(returns, "returns")))[0]
+    for key in _sorted_keys(metrics or {}):
+        v = float(metrics[key])  # type: ignore[index]
+        kb = key.encode("utf-8")
+        entry = b"\x0a" + varint(len(kb)) + kb + b"\x11" + np.float64(v).astype("<f8").tobytes()
+        pieces += [b"\x1a" + varint(len(entry)), entry]
+    return b"".join(pieces)
+
+
+def result_from_message(msg: pb.AdvantageResult) -> bytes:
+    return encode_result(msg.advantages if msg.HasField("advantages") else None,
+                         msg.returns if msg.HasField("returns") else None, dict(msg.metrics))
+
+
+@dataclass
+class DecodedResult:
+    """A parsed ``AdvantageResult`` (tensors as :class:`TensorView`\\ s into the buffer)."""
+
+    advantages: TensorView | None = None
+    returns: TensorView | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def HasField(self, name: str) -> bool:  # noqa: N802
+        return getattr(self, name) is not None
+
+    def to_message(self) -> pb.AdvantageResult:
+        msg = pb.AdvantageResult()
+        if self.advantages is not None:
+            msg.advantages.CopyFrom(self.advantages.to_message())
+        if self.returns is not None:
+            msg.returns.CopyFrom(self.returns.to_message())
+        msg.metrics.update(self.metrics)
+        return msg
+
+
+def decode_result(data: Any) -> DecodedResult:
+    """Parse a serialized ``AdvantageResult`` without copying tensor payloads."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    out = DecodedResult()
+    for number, wt, _, start, stop in _fields(buf, 0, buf.nbytes):
+        if number in (1, 2) and wt == _LEN:
+            name = "advantages" if number == 1 else "returns"
+            t = getattr(out, name) or TensorView()
+            setattr(out, name, _merge_tensor(t, buf, start, stop))
+        elif number == 3 and wt == _LEN:
+            key, value, unknown = b"", 0.0, False
+            for n, w, _, s, e in _fields(buf, start, stop):
+                if n == 1 and w == _LEN:
+                    key = buf[s:e]
+                elif n == 2 and w == _I64:
+                    value = float(np.frombuffer(buf[s:e], dtype="<f8")[0])
+                else:
+                    unknown = True
+            try:
+                text = bytes(key).decode("utf-8")
+            except UnicodeDecodeError:
+                raise CodecError("a metrics key is not valid UTF-8") from None
+            if not unknown:
+                out.metrics[text] = value
+    return out
+
+
+# -------------------------------------------------------------------------------------- chunk messages
+def encode_chunk(total_size: int, data: Any) -> bytes:
+    """A serialized ``ComputeAdvantageChunk`` / ``AdvantageResultChunk`` (same layout)."""
+    n = memoryview(data).nbytes
+    head = (b"\x08" + varint(total_size) if total_size else b"") + (b"\x12" + varint(n) if n else b"")
+    return b"".join((head, data)) if n else head
+
+
+def decode_chunk(data: Any) -> tuple[int, memoryview]:
+    """(total_size, data view) of a serialized chunk message."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    total, payload = 0, buf[0:0]
+    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes):
+        if number == 1 and wt == _VARINT:
+            total = value
+        elif number == 2 and wt == _LEN:
+            payload = buf[start:stop]
+    return total, payload

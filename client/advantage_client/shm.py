@@ -1,0 +1,176 @@
+"""Shared memory for a trainer on the same host as the server (like Triton's system shared-memory extension).
+
+    with AdvantageClient("localhost:50051") as client, client.shared_memory(256 << 20) as region:
+        values = region.empty((B, T), torch.float32)      # a tensor living in the region: no copy at all
+        values.copy_(...)                                  # or pass ordinary tensors: copied in once
+        result = region.compute("gae", cfg, rewards=rewards, mask=mask, values=values)
+
+The client creates a POSIX shared-memory segment and registers it (``RegisterSharedMemory``); the server
+answers with a region id and a secret key, and only calls carrying that key may use the region. Each
+call then sends names and offsets instead of bytes: the server reads the inputs from the region and
+writes the results into it (after the inputs), everything bounds-checked on the server.
+``AdvantageClient.compute(..., transport="shm")`` does the same with a region the client manages.
+"""
+from __future__ import annotations
+
+import math
+from multiprocessing import shared_memory
+from typing import Any
+
+import grpc
+import numpy as np
+
+from advantage_client import codec, wire
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+ALIGN = 64
+PREFIX = "/advantage.v1.AdvantageService/"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SharedMemoryRegion:
+    """A shared-memory segment registered with the server. Use as a context manager or call :meth:`close`
+    (unregisters, then unlinks the segment)."""
+
+    def __init__(self, client: Any, byte_size: int):
+        self._client = client
+        self.shm = shared_memory.SharedMemory(create=True, size=max(int(byte_size), ALIGN))
+        self.size = self.shm.size
+        self._buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
+        self._next = 0  # bump allocator for empty()
+        try:
+            reply = client._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
+                name=self.shm.name, byte_size=self.size), pb.RegisterSharedMemoryResponse)
+        except BaseException:
+            self._release()
+            raise
+        self.region_id, self.key = reply.region_id, reply.key
+
+    # ------------------------------------------------------------------ allocation
+    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
+        """A tensor (torch if installed, else numpy) living in the region; pass it to :meth:`compute`
+        and it is read in place."""
+        code = wire.dtype_code(dtype)
+        np_dtype = wire._NP[code]
+        nbytes = math.prod(shape) * np_dtype.itemsize
+        if self._next + nbytes > self.size:
+            raise MemoryError(f"the region has {self.size - self._next} free bytes, {nbytes} needed")
+        arr = self._buf[self._next:self._next + nbytes].view(np_dtype).reshape(shape)
+        self._next = _align(self._next + nbytes)
+        if torch is not None:
+            t = torch.from_numpy(arr)
+            return t.view(torch.bfloat16) if code == pb.DTYPE_BFLOAT16 else t
+        return arr
+
+    def reset(self) -> None:
+        """Forget every :meth:`empty` allocation (their memory is reused)."""
+        self._next = 0
+
+    def _offset_of(self, arr: np.ndarray) -> int | None:
+        """Offset of ``arr`` in the region when it is a C-contiguous view into it, else None."""
+        if not arr.flags.c_contiguous or arr.nbytes == 0:
+            return None
+        base = self._buf.__array_interface__["data"][0]
+        addr = arr.__array_interface__["data"][0]
+        if base <= addr and addr + arr.nbytes <= base + self.size:
+            return addr - base
+        return None
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
+                copy: bool = True, cu_seqlens: Any = None, **tensors: Any) -> Any:
+        """Like ``AdvantageClient.compute``. Inputs already in the region (from :meth:`empty`) are read in
+        place; others are copied in once. ``copy=False`` returns result tensors that are views of the
+        region (valid until the next call on it)."""
+        from advantage_client.client import AdvantageResult, reduce_prompt_ids
+
+        request = pb.ComputeAdvantageShmRequest(key=self.key, output_region_id=self.region_id)
+        inner = request.request
+        cfg = wire.config_message(estimator, config)  # WireError for an unknown estimator
+        getattr(inner, wire.ESTIMATOR_FIELDS[estimator][0]).CopyFrom(cfg)
+        if output_dtype is not None:
+            inner.output_dtype = wire.dtype_code(output_dtype)
+        if cu_seqlens is not None:
+            inner.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
+        pos = self._next
+        for name, value in tensors.items():
+            if value is None:
+                continue
+            if name == "prompt_ids":
+                value = reduce_prompt_ids(value)
+            code, shape, payload = codec.tensor_parts(value, f"inputs[{name!r}]")
+            raw = np.frombuffer(payload, dtype=np.uint8) if payload.nbytes else np.zeros(0, np.uint8)
+            offset = self._offset_of(raw)
+            if offset is None:
+                if pos + raw.nbytes > self.size:
+                    raise MemoryError(f"inputs need more than the region's {self.size} bytes")
+                self._buf[pos:pos + raw.nbytes] = raw
+                offset, pos = pos, _align(pos + raw.nbytes)
+            request.inputs[name].CopyFrom(pb.SharedMemoryTensor(dtype=code, shape=shape, region_id=self.region_id,
+                                                                offset=offset))
+        request.output_offset = pos
+        request.output_byte_size = self.size - pos
+        reply = self._client._call("ComputeAdvantageShm", request, pb.ComputeAdvantageShmResponse)
+        out = []
+        for name in ("advantages", "returns"):
+            if not reply.HasField(name):
+                out.append(None)
+                continue
+            t = reply.__getattribute__(name)
+            np_dtype = wire._NP[t.dtype]
+            n = math.prod(t.shape) * np_dtype.itemsize
+            arr = self._buf[t.offset:t.offset + n].view(np_dtype).reshape(tuple(t.shape))
+            if copy:
+                arr = arr.copy()
+            if not as_numpy and torch is not None:
+                arr = torch.from_numpy(arr)
+                arr = arr.view(torch.bfloat16) if t.dtype == pb.DTYPE_BFLOAT16 else arr
+            out.append(arr)
+        return AdvantageResult(out[0], out[1], dict(reply.metrics))
+
+    # ------------------------------------------------------------------ lifetime
+    def _release(self) -> None:
+        self._buf = None
+        try:
+            self.shm.close()
+        except BufferError:  # views handed out with copy=False / empty() are still alive
+            pass
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._buf is None:
+            return
+        try:
+            self._client._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(
+                region_id=self.region_id, key=self.key), pb.UnregisterSharedMemoryResponse)
+        except Exception:  # noqa: BLE001 - the server may be gone; the segment is ours to remove anyway
+            pass
+        self._release()
+
+    def __enter__(self) -> "SharedMemoryRegion":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def call(channel: grpc.Channel, method: str, request: Any, response_cls: type, **kwargs: Any) -> Any:
+    return channel.unary_unary(PREFIX + method, request_serializer=type(request).SerializeToString,
+                               response_deserializer=response_cls.FromString)(request, **kwargs)

@@ -1,0 +1,278 @@
+"""Server side of the fast transports (mixed into :class:`~advantage_server.server.AdvantageServicer`).
+
+* **Codec** (``ComputeAdvantage``): the request bytes are parsed by :mod:`advantage_client.codec` (tensor
+  payloads stay views of the received buffer, no protobuf ``bytes`` copies) and the result is written
+  by it (one copy of each result tensor). The bytes on the wire are exactly protobuf's, so clients using
+  the plain generated stubs are unaffected.
+* **Client streaming** (``ComputeAdvantageStream``): the serialized request in chunks of a few MiB,
+  reassembled into one buffer allocated once from the declared total size (capped by
+  ``max_stream_bytes``: RESOURCE_EXHAUSTED beyond it); the serialized result goes back in chunks.
+  No 2 GiB cap: the codec reads and writes any length.
+* **Shared memory** (``RegisterSharedMemory`` / ``UnregisterSharedMemory`` / ``ComputeAdvantageShm``): a
+  co-located client registers a POSIX shared-memory segment it created and gets a region id and a
+  secret key; calls carrying the key read inputs from and write results to the region, every tensor
+  bounds-checked against the registered size.
+"""
+from __future__ import annotations
+
+import hmac
+import math
+import secrets
+import threading
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from advantage_client import codec, wire
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.estimators import AdvantageResult
+from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
+
+#: methods with a handler of their own (not the generic unary pipeline)
+CUSTOM_HANDLERS = frozenset({"ComputeAdvantageStream"})
+#: bytes per chunk the server sends (the client chooses its own)
+CHUNK_BYTES = 4 << 20
+#: largest streamed request by default (RESOURCE_EXHAUSTED beyond it)
+DEFAULT_MAX_STREAM_BYTES = 16 << 30
+#: regions one server keeps registered at most
+MAX_REGIONS = 256
+ALIGN = 64
+_ATTACH_LOCK = threading.Lock()
+
+
+def decode_request(data: Any) -> codec.DecodedRequest:
+    """Request bytes -> :class:`codec.DecodedRequest`; bytes protobuf would reject are ``InvalidInput``."""
+    try:
+        return codec.decode_request(data)
+    except codec.CodecError as err:
+        raise InvalidInput("request", f"the {memoryview(data).nbytes} request bytes are not a valid "
+                                      f"advantage.v1.ComputeAdvantageRequest message ({err}); serialize the "
+                                      "request with the advantage.v1 schema") from None
+
+
+@dataclass
+class ResultPayload:
+    """A computed result not yet encoded (the response serializer encodes it with the codec)."""
+
+    result: AdvantageResult
+    dtype: torch.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        adv = self.result.advantages.to(self.dtype)
+        ret = self.result.returns.to(self.dtype) if self.result.returns is not None else None
+        return adv, ret
+
+    def encode(self) -> bytes:
+        adv, ret = self.tensors()
+        return codec.encode_result(adv, ret, {k: float(v) for k, v in self.result.metrics.items()})
+
+
+def response_serializer(response_cls: type):
+    """Encodes :class:`ResultPayload` with the codec, generated messages with protobuf."""
+    def serialize(response: Any) -> bytes:
+        if isinstance(response, ResultPayload):
+            return response.encode()
+        if isinstance(response, (bytes, bytearray)):
+            return bytes(response)
+        return response.SerializeToString()
+    return serialize
+
+
+# -------------------------------------------------------------------------------- shared memory
+class Region:
+    def __init__(self, name: str, size: int, key: str):
+        # The client owns the segment: this process must never unlink it, but Python < 3.13 registers
+        # every attached segment with the resource tracker (which unlinks it at exit), so attach without.
+        from multiprocessing import resource_tracker
+        with _ATTACH_LOCK:
+            register, resource_tracker.register = resource_tracker.register, lambda *a, **k: None
+            try:
+                self.shm = shared_memory.SharedMemory(name=name, create=False)
+            except (FileNotFoundError, ValueError, OSError) as err:
+                raise InvalidInput("name", f"cannot open shared-memory segment {name!r} on the server's host "
+                                           f"({err}); shared memory works only with a server on the same host") from None
+            finally:
+                resource_tracker.register = register
+        if size > self.shm.size:
+            self.close()
+            raise InvalidInput("byte_size", f"{size} bytes registered but segment {name!r} has {self.shm.size}")
+        self.size = size or self.shm.size
+        self.key = key
+        self.buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self.shm.close()
+        except BufferError:  # a call still reads it; the mapping goes when its last view does
+            pass
+
+
+def _shm_layout(t: pb.SharedMemoryTensor, field: str) -> tuple[int, tuple[int, ...]]:
+    if t.dtype not in wire._NP:
+        raise InvalidInput(f"{field}.dtype", f"dtype {t.dtype} is not supported")
+    shape = tuple(int(d) for d in t.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{field}.shape", f"negative dimension in shape {list(shape)}")
+    return math.prod(shape) * wire._NP[t.dtype].itemsize, shape
+
+
+class TransportMethods:
+    """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status`` of the
+    servicer it is mixed into."""
+
+    max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
+
+    # ------------------------------------------------------------------ codec unary
+    def compute_payload(self, request: Any, context: Any) -> ResultPayload:
+        """check_batch_elements, a compute slot, the core; the result left for the codec to encode."""
+        fields = request.tensor_fields() if hasattr(request, "tensor_fields") else None
+        if fields is None:
+            from advantage_server.server import tensor_fields
+            fields = tensor_fields(request)
+        check_batch_elements(fields, self.limits.max_batch_elements)
+        alive = grpc_liveness(context)
+        with self.gate.compute_slot(alive), checkpoints(alive):
+            return ResultPayload(*self.core.compute_result(request))
+
+    # ------------------------------------------------------------------ client streaming
+    def custom_handler(self, method: Any) -> grpc.RpcMethodHandler:
+        return grpc.stream_stream_rpc_method_handler(self._stream, request_deserializer=codec.decode_chunk,
+                                                     response_serializer=None)
+
+    def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> bytearray:
+        buf: bytearray | None = None
+        total = pos = 0
+        for declared, data in chunks:
+            if buf is None:
+                total = declared
+                if total > self.max_stream_bytes:
+                    raise ResourceLimit(f"the streamed request declares {total} bytes, more than the server's "
+                                        f"limit of {self.max_stream_bytes}; split the batch into smaller requests")
+                buf = bytearray(total)
+            elif declared and declared != total:
+                raise InvalidInput("total_size", f"chunk says {declared} bytes, the first chunk said {total}")
+            n = data.nbytes
+            if pos + n > total:
+                raise InvalidInput("data", f"the chunks hold more than the declared total_size of {total} bytes; "
+                                           "set total_size on the first chunk to the request's byte length")
+            buf[pos:pos + n] = data
+            pos += n
+            alive("while receiving the request")
+        if buf is None:
+            buf = bytearray()
+        if pos != total:
+            raise InvalidInput("data", f"the stream ended after {pos} of the declared {total} bytes")
+        return buf
+
+    def _stream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+        what, status, out = "ComputeAdvantageStream", None, b""
+        try:
+            with self.gate.admit(True, context.add_callback):
+                alive = grpc_liveness(context)
+                data = self._reassemble(request_iterator, alive)
+                request = decode_request(memoryview(data))
+                what = f"ComputeAdvantageStream {request.estimator}"
+                out = self.compute_payload(request, context).encode()
+                del request, data
+        except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
+            status = self._status(exc, what)
+        if status is not None:
+            from grpc_status import rpc_status
+            context.abort_with_status(rpc_status.to_status(status))
+        view = memoryview(out)
+        for i in range(0, max(len(out), 1), CHUNK_BYTES):
+            yield codec.encode_chunk(len(out) if i == 0 else 0, view[i:i + CHUNK_BYTES])
+
+    # ------------------------------------------------------------------ shared memory
+    def _regions(self) -> tuple[dict[str, Region], threading.Lock]:
+        if not hasattr(self, "_shm_regions"):
+            self._shm_regions: dict[str, Region] = {}
+            self._shm_lock = threading.Lock()
+        return self._shm_regions, self._shm_lock
+
+    def _region(self, region_id: str, key: str, field: str) -> Region:
+        regions, lock = self._regions()
+        with lock:
+            region = regions.get(region_id)
+        if region is None or not hmac.compare_digest(region.key.encode(), key.encode()):
+            raise InvalidInput(field, f"no shared-memory region {region_id!r} is registered for this key; "
+                                      "register it with RegisterSharedMemory and send the key it returned")
+        return region
+
+    def RegisterSharedMemory(self, request: pb.RegisterSharedMemoryRequest, context: Any):  # noqa: N802
+        regions, lock = self._regions()
+        with lock:
+            if len(regions) >= MAX_REGIONS:
+                raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
+        if not request.name or "/" in request.name:
+            raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/'")
+        region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))
+        region_id = secrets.token_hex(8)
+        with lock:
+            regions[region_id] = region
+        return pb.RegisterSharedMemoryResponse(region_id=region_id, key=region.key)
+
+    def UnregisterSharedMemory(self, request: pb.UnregisterSharedMemoryRequest, context: Any):  # noqa: N802
+        region = self._region(request.region_id, request.key, "region_id")
+        regions, lock = self._regions()
+        with lock:
+            regions.pop(request.region_id, None)
+        region.close()
+        return pb.UnregisterSharedMemoryResponse()
+
+    def ComputeAdvantageShm(self, request: pb.ComputeAdvantageShmRequest, context: Any):  # noqa: N802
+        inner = request.request
+        decoded = codec.DecodedRequest()
+        decoded.estimator = inner.WhichOneof("estimator")
+        decoded._config = getattr(inner, decoded.estimator) if decoded.estimator else None
+        decoded.output_dtype = inner.output_dtype
+        decoded.inputs = {k: codec.TensorView(v.dtype, list(v.shape), v.data) for k, v in inner.inputs.items()}
+        if inner.HasField("cu_seqlens"):
+            c = inner.cu_seqlens
+            decoded.cu_seqlens = codec.TensorView(c.dtype, list(c.shape), c.data)
+        check_batch_elements({f"inputs[{k!r}]": t for k, t in request.inputs.items()},
+                             self.limits.max_batch_elements)
+        for key, t in request.inputs.items():
+            field = f"inputs[{key!r}]"
+            nbytes, shape = _shm_layout(t, field)
+            region = self._region(t.region_id, request.key, f"{field}.region_id")
+            if t.offset + nbytes > region.size:
+                raise InvalidInput(f"{field}.offset", f"[{t.offset}, {t.offset + nbytes}) is outside the region's "
+                                                      f"{region.size} registered bytes")
+            decoded.inputs[key] = codec.TensorView(t.dtype, list(shape), region.buf[t.offset:t.offset + nbytes])
+        out_region = self._region(request.output_region_id, request.key, "output_region_id")
+        payload = self.compute_payload(decoded, context)
+        adv, ret = payload.tensors()
+        limit = min(out_region.size, request.output_offset + request.output_byte_size)
+        response = pb.ComputeAdvantageShmResponse()
+        response.metrics.update({k: float(v) for k, v in payload.result.metrics.items()})
+        pos = request.output_offset
+        for name, t in (("advantages", adv), ("returns", ret)):
+            if t is None:
+                continue
+            code = wire._FROM_TORCH[t.dtype]
+            t = t.contiguous()
+            raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
+            if pos + raw.nbytes > limit:
+                raise InvalidInput("output_byte_size", f"the result needs {raw.nbytes} bytes for {name} at offset "
+                                                       f"{pos}, but the output room ends at {limit}")
+            out_region.buf[pos:pos + raw.nbytes] = raw
+            getattr(response, name).CopyFrom(pb.SharedMemoryTensor(
+                dtype=code, shape=list(t.shape), region_id=request.output_region_id, offset=pos))
+            pos += -(-raw.nbytes // ALIGN) * ALIGN
+        return response
+
+    def close_regions(self) -> None:
+        regions, lock = self._regions()
+        with lock:
+            items = list(regions.values())
+            regions.clear()
+        for region in items:
+            region.close()
+
