@@ -256,11 +256,14 @@ def test_estimator_numba_path_matches_torch_path(name, config, mask_pattern, per
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}{sorted(config.items())}{mask_pattern}{per_token}".encode()))
     mask = make_mask(mask_pattern, B, T, gen)
     inputs = _parity_inputs(name, config, mask, gen, per_token)
+    snapshot = {k: v.clone() for k, v in inputs.items()}
     core = AdvantageCore("cpu")
     with jit.use_numba(False):
         ref = core.run(name, dict(config), inputs)
     with jit.use_numba(True):
         got = core.run(name, dict(config), {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in inputs.items()})
+    for k, v in inputs.items():  # float64 inputs reach the kernels as views: they must stay untouched
+        assert torch.equal(v, snapshot[k]), f"{name} modified its input {k}"
     assert got.advantages.dtype == dtype and got.advantages.shape == (B, T)
     assert_close_scaled(got.advantages, ref.advantages, 10 * TOL[dtype], f"{name} advantages")
     assert (got.returns is None) == (ref.returns is None)

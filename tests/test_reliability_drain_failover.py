@@ -5,6 +5,7 @@ Every server listens on 127.0.0.1 only; every loop is bounded in count and time.
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -216,10 +217,10 @@ def test_round_robin_spreads_calls_and_skips_a_replica_that_is_not_serving(capsy
     replicas = [create_server("127.0.0.1", 0, device="cpu").start() for _ in range(2)]
     counts = [0, 0]
     for i, srv in enumerate(replicas):
-        def counted(request, _orig=srv.core.compute, _i=i):
+        def counted(request, _orig=srv.core.compute_result, _i=i):
             counts[_i] += 1
             return _orig(request)
-        srv.core.compute = counted
+        srv.core.compute_result = counted  # what every ComputeAdvantage transport calls
     args = dict(rewards=np.ones(2, np.float32), mask=np.ones((2, 2), np.float32))
     try:
         with AdvantageClient([r.address for r in replicas], timeout=10) as client:
@@ -228,8 +229,14 @@ def test_round_robin_spreads_calls_and_skips_a_replica_that_is_not_serving(capsy
                 client.compute("raw_reward", None, **args)
             spread = list(counts)
             replicas[0].health.set("advantage.v1.AdvantageService", health_pb2.HealthCheckResponse.NOT_SERVING)
-            time.sleep(0.5)
-            before = counts[0]
+            # the client learns it over its health watch: wait (bounded) until 5 calls in a row skip replica 0
+            deadline, streak = time.monotonic() + 10, 0
+            while streak < 5:
+                assert time.monotonic() < deadline, f"the NOT_SERVING replica kept getting calls: {counts}"
+                seen = counts[0]
+                client.compute("raw_reward", None, **args)
+                streak = streak + 1 if counts[0] == seen else 0
+            before, other = counts[0], counts[1]
             for _ in range(20):
                 client.compute("raw_reward", None, **args)
     finally:
@@ -237,8 +244,9 @@ def test_round_robin_spreads_calls_and_skips_a_replica_that_is_not_serving(capsy
             r.stop(grace=1.0)
     assert min(spread) >= 5, f"round_robin did not spread the calls: {spread}"
     assert counts[0] == before, f"the NOT_SERVING replica still got calls: {counts}"
-    report(capsys, f"round_robin: 20 calls over 2 replicas -> {spread}; after one reported NOT_SERVING, the next 20 "
-                   f"all went to the other ({counts[1] - spread[1]})")
+    assert counts[1] - other == 20
+    report(capsys, f"round_robin: 20 calls over 2 replicas -> {spread}; after one reported NOT_SERVING and the "
+                   "client saw it, the next 20 all went to the other")
 
 
 def test_drain_while_health_watchers_disconnect(tmp_path, capsys):
@@ -256,9 +264,9 @@ def test_drain_while_health_watchers_disconnect(tmp_path, capsys):
                        for ch in channels]
             for stream in streams:
                 assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
-            closer = threading.Thread(target=lambda: [ch.close() for ch in channels])
+            closer = threading.Thread(target=lambda chs=channels: [ch.close() for ch in chs])
             t0 = time.monotonic()
-            srv.proc.send_signal(__import__("signal").SIGTERM)
+            srv.proc.send_signal(signal.SIGTERM)
             closer.start()
             assert stop_server(srv, timeout=20) == 0
             took.append(time.monotonic() - t0)

@@ -116,9 +116,10 @@ def test_client_cancelling_in_the_middle_of_an_upload(tmp_path, capsys):
         assert stop_server(srv) == 0
     finally:
         srv.close()
-    report(capsys, f"disconnect: 6 x 192 MiB uploads cancelled after 20/100/300 ms (twice) with --max-concurrent-requests 1; "
-                   f"next request served each time (after {', '.join(f'{1e3 * w:.0f}' for w in waits)} ms); RSS {before >> 20} MiB -> {peak >> 20} MiB just after -> "
-                   f"{after >> 20} MiB {settled_in:.1f}s later")
+    waited = ", ".join(f"{1e3 * w:.0f}" for w in waits)
+    report(capsys, f"disconnect: 6 x 192 MiB uploads cancelled after 20/100/300 ms (twice) with "
+                   f"--max-concurrent-requests 1; next request served each time (after {waited} ms); RSS "
+                   f"{before >> 20} MiB -> {peak >> 20} MiB just after -> {after >> 20} MiB {settled_in:.1f}s later")
 
 
 CLIENT_CODE = """

@@ -140,7 +140,9 @@ def test_reflection_lists_the_service(running):
         assert "grpc.health.v1.Health" in services
         file_proto = db.FindFileContainingSymbol(SERVICE)
         service = next(s for s in file_proto.service if s.name == "AdvantageService")
-        assert {m.name for m in service.method} == {"ComputeAdvantage", "ListEstimators"}
+        assert {m.name for m in service.method} == {"ComputeAdvantage", "ListEstimators", "ComputeAdvantageStream",
+                                                     "RegisterSharedMemory", "UnregisterSharedMemory",
+                                                     "ComputeAdvantageShm"}
 
 
 def test_serves_requests(running):

@@ -185,7 +185,7 @@ class RequestGate:
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down and takes no new calls; retry on another replica")
-            if False:
+            if limited and self._limited >= self.max_concurrent_requests:
                 raise ResourceLimit(
                     f"the server is at its concurrency limit: --max-concurrent-requests={self.max_concurrent_requests} "
                     "requests are already in progress; retry with backoff, or add replicas")

@@ -469,12 +469,13 @@ def group_baseline_and_std_loop(group: torch.Tensor, rewards: torch.Tensor, leav
 
 @jit.njit
 def _relative(r, baseline, std, normalize, epsilon):  # pragma: no cover - compiled
-    """In place: r = r - baseline, then / (std + epsilon) where std > 0 when normalize."""
+    """baseline[i] <- r[i] - baseline[i], divided by (std[i] + epsilon) where std[i] > 0 when normalize
+    (in place: ``r`` may be a view of an input and is left alone)."""
     for i in range(r.shape[0]):
         a = r[i] - baseline[i]
         if normalize and std[i] > 0:
             a = a / (std[i] + epsilon)
-        r[i] = a
+        baseline[i] = a
 
 
 def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool, normalize: bool,
@@ -487,8 +488,8 @@ def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bo
         r, baseline, std = _group_stats_numpy(group, rewards, leave_one_out)
         if std_rewards is not None:
             std = _group_stats_numpy(group, std_rewards, leave_one_out)[2]
-        _relative(r, baseline, std, bool(normalize), float(epsilon))  # in place: r becomes the advantage
-        return torch.from_numpy(r)
+        _relative(r, baseline, std, bool(normalize), float(epsilon))  # baseline becomes the advantage
+        return torch.from_numpy(baseline)
     baseline, std = group_baseline_and_std(group, rewards, leave_one_out)
     if std_rewards is not None:
         _, std = group_baseline_and_std(group, std_rewards, leave_one_out)

@@ -193,7 +193,6 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
         count = 0
         first = -1
         last = -1
-        total = 0.0
         for t in range(T - 1, -1, -1):
             vt = np.float64(values[b, t])
             valid = mask[b, t] != 0
@@ -215,9 +214,6 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
                     if last < 0:
                         last = t
             adv[b, t] = run_p
-            if stats is not None:
-                if valid:
-                    total += np.float64(adv[b, t])
             if ret is not None:
                 if lam_v is not None:
                     ret[b, t] = run_v
@@ -225,18 +221,29 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
                 else:
                     ret[b, t] = adv[b, t] + values[b, t]
         if stats is not None:
-            m2 = 0.0
+            total, m2 = 0.0, 0.0
             if count > 0:
-                mean = total / count
-                for t in range(first, last + 1):
-                    if mask[b, t] != 0:
-                        d = np.float64(adv[b, t]) - mean
-                        m2 += d * d
+                total, m2 = _row_moments(adv[b], mask[b], first, last + 1, count)
             stats[b, 0] = count
             stats[b, 1] = total
             stats[b, 2] = m2
             stats[b, 3] = first
             stats[b, 4] = last
+
+
+@jit.njit(reassoc=True)
+def _row_moments(a, m, lo, hi, count):  # pragma: no cover - compiled
+    """(sum, centred sum of squares) of a[lo:hi] where m != 0, float64, two passes over the row while it
+    is in cache, branch-free so the sums run on SIMD lanes."""
+    total = 0.0
+    for t in range(lo, hi):
+        total += np.float64(a[t]) * (1.0 if m[t] != 0 else 0.0)
+    mean = total / count
+    m2 = 0.0
+    for t in range(lo, hi):
+        d = (np.float64(a[t]) - mean) * (1.0 if m[t] != 0 else 0.0)
+        m2 += d * d
+    return total, m2
 
 
 @jit.njit

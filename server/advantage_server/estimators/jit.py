@@ -19,7 +19,9 @@ module holds what those CPU kernels share:
 
 Why not torch's intra-op threads: under CPU contention (another process on one of the two cores)
 OpenMP's barrier waits for the descheduled thread, and one torch call can take 10x its uncontended
-time; the chunks here are independent, so a late chunk only delays its own rows.
+time (measured here: a 64 Ki-element ``Tensor.to`` from 0.01 ms to 8 ms). The chunks here are
+claimed one at a time by whichever thread is running, so a descheduled thread delays at most the
+chunk it holds. The same reason keeps the CPU paths' small ``[B]`` arithmetic in numpy.
 """
 from __future__ import annotations
 
