@@ -106,6 +106,8 @@ def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
     """A channel to ``target`` with the service config above. TLS when ``tls`` or any ``tls_*`` is given:
     ``tls_ca`` verifies the server (system roots when None); ``tls_cert`` + ``tls_key`` is the client
     certificate for mutual TLS. PEM bytes or file paths. ``options``: more gRPC channel arguments."""
+    if not 1 <= max_message_mb <= 2047:
+        raise ValueError(f"max_message_mb must be in [1, 2047] (gRPC's 32-bit message length), got {max_message_mb}")
     limit = max_message_mb * 1024 * 1024
     options = [
         ("grpc.max_receive_message_length", limit),

@@ -47,7 +47,10 @@ class AdvantageServiceError(Exception):
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> "AdvantageServiceError":
         violations = []
-        status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+        try:
+            status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+        except ValueError:  # a status detail that disagrees with the call's code (e.g. cut by a proxy)
+            status = None
         if status is not None and error_details_pb2 is not None:
             for detail in status.details:
                 bad = error_details_pb2.BadRequest()

@@ -4,7 +4,7 @@
 ``AdvantageResult`` message; ``AdvantageCore.run(name, config, tensors)`` does the same on Python
 objects. Both validate every input against the estimator's declared ``InputSpec``s before any math
 runs, and raise :class:`~advantage_server.errors.InvalidInput` (one violation per bad field) for a
-malformed request. The servicer (``advantage_server.servicer``) is a thin layer over this.
+malformed request. The gRPC servicer (``advantage_server.server``) is a thin layer over this.
 """
 from __future__ import annotations
 
@@ -83,7 +83,11 @@ class AdvantageCore:
         result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
                           cu_seqlens=cu_seqlens)
         checkpoint("before encoding")
-        return result, _OUTPUT[request.output_dtype]
+        dtype = _OUTPUT[request.output_dtype]
+        result.advantages = cast_output(result.advantages, dtype, "advantages")
+        if result.returns is not None:
+            result.returns = cast_output(result.returns, dtype, "returns")
+        return result, dtype
 
     def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
@@ -111,7 +115,10 @@ class AdvantageCore:
             result = layout.repack(result)
         for label, t in (("advantages", result.advantages), ("returns", result.returns)):
             if t is not None and not bool(torch.isfinite(t).all()):
-                raise RuntimeError(f"{name} produced non-finite {label} from finite inputs")
+                # every input is finite (checked above): only magnitudes near the dtype's limit get here
+                raise InvalidInput("inputs", f"{name} overflowed {str(t.dtype).replace('torch.', '')} arithmetic "
+                                             f"computing {label}: input magnitudes are too large; rescale the "
+                                             "rewards/values or send float64 inputs")
         return result
 
     # ------------------------------------------------------------------ validation
@@ -139,8 +146,9 @@ class AdvantageCore:
 
         mask = tensors["mask"]
         if mask.dim() != 2 or 0 in mask.shape:
-            raise InvalidInput("inputs['mask']", f"must be a non-empty [B, T] tensor, got shape {list(mask.shape)}: "
-                                                 "an empty batch has nothing to compute")
+            why = ("an empty batch has nothing to compute" if mask.dim() == 2
+                   else "send the token mask as a 2-D [B, T] tensor")
+            raise InvalidInput("inputs['mask']", f"must be a non-empty [B, T] tensor, got shape {list(mask.shape)}: {why}")
         dims = {"B": mask.shape[0], "T": mask.shape[1]}
         for key, t in tensors.items():
             violations += _check(key, t, owners[key], dims)
@@ -305,6 +313,17 @@ def config_from_dict(spec: EstimatorSpec, config: Mapping[str, Any]) -> Any:
     except wire.WireError as err:
         raise InvalidInput.from_wire(err) from None
     return config_from_proto(spec, msg)
+
+
+def cast_output(t: torch.Tensor, dtype: torch.dtype, label: str) -> torch.Tensor:
+    """``t`` in the requested output dtype; values beyond its range are an ``InvalidInput`` on
+    ``output_dtype`` (a float16 result of 1e5 would otherwise arrive as infinity)."""
+    out = t.to(dtype)
+    if out.dtype != t.dtype and not bool(torch.isfinite(out).all()):
+        biggest = float(t.abs().max())
+        raise InvalidInput("output_dtype", f"{label} reach {biggest:.3g}, beyond the range of "
+                                           f"{str(dtype).replace('torch.', '')}; request float32 or float64")
+    return out
 
 
 def encode_result(result: AdvantageResult, dtype: torch.dtype) -> pb.AdvantageResult:

@@ -46,6 +46,9 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 32
 DEFAULT_WORKERS = 8
 
 
+MAX_MESSAGE_MB_LIMIT = 2047  # gRPC message lengths are signed 32-bit byte counts
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """The server's limits (each one a CLI flag of the same name)."""
@@ -60,6 +63,9 @@ class Limits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_message_mb > MAX_MESSAGE_MB_LIMIT:
+            raise ValueError(f"--max-message-mb must be at most {MAX_MESSAGE_MB_LIMIT} (gRPC's message size is a "
+                             f"32-bit byte count), got {self.max_message_mb}; larger batches go through streaming")
 
     @property
     def max_message_bytes(self) -> int:

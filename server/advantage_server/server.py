@@ -71,15 +71,27 @@ _KEEPALIVE_OPTIONS = [
 ]
 
 
+MAX_VIOLATIONS = 10  # field violations sent per INVALID_ARGUMENT (the message says how many more)
+MAX_TEXT = 2000      # characters of the status message
+
+
 def status_for(exc: BaseException) -> status_pb2.Status:
     """The ``google.rpc.Status`` a call that raised ``exc`` ends with (see the module docstring)."""
     if isinstance(exc, InvalidInput):
+        # The status travels in the trailers, which clients cap (8-16 KiB): keep it well under that.
+        shown = exc.violations[:MAX_VIOLATIONS]
         bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in exc.violations
+            error_details_pb2.BadRequest.FieldViolation(field=f[:200], description=d[:MAX_TEXT // MAX_VIOLATIONS])
+            for f, d in shown
         ])
         detail = any_pb2.Any()
         detail.Pack(bad)
-        return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
+        message = "; ".join(f"{f}: {d}" for f, d in shown)
+        if len(message) > MAX_TEXT:
+            message = message[:MAX_TEXT] + " ..."
+        if len(exc.violations) > len(shown):
+            message += f"; and {len(exc.violations) - len(shown)} more"
+        return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message, details=[detail])
     for kind, code in ((ResourceLimit, code_pb2.RESOURCE_EXHAUSTED), (Draining, code_pb2.UNAVAILABLE),
                        (NotImplementedError, code_pb2.UNIMPLEMENTED)):
         if isinstance(exc, kind):

@@ -17,7 +17,7 @@ gae_lambda_policy, else gae_lambda.
 Outputs: returns = A(lambda_value) + values at every position (un-whitened); advantages =
 A(lambda_policy), whitened over the valid tokens when normalize_advantages
 ((A - mu) / sqrt(var + 1e-8), mu and var the masked mean and unbiased variance; with a single valid
-token the variance is taken as 0 where NeMo RL divides by zero), then set to 0 where mask = 0. An all-zero mask row gets advantages 0 and returns = values + bootstrap carry.
+token the variance is taken as 0 where NeMo RL divides by zero), then set to 0 where mask = 0. An all-zero mask row gets advantages 0 and returns = values (its bootstrap value is not used).
 
 Defaults: gae_gamma = 1.0, gae_lambda = 0.95 (nemo_rl) or 1.0 (verl), normalize_advantages = true,
 length_adaptive_alpha = 0 (off), gae_lambda_value / gae_lambda_policy unset (= gae_lambda), no KL in the
@@ -368,7 +368,7 @@ def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
                   fix="send one reward per sample, or per-step rewards [B, T]"),
         MASK,
         InputSpec("values", ("[B, T]",), "float", "Critic value estimate V(s_t) at every position.",
-                  fix="gae needs per-token `values`: enable the critic, or choose an estimator without a value "
+                  fix="per-token `values` come from a critic: enable the critic, or choose an estimator without a value "
                       "model (grpo, reinforce_plus_plus, raw_reward)"),
         InputSpec("bootstrap_values", ("[B]",), "float",
                   "Value of the state after each row's last step, for rows cut before their episode ended "
