@@ -52,3 +52,23 @@ def test_float32_overflow_from_finite_inputs_is_invalid_argument(client):
                          rewards=torch.tensor([3e38, -3e38], dtype=torch.float64),
                          mask=torch.ones(2, 4), values=torch.zeros(2, 4, dtype=torch.float64) - 3e38)
     assert torch.isfinite(res.advantages).all()
+
+
+def test_stream_size_cap_comes_from_the_server_flag():
+    """A streamed request declaring more than --max-stream-mb is refused before any allocation."""
+    import subprocess, sys, socket
+    from advantage_server import create_server
+    srv = create_server("127.0.0.1", 0, device="cpu", max_stream_mb=1).start()
+    try:
+        with AdvantageClient(srv.address, timeout=30, transport="stream") as c:
+            rewards = np.zeros(2, np.float32)
+            with pytest.raises(AdvantageServiceError) as err:
+                c.compute("gae", {"normalize_advantages": False}, rewards=rewards,
+                          mask=np.ones((2, 300_000), np.float32), values=np.zeros((2, 300_000), np.float32))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-stream-mb=1 " in str(err.value)
+            ok = c.compute("gae", {"normalize_advantages": False}, rewards=rewards,
+                           mask=np.ones((2, 8), np.float32), values=np.zeros((2, 8), np.float32))
+            assert ok.advantages.shape == (2, 8)
+    finally:
+        srv.stop(grace=1.0)

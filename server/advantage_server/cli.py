@@ -23,7 +23,8 @@ import threading
 from advantage_server import logs
 from advantage_server.auth import load_token
 from advantage_server.limits import (
-    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_WORKERS,
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
+    DEFAULT_WORKERS,
 )
 from advantage_server.metrics import HealthPort
 from advantage_server.server import create_server
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB,
                    help=f"largest request/response in MiB (default {DEFAULT_MAX_MESSAGE_MB})")
+    p.add_argument("--max-stream-mb", type=int, default=DEFAULT_MAX_STREAM_MB,
+                   help=f"largest request through ComputeAdvantageStream in MiB (default {DEFAULT_MAX_STREAM_MB})")
     p.add_argument("--max-batch-elements", type=int, default=DEFAULT_MAX_BATCH_ELEMENTS,
                    help=f"most elements in any one input tensor (default {DEFAULT_MAX_BATCH_ELEMENTS})")
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = load_token(args.auth_token_file) if args.auth_token_file else None
         server = create_server(args.host, args.port, args.device,
-                               max_message_mb=args.max_message_mb, workers=args.workers,
+                               max_message_mb=args.max_message_mb, max_stream_mb=args.max_stream_mb,
+                               workers=args.workers,
                                max_batch_elements=args.max_batch_elements,
                                max_concurrent_requests=args.max_concurrent_requests,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,

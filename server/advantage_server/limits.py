@@ -41,6 +41,7 @@ SPARE_THREADS = 8
 BACKSTOP_FACTOR = 4
 
 DEFAULT_MAX_MESSAGE_MB = 1024
+DEFAULT_MAX_STREAM_MB = 8192  # largest request through the streaming RPC
 DEFAULT_MAX_BATCH_ELEMENTS = 1 << 27
 DEFAULT_MAX_CONCURRENT_REQUESTS = 32
 DEFAULT_WORKERS = 8
@@ -54,6 +55,7 @@ class Limits:
     """The server's limits (each one a CLI flag of the same name)."""
 
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    max_stream_mb: int = DEFAULT_MAX_STREAM_MB
     max_batch_elements: int = DEFAULT_MAX_BATCH_ELEMENTS
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     workers: int = DEFAULT_WORKERS
@@ -70,6 +72,10 @@ class Limits:
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb * 1024 * 1024
+
+    @property
+    def max_stream_bytes(self) -> int:
+        return self.max_stream_mb * 1024 * 1024
 
     @property
     def thread_pool_size(self) -> int:

@@ -46,7 +46,8 @@ from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
-    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_WORKERS,
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
+    DEFAULT_WORKERS,
     Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, check_batch_elements, checkpoints, grpc_liveness,
     is_out_of_memory,
 )
@@ -287,7 +288,8 @@ def _deterministic(device: torch.device) -> None:
 
 
 def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "auto", *,
-                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = DEFAULT_WORKERS,
+                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, max_stream_mb: int = DEFAULT_MAX_STREAM_MB,
+                  workers: int = DEFAULT_WORKERS,
                   max_batch_elements: int = DEFAULT_MAX_BATCH_ELEMENTS,
                   max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
                   tls_cert: Pem | None = None, tls_key: Pem | None = None, tls_client_ca: Pem | None = None,
@@ -299,7 +301,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     Binding a port that is already in use raises ``RuntimeError`` (SO_REUSEPORT is off, so two
     servers never silently share a port); a bad limit or unreadable TLS file raises ``ValueError``.
 
-    Limits: ``max_message_mb`` caps request and response size, ``max_batch_elements`` the elements of
+    Limits: ``max_message_mb`` caps request and response size, ``max_stream_mb`` a streamed request, ``max_batch_elements`` the elements of
     any one input tensor, ``max_concurrent_requests`` the ComputeAdvantage calls in progress, ``workers``
     those computing at once. Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
     ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
@@ -310,7 +312,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     HTTP (Prometheus), ``health_port`` serves the health service in plaintext (for kubelet gRPC probes),
     both on ``host`` (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
     """
-    limits = Limits(max_message_mb=max_message_mb, max_batch_elements=max_batch_elements,
+    limits = Limits(max_message_mb=max_message_mb, max_stream_mb=max_stream_mb, max_batch_elements=max_batch_elements,
                     max_concurrent_requests=max_concurrent_requests, workers=workers)
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
     core = AdvantageCore(device)

@@ -151,9 +151,11 @@ class TransportMethods:
         for declared, data in chunks:
             if buf is None:
                 total = declared
-                if total > self.max_stream_bytes:
+                cap = min(self.max_stream_bytes, self.limits.max_stream_bytes)
+                if total > cap:
                     raise ResourceLimit(f"the streamed request declares {total} bytes, more than the server's "
-                                        f"limit of {self.max_stream_bytes}; split the batch into smaller requests")
+                                        f"limit --max-stream-mb={cap >> 20} ({cap} bytes); split the batch into smaller "
+                                        "requests")
                 buf = bytearray(total)
             elif declared and declared != total:
                 raise InvalidInput("total_size", f"chunk says {declared} bytes, the first chunk said {total}")

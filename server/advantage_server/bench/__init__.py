@@ -9,9 +9,10 @@ Run ``advantage-bench --help``; ``advantage-bench --quick`` finishes in under a 
 from __future__ import annotations
 
 
-def main(argv=None):
+def main(argv=None) -> None:
+    """The ``advantage-bench`` command (exit status 0; :func:`advantage_server.bench.run.main` returns the report)."""
     from advantage_server.bench.run import main as _main
-    return _main(argv)
+    _main(argv)
 
 
 __all__ = ["main"]

@@ -69,6 +69,38 @@ def copy_bandwidth(size_mib: int = 256, repeats: int = 7) -> Bandwidth:
     return Bandwidth(moved / t_np.median_s / 1e9, moved / t_torch.median_s / 1e9, size_mib)
 
 
+class CopyProbe:
+    """A large memcpy (numpy, one thread) timed between the runs of a kernel: the floor of that row is
+    measured under the same load as the kernel itself (other work on a shared machine comes and goes)."""
+
+    def __init__(self, size_mib: int = 64):
+        n = size_mib * (1 << 20) // 4
+        self.src = np.ones(n, dtype=np.float32)
+        self.dst = np.zeros(n, dtype=np.float32)
+        self.moved = 2 * n * 4
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
+
+
+def timeit_with_floor(fn: Callable[[], Any], repeats: int, probe: CopyProbe, warmup: int = 1) -> tuple[Timing, float]:
+    """(timing of ``fn``, copy bandwidth in GB/s), the two measured alternately: run, copy, run, copy, ..."""
+    for _ in range(warmup):
+        fn()
+        probe.once()
+    runs, copies = [], []
+    result = None
+    for _ in range(max(1, repeats)):
+        result = None
+        t0 = time.perf_counter()
+        result = fn()
+        runs.append(time.perf_counter() - t0)
+        copies.append(probe.once())
+    return Timing(statistics.median(runs), runs, result), probe.moved / statistics.median(copies) / 1e9
+
+
 # ------------------------------------------------------------------------------------ memory
 def _status_kib(key: str, pid: int | str = "self") -> int:
     with open(f"/proc/{pid}/status") as f:

@@ -112,34 +112,37 @@ def timeit_ref(fn: Callable[[], Any], args) -> measure.Timing:
     return measure.timeit(fn, args.ref_repeats, warmup=0, budget_s=args.ref_budget)
 
 
-def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, bw: float) -> None:
+def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, probe: measure.CopyProbe) -> None:
+    """Our estimator (and for GAE the bare kernel) against the reference, the peer and the memory floor.
+    Each of our rows is timed alternately with a large memcpy: its floor is the row's floor bytes over
+    the copy bandwidth measured in between its own runs (the reference rows use the same floor)."""
     B, T, G = size
     label = size_label(*size)
     spec, cfg, batch, tensors = prepared(estimator, B, T, G)
     floor_b = workloads.floor_bytes(estimator, B, T)
-    floor_s = floor_b / (bw * 1e9)
 
     def run_ours():
         return dense(spec.fn(cfg, batch))
 
-    t_ours = measure.timeit(run_ours, args.repeats)
-    ours = run_ours()
+    t_ours, bw = measure.timeit_with_floor(run_ours, args.repeats, probe)
+    floor_s = floor_b / (bw * 1e9)
+    ours = t_ours.result
     extra = measure.peak_extra_rss(run_ours)
     report.add(Row("kernel", estimator, label, "ours: estimator (in-process)", t_ours.ms, 1.0, t_ours.median_s / floor_s,
                    floor_b / t_ours.median_s / 1e9, None if extra is None else extra / MiB,
-                   note=f"{len(t_ours.runs)} runs"))
+                   note=f"{len(t_ours.runs)} runs; copy {bw:.1f} GB/s in between"))
     if estimator == "gae":
         mask, values = batch["mask"], batch["values"]
         tok = token_level_rewards(batch["rewards"], mask)
         kfloor_b = workloads.gae_kernel_floor_bytes(B, T)
-        kfloor_s = kfloor_b / (bw * 1e9)
         gamma, lam = cfg.gae_gamma, cfg.gae_lambda
-        t_k = measure.timeit(lambda: gae_kernel(tok, values, mask, gamma, lam), args.repeats)
-        k_out = gae_kernel(tok, values, mask, gamma, lam)
+        t_k, kbw = measure.timeit_with_floor(lambda: gae_kernel(tok, values, mask, gamma, lam), args.repeats, probe)
+        kfloor_s = kfloor_b / (kbw * 1e9)
+        k_out = t_k.result
         extra = measure.peak_extra_rss(lambda: gae_kernel(tok, values, mask, gamma, lam))
         report.add(Row("kernel", estimator, label, "ours: gae_kernel", t_k.ms, 1.0, t_k.median_s / kfloor_s,
                        kfloor_b / t_k.median_s / 1e9, None if extra is None else extra / MiB,
-                       note="token rewards [B,T] -> advantages, no whitening"))
+                       note=f"token rewards [B,T] -> advantages, no whitening; copy {kbw:.1f} GB/s in between"))
         if not args.no_refs:
             t_ref = timeit_ref(lambda: references.gae_per_step_loop(tok, values, mask, gamma, lam), args)
             ref = t_ref.result
@@ -148,18 +151,19 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
                            note=f"x ours vs gae_kernel; err = gae_kernel vs this loop; {len(t_ref.runs)} runs"))
         peer_label, peer = references.torchrl_peer()
         prep = references.prepare_peer(tok, values, gamma, lam)
-        t_peer = measure.timeit(lambda: peer(prep), args.repeats)
         full = torch.ones_like(mask)
-        k_full = gae_kernel(tok, values, full, gamma, lam)
-        t_k_full = measure.timeit(lambda: gae_kernel(tok, values, full, gamma, lam), args.repeats)
+        t_k_full, fbw = measure.timeit_with_floor(lambda: gae_kernel(tok, values, full, gamma, lam), args.repeats, probe)
+        k_full = t_k_full.result
+        ffloor_s = kfloor_b / (fbw * 1e9)
+        t_peer = measure.timeit(lambda: peer(prep), args.repeats)
         report.add(Row("kernel", estimator, label, "ours: gae_kernel, full rows", t_k_full.ms, 1.0,
-                       t_k_full.median_s / kfloor_s, kfloor_b / t_k_full.median_s / 1e9,
-                       note="all-ones mask: the peer's workload"))
+                       t_k_full.median_s / ffloor_s, kfloor_b / t_k_full.median_s / 1e9,
+                       note=f"all-ones mask: the peer's workload; copy {fbw:.1f} GB/s in between"))
         report.add(Row("kernel", estimator, label, peer_label, t_peer.ms, t_peer.median_s / t_k_full.median_s,
-                       t_peer.median_s / kfloor_s, kfloor_b / t_peer.median_s / 1e9,
+                       t_peer.median_s / ffloor_s, kfloor_b / t_peer.median_s / 1e9,
                        err=rel_err(peer(prep), k_full),
                        note="x ours vs gae_kernel on full rows (no mask support); err vs ours"))
-        report.add(Row("kernel", estimator, label, "memory floor: gae_kernel", kfloor_s * 1e3, None, 1.0, bw,
+        report.add(Row("kernel", estimator, label, "memory floor: gae_kernel", kfloor_s * 1e3, None, 1.0, kbw,
                        note=f"{kfloor_b / MiB:.1f} MiB moved"))
         report.add(Row("kernel", estimator, label, "memory floor: estimator", floor_s * 1e3, None, 1.0, bw,
                        note=f"{floor_b / MiB:.1f} MiB moved"))
@@ -337,8 +341,9 @@ def render(report: Report) -> str:
     ]
     if report.bandwidth:
         bwr = report.bandwidth
-        lines.append(f"copy bandwidth ({bwr.size_mib} MiB, read+write): numpy {bwr.numpy_gbps:.1f} GB/s, torch "
-                     f"{bwr.torch_gbps:.1f} GB/s -> floor uses {bwr.best_gbps:.1f} GB/s")
+        lines.append(f"copy bandwidth at start ({bwr.size_mib} MiB, read+write): numpy {bwr.numpy_gbps:.1f} GB/s, "
+                     f"torch {bwr.torch_gbps:.1f} GB/s; each kernel row's floor uses a 64 MiB numpy copy timed "
+                     "between that row's own runs (see its note)")
     lines.append(f"load average: {report.load_before} before, {report.load_after} after; "
                  f"bench peak RSS {report.peak_rss_mib:.0f} MiB; {report.seconds:.0f} s")
     lines.append("columns: ms = median; x ours = time / ours (concurrency: throughput / 1 caller); x floor = time / "
@@ -414,14 +419,14 @@ def main(argv: list[str] | None = None) -> Report:
     t_start = time.perf_counter()
     report = Report(argv=["advantage-bench", *argv], machine=measure.machine(), load_before=measure.loadavg())
     report.bandwidth = measure.copy_bandwidth(64 if args.quick else 256, 5 if args.quick else 9)
-    bw = report.bandwidth.best_gbps
+    probe = measure.CopyProbe(64)
 
     in_process_ms: dict[str, float] = {}
     ref_ms: dict[str, float] = {}
     if "kernel" in sections:
         for est in estimators:
             for size in sizes + ([s for s in group_sizes] if est in GROUP_ESTIMATORS else []):
-                kernel_section(report, est, size, args, bw)
+                kernel_section(report, est, size, args, probe)
                 if est == "gae":
                     label = size_label(*size)
                     for r in report.rows:

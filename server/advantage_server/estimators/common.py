@@ -236,16 +236,14 @@ def group_index(prompt_ids: torch.Tensor) -> torch.Tensor:
 
 
 @jit.njit
-def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cover - compiled
-    """Numba twin of :func:`_group_baseline_and_std_torch`, the same arithmetic in the same order (but
-    for divisions by a group's n - 1 and n - 2, done as multiplications by their reciprocals): the
-    rewards are gathered group by group with a counting sort (index order kept within a group; skipped
-    when the ids are already non-decreasing, as trainers lay groups out), each group is then done in
-    one go on contiguous memory, and the results scattered back. r float64 [B]; writes baseline, std
-    float64 [B]."""
+def _group_layout(group, r):  # pragma: no cover - compiled; tested through group_baseline_and_std
+    """Members of each group gathered contiguously by a counting sort (index order kept within a group).
+
+    Returns (start [G + 1] offsets, order [B] (empty when the ids are already non-decreasing, as
+    trainers lay groups out: then nothing moves), rs [B] the rewards in that order)."""
     B = group.shape[0]
     G = 0
-    in_order = True  # trainers repeat each prompt's samples back to back: then no reordering is needed
+    in_order = True
     for i in range(B):
         if group[i] >= G:
             G = group[i] + 1
@@ -257,22 +255,25 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
     for g in range(G):
         start[g + 1] += start[g]
     if in_order:
-        order = np.arange(0)
-        rs = r
-        out_b = baseline
-        out_s = std
-    else:
-        out_b = np.empty(B, dtype=np.float64)
-        out_s = np.empty(B, dtype=np.float64)
-        fill = start[:G].copy()
-        order = np.empty(B, dtype=np.int64)
-        rs = np.empty(B, dtype=np.float64)
-        for i in range(B):
-            k = fill[group[i]]
-            order[k] = i
-            rs[k] = r[i]
-            fill[group[i]] = k + 1
-    for g in range(G):
+        return start, np.empty(0, dtype=np.int64), r
+    fill = start[:G].copy()
+    order = np.empty(B, dtype=np.int64)
+    rs = np.empty(B, dtype=np.float64)
+    for i in range(B):
+        k = fill[group[i]]
+        order[k] = i
+        rs[k] = r[i]
+        fill[group[i]] = k + 1
+    return start, order, rs
+
+
+@jit.njit
+def _group_stats_chunk(g_lo, g_hi, start, rs, leave_one_out, out_b, out_s):  # pragma: no cover - compiled
+    """Groups ``g_lo..g_hi-1`` of :func:`_group_baseline_and_std_torch`, each in one go on its contiguous
+    members ``rs[start[g]:start[g + 1]]``; writes out_b, out_s at the same positions. The same
+    arithmetic in the same order as the torch path, except divisions by a group's n - 1 and n - 2,
+    done as multiplications by their reciprocals (a few ulp)."""
+    for g in range(g_lo, g_hi):
         s = start[g]
         e = start[g + 1]
         n = e - s
@@ -295,14 +296,23 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
         mean = lo if tied else total / nf
         m2g = 0.0
         top = -1.0
+        n_top = 0
+        k_top = -1
         n_lo = 0
         n_hi = 0
         for k in range(s, e):
-            c = rs[k] - mean
+            x = rs[k]
+            c = x - mean
             m2g += c * c
-            top = max(top, abs(c))
-            n_lo += rs[k] == lo
-            n_hi += rs[k] == hi
+            dev = abs(c)
+            if dev > top:
+                top = dev
+                n_top = 1
+                k_top = k
+            elif dev == top:
+                n_top += 1
+            n_lo += x == lo
+            n_hi += x == hi
         if tied:
             m2g = 0.0
         if not leave_one_out:
@@ -313,14 +323,7 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
             continue
         others = nf - 1.0
         dof = others - 1.0
-        n_top = 0
-        k_top = -1
-        for k in range(s, e):
-            if abs(rs[k] - mean) == top:
-                n_top += 1
-                k_top = k
-        # branch-free per member, per-group reciprocals instead of divisions (a few ulp from the torch
-        # path); the lone dominant member is redone below
+        # branch-free per member with per-group reciprocals; the lone dominant member is redone below
         lo_others = n_lo == n - 1
         hi_others = n_hi == n - 1
         pos_dof = 1.0 if dof > 0 else 0.0
@@ -353,10 +356,13 @@ def _group_stats_rows(group, r, leave_one_out, baseline, std):  # pragma: no cov
             sd = math.sqrt(m2x * inv_dof) * pos_dof
             out_b[k_top] = (lo if x == hi else hi) if others_tied else mean_x
             out_s[k_top] = 0.0 if others_tied else sd
-    if not in_order:
-        for k in range(B):
-            baseline[order[k]] = out_b[k]
-            std[order[k]] = out_s[k]
+
+
+@jit.njit
+def _scatter_back(order, out_b, out_s, baseline, std):  # pragma: no cover - compiled
+    for k in range(order.shape[0]):
+        baseline[order[k]] = out_b[k]
+        std[order[k]] = out_s[k]
 
 
 def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool
@@ -374,8 +380,9 @@ def group_baseline_and_std(group: torch.Tensor, rewards: torch.Tensor, leave_one
     directly (removal would cancel catastrophically there). A group whose rewards are all equal gets its common value as baseline
     exactly, so its advantage is exactly 0 (no float cancellation noise).
 
-    On the CPU with numba this runs :func:`_group_stats_rows` (one counting sort, then each group at
-    once); elsewhere :func:`_group_baseline_and_std_torch`.
+    On the CPU with numba this runs :func:`_group_layout` (a counting sort, skipped for ids in order)
+    and :func:`_group_stats_chunk` (each group at once, groups split over the cores); elsewhere
+    :func:`_group_baseline_and_std_torch`.
     """
     if jit.applies(group, rewards) and group.numel() > 0:
         _, baseline, std = _group_stats_numpy(group, rewards, leave_one_out)
@@ -388,7 +395,15 @@ def _group_stats_numpy(group: torch.Tensor, rewards: torch.Tensor, leave_one_out
     """CPU (numba) group statistics as numpy float64 arrays: (rewards, baseline, std)."""
     r = np.ascontiguousarray(jit.numpy_as(rewards, torch.float64))
     baseline, std = np.empty_like(r), np.empty_like(r)
-    _group_stats_rows(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), r, bool(leave_one_out), baseline, std)
+    start, order, rs = _group_layout(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), r)
+    in_order = order.shape[0] == 0
+    out_b, out_s = (baseline, std) if in_order else (np.empty_like(r), np.empty_like(r))
+    G = start.shape[0] - 1
+    # groups split over the cores (GIL released); T = the mean group size for the parallel threshold
+    jit.parallel_rows(_group_stats_chunk, G, max(1, r.shape[0] // max(G, 1)) * 8, start, rs, bool(leave_one_out),
+                      out_b, out_s)
+    if not in_order:
+        _scatter_back(order, out_b, out_s, baseline, std)
     return r, baseline, std
 
 

@@ -190,9 +190,6 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
         pending = 0.0
         if rewards1 is not None:
             pending = np.float64(rewards1[b])
-        count = 0
-        first = -1
-        last = -1
         for t in range(T - 1, -1, -1):
             vt = np.float64(values[b, t])
             valid = mask[b, t] != 0
@@ -208,11 +205,6 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
                 if lam_v is not None:
                     run_v = delta + glv * run_v
                 nv = vt
-                if stats is not None:
-                    count += 1
-                    first = t
-                    if last < 0:
-                        last = t
             adv[b, t] = run_p
             if ret is not None:
                 if lam_v is not None:
@@ -221,29 +213,38 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
                 else:
                     ret[b, t] = adv[b, t] + values[b, t]
         if stats is not None:
-            total, m2 = 0.0, 0.0
-            if count > 0:
-                total, m2 = _row_moments(adv[b], mask[b], first, last + 1, count)
-            stats[b, 0] = count
-            stats[b, 1] = total
-            stats[b, 2] = m2
-            stats[b, 3] = first
-            stats[b, 4] = last
+            _row_moments(adv[b], mask[b], stats[b])
 
 
 @jit.njit(reassoc=True)
-def _row_moments(a, m, lo, hi, count):  # pragma: no cover - compiled
-    """(sum, centred sum of squares) of a[lo:hi] where m != 0, float64, two passes over the row while it
-    is in cache, branch-free so the sums run on SIMD lanes."""
+def _row_moments(a, m, out):  # pragma: no cover - compiled
+    """out = (valid count, sum, centred sum of squares, first valid t, last valid t) of one row ``a``
+    over the positions where ``m`` != 0, float64, while the row is still in cache: the ends by short
+    scans, then two branch-free passes between them (the sums run on SIMD lanes)."""
+    T = a.shape[0]
+    first = 0
+    while first < T and m[first] == 0:
+        first += 1
+    last = T - 1
+    while last >= first and m[last] == 0:
+        last -= 1
+    count = 0.0
     total = 0.0
-    for t in range(lo, hi):
-        total += np.float64(a[t]) * (1.0 if m[t] != 0 else 0.0)
-    mean = total / count
+    for t in range(first, last + 1):
+        w = 1.0 if m[t] != 0 else 0.0
+        count += w
+        total += np.float64(a[t]) * w
     m2 = 0.0
-    for t in range(lo, hi):
-        d = (np.float64(a[t]) - mean) * (1.0 if m[t] != 0 else 0.0)
-        m2 += d * d
-    return total, m2
+    if count > 0:
+        mean = total / count
+        for t in range(first, last + 1):
+            d = (np.float64(a[t]) - mean) * (1.0 if m[t] != 0 else 0.0)
+            m2 += d * d
+    out[0] = count
+    out[1] = total
+    out[2] = m2
+    out[3] = first if count > 0 else -1
+    out[4] = last if count > 0 else -1
 
 
 @jit.njit

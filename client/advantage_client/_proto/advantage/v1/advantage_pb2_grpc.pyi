@@ -32,8 +32,18 @@ Errors (gRPC status codes):
                     infinity in an input, an empty batch, mask values other
                     than 0/1, a bad config value. The message names the field
                     and the fix; google.rpc.BadRequest details carry one
-                    field violation per bad field.
-  RESOURCE_EXHAUSTED the request is larger than the server's limits.
+                    field violation per bad field (the first 10). Also:
+                    results beyond the requested output dtype's range, and
+                    arithmetic overflow caused by huge input magnitudes.
+  RESOURCE_EXHAUSTED the request exceeds a server limit (message size, batch
+                    elements, concurrent requests; the message names the
+                    flag and its value), or the device ran out of memory.
+  UNAUTHENTICATED   the server requires a bearer token and none or a wrong
+                    one was sent (every method except grpc.health.v1).
+  UNAVAILABLE       the server is draining (shutting down); retry on
+                    another replica: requests are stateless.
+  DEADLINE_EXCEEDED / CANCELLED  the call's deadline passed or the client
+                    cancelled; the server stops the work.
   INTERNAL          a server bug; never expected.
 """
 
