@@ -332,6 +332,29 @@ def test_group_index_counting_rank_matches_sort_rank(ids):
     assert torch.equal(want, torch.unique(t, return_inverse=True)[1])
 
 
+@pytest.mark.skipif(jit._numba is None, reason="numba not installed")
+@pytest.mark.parametrize("layout", ["interleaved", "contiguous"])
+@pytest.mark.parametrize("leave_one_out,normalize", [(True, True), (False, True), (True, False)])
+def test_weighted_group_relative_matches_sum_of_group_relative(layout, leave_one_out, normalize):
+    """GDPO's fused CPU path (one layout, weighted sum accumulated per group) == the torch path's sum."""
+    from advantage_server.estimators.common import group_relative, weighted_group_relative
+    gen = torch.Generator().manual_seed(7 + leave_one_out + 2 * normalize)
+    group = _interleaved_groups(gen, n_groups=15)
+    if layout == "contiguous":
+        group = group.sort().values
+    B = group.numel()
+    comps = [torch.randn(B, generator=gen, dtype=torch.float64), (torch.rand(B, generator=gen) < 0.5).double(),
+             torch.tensor([0.7, 1.0, -0.3], dtype=torch.float64)[torch.randint(0, 3, (B,), generator=gen)]]
+    weights = (0.5, 2.0, -1.0)
+    with jit.use_numba(True):
+        got = weighted_group_relative(group, comps, weights, leave_one_out, normalize)
+    with jit.use_numba(False):
+        want = sum(w * group_relative(group, c, leave_one_out, normalize) for w, c in zip(weights, comps))
+        assert weighted_group_relative(group, comps, weights, leave_one_out, normalize) is None
+    assert got is not None and got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("path", GAE_PATHS)
 def test_group_stats_leave_one_out_hand_values(path):
     group = torch.tensor([0, 1, 0, 1, 0, 2])

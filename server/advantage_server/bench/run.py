@@ -25,7 +25,7 @@ from advantage_server.estimators import REGISTRY, Batch, jit
 from advantage_server.estimators.gae import gae_kernel, token_level_rewards
 
 DEFAULT_SIZES = "256x1024x8,1024x4096x16,512x8192x8"
-DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8"
+DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8,65536x256x8"
 QUICK_SIZES = "64x256x8,256x1024x8"
 QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
@@ -112,7 +112,8 @@ def timeit_ref(fn: Callable[[], Any], args) -> measure.Timing:
     return measure.timeit(fn, args.ref_repeats, warmup=0, budget_s=args.ref_budget)
 
 
-def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, probe: measure.CopyProbe) -> None:
+def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args, probe: measure.CopyProbe,
+                   refs: bool = True) -> None:
     """Our estimator (and for GAE the bare kernel) against the reference, the peer and the memory floor.
     Each of our rows is timed alternately with a large memcpy: its floor is the row's floor bytes over
     the copy bandwidth measured in between its own runs (the reference rows use the same floor)."""
@@ -143,7 +144,7 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
         report.add(Row("kernel", estimator, label, "ours: gae_kernel", t_k.ms, 1.0, t_k.median_s / kfloor_s,
                        kfloor_b / t_k.median_s / 1e9, None if extra is None else extra / MiB,
                        note=f"token rewards [B,T] -> advantages, no whitening; copy {kbw:.1f} GB/s in between"))
-        if not args.no_refs:
+        if refs and not args.no_refs:
             t_ref = timeit_ref(lambda: references.gae_per_step_loop(tok, values, mask, gamma, lam), args)
             ref = t_ref.result
             report.add(Row("kernel", estimator, label, "ref: per-time-step loop", t_ref.ms, t_ref.median_s / t_k.median_s,
@@ -186,7 +187,7 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
         ref_label = "ref: straightforward torch"
         ref_fn = lambda: references.opd_straightforward(tensors["teacher_logprobs"], tensors["prev_logprobs"],  # noqa: E731
                                                         tensors["mask"])[0]
-    if ref_fn is not None and not args.no_refs:
+    if ref_fn is not None and refs and not args.no_refs:
         t_ref = timeit_ref(ref_fn, args)
         report.add(Row("kernel", estimator, label, ref_label, t_ref.ms, t_ref.median_s / t_ours.median_s,
                        t_ref.median_s / floor_s, floor_b / t_ref.median_s / 1e9, err=rel_err(ours.advantages, t_ref.result),
@@ -304,10 +305,10 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
         res = call()
         big = workloads.payload_bytes(tensors) > 128 * MiB
         t = measure.timeit(call, 3 if big else args.repeats, warmup=0 if big else 1)
-        measure.reset_peak(server.pid)
         before = measure.rss_bytes(server.pid)
+        measure.reset_peak(server.pid)
         res = call()
-        extra = measure.peak_bytes(server.pid) - before
+        extra = max(0, measure.peak_bytes(server.pid) - before)
     finally:
         transport.close(session)
     request = workloads.payload_bytes(tensors)
@@ -337,7 +338,8 @@ def render(report: Report) -> str:
     m = report.machine
     lines = [
         f"advantage-bench: {' '.join(report.argv) or '(defaults)'}",
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; torch threads {m['torch_threads']}; {m['versions']}",
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; torch threads {m['torch_threads']}; {m['versions']}"
+        f"; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
     ]
     if report.bandwidth:
         bwr = report.bandwidth
@@ -380,12 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ref-repeats", type=int, default=3, help="timed runs per reference-loop row")
     ap.add_argument("--ref-budget", type=float, default=10.0, help="seconds of timed runs per reference row (>= 1 run)")
     ap.add_argument("--no-refs", action="store_true", help="skip the slow reference loops")
+    ap.add_argument("--group-refs", choices=("first", "all", "none"), default="first",
+                    help="reference loops at the group sizes: the first one only (each run takes tens of seconds "
+                         "at B = 65536), all, or none")
     ap.add_argument("--callers", type=int, default=8, help="concurrent in-process callers")
     ap.add_argument("--concurrency-seconds", type=float, default=None, help="work per concurrency measurement")
     ap.add_argument("--transports", default=None, help="e2e transport rows by name (default: all registered)")
     ap.add_argument("--transport-mib", type=int, default=None,
                     help="extra e2e row with a GAE request of about this many MiB (default 256; quick 0 = none)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before measuring")
+    ap.add_argument("--thp", action="store_true",
+                    help="run with THP_MEM_ALLOC_ENABLE=1 (torch backs allocations >= 2 MiB with transparent huge "
+                         "pages: far fewer page faults for fresh outputs > 32 MiB, which glibc always maps anew); "
+                         "the bench re-executes itself so the setting reaches torch, its server and its probes")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
@@ -395,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Report:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.thp and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads it once, at its first allocation
+        os.execve(sys.executable, [sys.executable, "-m", "advantage_server.bench", *argv],
+                  {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
@@ -426,7 +438,10 @@ def main(argv: list[str] | None = None) -> Report:
     if "kernel" in sections:
         for est in estimators:
             for size in sizes + ([s for s in group_sizes] if est in GROUP_ESTIMATORS else []):
-                kernel_section(report, est, size, args, probe)
+                # the per-prompt loops take tens of seconds at B = 65536: by default only at the first group size
+                refs = size not in group_sizes or args.group_refs == "all" or (
+                    args.group_refs == "first" and size == group_sizes[0])
+                kernel_section(report, est, size, args, probe, refs=refs)
                 if est == "gae":
                     label = size_label(*size)
                     for r in report.rows:
@@ -438,8 +453,8 @@ def main(argv: list[str] | None = None) -> Report:
     if "concurrency" in sections:
         if "gae" in estimators:
             concurrency_section(report, "gae", sizes[-1], args)
-        if "grpo" in estimators and group_sizes:
-            concurrency_section(report, "grpo", group_sizes[-1], args)
+        if "grpo" in estimators and group_sizes:  # the second group size by default (65536x64x8)
+            concurrency_section(report, "grpo", group_sizes[min(1, len(group_sizes) - 1)], args)
     if "memory" in sections:  # one fresh process per probe (~2 s each): quick mode probes gae and grpo once
         for est in estimators:
             if args.quick and est not in ("gae", "grpo"):

@@ -219,27 +219,28 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
 @jit.njit(reassoc=True)
 def _row_moments(a, m, out):  # pragma: no cover - compiled
     """out = (valid count, sum, centred sum of squares, first valid t, last valid t) of one row ``a``
-    over the positions where ``m`` != 0, float64, while the row is still in cache: the ends by short
-    scans, then two branch-free passes between them (the sums run on SIMD lanes)."""
+    over the positions where ``m`` != 0, float64, while the row is still in cache: two branch-free
+    passes over the whole row (the sums run on SIMD lanes; a loop from first to last does not
+    vectorise here), then short scans for the ends."""
     T = a.shape[0]
-    first = 0
-    while first < T and m[first] == 0:
-        first += 1
-    last = T - 1
-    while last >= first and m[last] == 0:
-        last -= 1
     count = 0.0
     total = 0.0
-    for t in range(first, last + 1):
+    for t in range(T):
         w = 1.0 if m[t] != 0 else 0.0
         count += w
         total += np.float64(a[t]) * w
     m2 = 0.0
     if count > 0:
         mean = total / count
-        for t in range(first, last + 1):
+        for t in range(T):
             d = (np.float64(a[t]) - mean) * (1.0 if m[t] != 0 else 0.0)
             m2 += d * d
+    first = 0
+    while first < T and m[first] == 0:
+        first += 1
+    last = T - 1
+    while last >= first and m[last] == 0:
+        last -= 1
     out[0] = count
     out[1] = total
     out[2] = m2

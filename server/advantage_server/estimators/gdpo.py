@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from advantage_server.errors import InvalidInput
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import MASK, PROMPT_IDS, broadcast_rows, group_relative
+from advantage_server.estimators.common import (
+    MASK, PROMPT_IDS, broadcast_rows, group_relative, weighted_group_relative,
+)
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 COMPONENT_PREFIX = "reward/"
@@ -26,6 +29,23 @@ class GDPOConfig(EstimatorConfig):
     normalize_rewards: bool = field(default=True, metadata={"doc": "Normalise each component's advantage by its group std."})
     use_leave_one_out_baseline: bool = field(default=True, metadata={"doc": "Leave-one-out baseline per component (RLOO)."})
     reward_weights: tuple[float, ...] | None = field(default=None, metadata={"doc": "One weight per component in sorted name order; unset = all 1.0."})
+
+
+@jit.njit
+def _standardize(t):  # pragma: no cover - compiled; tested through gdpo
+    """In place: t = (t - mean) / std (unbiased, two-pass, float64), or t - mean where std = 0 or B = 1."""
+    n = t.shape[0]
+    total = 0.0
+    for i in range(n):
+        total += t[i]
+    mean = total / n
+    m2 = 0.0
+    for i in range(n):
+        d = t[i] - mean
+        m2 += d * d
+    sd = np.sqrt(m2 / (n - 1)) if n > 1 else 0.0
+    for i in range(n):
+        t[i] = (t[i] - mean) / sd if sd > 0 else t[i] - mean
 
 
 @register(
@@ -56,15 +76,15 @@ def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
                            f"has {len(weights)} entries but the batch has {len(names)} components {names}; "
                            "give one weight per component, in sorted component-name order")
     group = batch["prompt_ids"]
+    dtype = components[names[0]].dtype
+    fused = weighted_group_relative(group, [components[k] for k in names], tuple(weights),
+                                    cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
+    if fused is not None:  # CPU (numba): the weighted sum in one pass over the groups, standardised in place
+        t = fused.numpy()
+        _standardize(t)
+        return AdvantageResult(broadcast_rows(fused, batch.B, batch.T, dtype))
     parts = [group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
              for k in names]
-    dtype = components[names[0]].dtype
-    if jit.applies(*parts):  # CPU: the [B] arithmetic in numpy (off torch's intra-op thread pool)
-        t = sum(w * p.numpy() for w, p in zip(weights, parts))
-        centred = t - t.mean()
-        sd = float(t.std(ddof=1)) if t.size > 1 else 0.0
-        return AdvantageResult(broadcast_rows(torch.from_numpy(centred / sd if sd > 0 else centred),
-                                              batch.B, batch.T, dtype))
     total = sum(w * p for w, p in zip(weights, parts))
     centred = total - total.mean()
     std = total.std() if total.numel() > 1 else torch.zeros((), dtype=total.dtype, device=total.device)
