@@ -31,7 +31,7 @@ RUN /opt/venv/bin/pip install --no-cache-dir --constraint /tmp/constraints.txt /
 
 # ---------------------------------------------------------------- CPU-only image
 FROM ${PYTHON_IMAGE} AS cpu
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache
 RUN groupadd --system --gid 10001 advantage \
     && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin advantage
 COPY --from=cpu-venv /opt/venv /opt/venv
@@ -45,7 +45,7 @@ CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metric
 # ---------------------------------------------------------------- GPU image (torch with CUDA from the base)
 FROM ${TORCH_CUDA_IMAGE} AS gpu
 ARG PIP_INDEX_URL
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 NUMBA_CACHE_DIR=/tmp/numba-cache
 COPY --from=build /wheels /wheels
 # The base's torch satisfies torch>=2.4; pip adds grpcio, protobuf, numpy and prometheus-client.
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
