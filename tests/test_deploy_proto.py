@@ -42,13 +42,18 @@ def module_with(text: str, directory: pathlib.Path) -> pathlib.Path:
 
 def baselines() -> list[tuple[str, str]]:
     """``(label, schema)`` to check against: the previous commit (HEAD~1), the last commit when the working
-    tree's schema differs from it, and ``$ADVANTAGE_BREAKING_AGAINST`` (a git ref) when set."""
+    tree's schema differs from it, ``$ADVANTAGE_BREAKING_AGAINST`` (a git ref) when set, and the schema just
+    before its most recent change."""
     if shutil.which("git") is None or git("rev-parse", "--git-dir").returncode != 0:
         return []
     current = (ROOT / SCHEMA).read_text()
     out = []
     refs = ["HEAD~1", "HEAD"] + ([os.environ["ADVANTAGE_BREAKING_AGAINST"]]
                                  if os.environ.get("ADVANTAGE_BREAKING_AGAINST") else [])
+    # the schema just before its most recent change, so the check bites even when the last commit left it alone
+    last_change = git("log", "-n1", "--format=%H", "--", SCHEMA).stdout.strip()
+    if last_change:
+        refs.append(f"{last_change}~1")
     for ref in refs:
         text = schema_at(ref)
         if text is not None and text != current and all(text != t for _, t in out):
