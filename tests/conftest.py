@@ -23,6 +23,20 @@ def server():
     srv.stop(grace=1.0)
 
 
+@pytest.fixture
+def make_server():
+    """Factory for extra in-process servers with their own options (limits, TLS, token), stopped after the test."""
+    servers = []
+
+    def make(**kwargs):
+        srv = create_server("127.0.0.1", 0, device="cpu", **kwargs).start()
+        servers.append(srv)
+        return srv
+    yield make
+    for srv in servers:
+        srv.stop(grace=2.0)
+
+
 @pytest.fixture(scope="session")
 def target(server) -> str:
     return server.address

@@ -77,19 +77,6 @@ def blocked_opd(monkeypatch):
     blocker.release.set()
 
 
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(**kwargs):
-        srv = create_server("127.0.0.1", 0, device="cpu", **kwargs).start()
-        servers.append(srv)
-        return srv
-    yield make
-    for srv in servers:
-        srv.stop(grace=2.0)
-
-
 def rpc(channel: grpc.Channel):
     return pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage
 

@@ -30,19 +30,6 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(**kwargs):
-        srv = create_server("127.0.0.1", 0, device="cpu", **kwargs).start()
-        servers.append(srv)
-        return srv
-    yield make
-    for srv in servers:
-        srv.stop(grace=1.0)
-
-
 def works(client: AdvantageClient) -> None:
     res = client.compute("raw_reward", {"normalize_advantages": False}, rewards=REWARDS, mask=MASK, as_numpy=True)
     np.testing.assert_array_equal(res.advantages[:, 0], REWARDS)
