@@ -57,7 +57,7 @@ def test_large_batch_is_identical_over_every_transport(target):
 
 def test_auto_picks_stream_above_the_threshold(target, monkeypatch):
     seen = []
-    with AdvantageClient(target, timeout=60.0, stream_threshold_mb=0.01) as c:
+    with AdvantageClient(target, timeout=60.0, stream_threshold_mb=0.01, shm_max_mb=0) as c:  # no shm
         for name in ("unary", "stream"):
             original = getattr(c._calls, name)
             monkeypatch.setattr(c._calls, name, lambda data, _o=original, _n=name, **kw: seen.append(_n) or _o(data, **kw))

@@ -101,22 +101,25 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
 
 def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
                  tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None,
-                 retry: bool = True, wait_for_ready: bool = False, options: Sequence[tuple[str, Any]] = ()
-                 ) -> grpc.Channel:
+                 retry: bool = True, wait_for_ready: bool = False, options: Sequence[tuple[str, Any]] = (),
+                 retry_buffer_mb: float | None = None) -> grpc.Channel:
     """A channel to ``target`` with the service config above. TLS when ``tls`` or any ``tls_*`` is given:
     ``tls_ca`` verifies the server (system roots when None); ``tls_cert`` + ``tls_key`` is the client
-    certificate for mutual TLS. PEM bytes or file paths. ``options``: more gRPC channel arguments."""
+    certificate for mutual TLS. PEM bytes or file paths. ``options``: more gRPC channel arguments.
+    ``retry_buffer_mb``: how much of a call's request gRPC keeps for a retry (default: ``max_message_mb``, so
+    any unary request can be retried); a call that has sent more is no longer retried and keeps nothing."""
     if not 1 <= max_message_mb <= 2047:
         raise ValueError(f"max_message_mb must be in [1, 2047] (gRPC's 32-bit message length), got {max_message_mb}")
     limit = max_message_mb * 1024 * 1024
+    buffer = limit if retry_buffer_mb is None else max(1, int(retry_buffer_mb * 1024 * 1024))
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.service_config", json.dumps(service_config(retry, wait_for_ready))),
         ("grpc.enable_retries", 1 if retry else 0),
         # a request larger than the retry buffer (256 KiB by default) would not be retried
-        ("grpc.per_rpc_retry_buffer_size", limit),
-        ("grpc.retry_buffer_size", limit),
+        ("grpc.per_rpc_retry_buffer_size", buffer),
+        ("grpc.retry_buffer_size", buffer),
         # notice a vanished server during a long call (the server permits pings every 10 s or more)
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),

@@ -12,6 +12,7 @@ installed (``numpy.ndarray`` otherwise). Every server error is raised as :class:
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -154,10 +155,15 @@ class AdvantageClient:
     token / token_file: bearer token sent with every call (``authorization: Bearer <token>``).
     retry:   retry UNAVAILABLE (default True). ``wait_for_ready``: when no replica is up, wait for one
              (until the deadline) instead of failing fast.
-    transport: how ``compute`` sends a batch (see ``advantage_client.streaming``): ``"auto"`` (default:
-             ``"stream"`` for requests of ``stream_threshold_mb`` MiB or more, else ``"unary"``), ``"unary"``,
-             ``"stream"`` (chunked ComputeAdvantageStream, no 2 GiB cap) or ``"shm"`` (shared memory, server on
-             the same host; see :meth:`shared_memory`).
+    transport: how ``compute`` sends a batch (see ``advantage_client.streaming``): ``"auto"`` (default: the
+             fastest that works, see below), ``"unary"``, ``"stream"`` (chunked ComputeAdvantageStream, no 2 GiB
+             cap) or ``"shm"`` (shared memory, server on the same host; see :meth:`shared_memory`).
+             ``"auto"`` uses shared memory when the server is on this host: the first call registers a region
+             (RegisterSharedMemory); if that fails (a server on another host or in another container,
+             UNIMPLEMENTED, no token, several replicas, /dev/shm too small) the client remembers it and never
+             tries again. Otherwise, and for requests above ``shm_max_mb`` or while another thread uses the
+             region, it sends requests of ``stream_threshold_mb`` MiB or more with ``"stream"`` and smaller
+             ones with ``"unary"``. ``shm_min_mb``: smaller requests go unary even when shared memory works.
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
@@ -165,19 +171,30 @@ class AdvantageClient:
                  tls_key: Any = None, tls_server_name: str | None = None, token: str | None = None,
                  token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
-                 chunk_mb: int = streaming.DEFAULT_CHUNK_MB):
+                 chunk_mb: float = streaming.DEFAULT_CHUNK_MB, shm_min_mb: float = streaming.DEFAULT_SHM_MIN_MB,
+                 shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB):
         self.target = channel_target(target)
         self.timeout = timeout
         self._metadata = auth_metadata(token, token_file)
-        self._channel = channel or make_channel(
-            self.target, max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-            tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
+        channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                            tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
+        self._channel = channel or make_channel(self.target, **channel_args)
+        # Streams go on a channel of their own whose retry buffer is small: gRPC keeps every message of a call
+        # it may retry (here up to max_message_mb) until the server answers, so a streamed 256 MiB request
+        # would stay in memory twice and every chunk would land in fresh pages. A stream that has sent more
+        # than the buffer is no longer retried (one that failed UNAVAILABLE before that still is).
+        stream_channel = None if channel is not None else (lambda: make_channel(
+            self.target, retry_buffer_mb=streaming.STREAM_RETRY_BUFFER_MB, **channel_args))
         self._stub = pb_grpc.AdvantageServiceStub(self._channel)
         if transport not in streaming.TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
         self.transport, self.stream_threshold_bytes = transport, int(stream_threshold_mb * (1 << 20))
-        self._calls = streaming.Calls(self._channel, chunk_mb)
+        self._calls = streaming.Calls(self._channel, chunk_mb, stream_channel)
         self._shm: Any = None  # the region transport="shm" uses, created on first use
+        self._shm_lock = threading.Lock()  # one call at a time uses that region
+        self.shm_min_bytes, self.shm_max_bytes = int(shm_min_mb * (1 << 20)), int(shm_max_mb * (1 << 20))
+        # transport="auto": does shared memory work with this server? None = not tried yet
+        self._shm_works: bool | None = False if "," in self.target else None
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
                 cu_seqlens: Any = None, transport: str | None = None, **tensors: Any) -> AdvantageResult:
@@ -200,12 +217,23 @@ class AdvantageClient:
         transport = transport or self.transport
         if transport not in streaming.TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
+        shm_kwargs = dict(output_dtype=output_dtype, as_numpy=as_numpy, cu_seqlens=cu_seqlens, **tensors)
         if transport == "shm":
-            return self._compute_shm(estimator, config, output_dtype=output_dtype, as_numpy=as_numpy,
-                                     cu_seqlens=cu_seqlens, **tensors)
-        data = streaming.build_request_bytes(estimator, config, output_dtype, cu_seqlens, **tensors)
+            with self._shm_lock:
+                return self._compute_shm(estimator, config, **shm_kwargs)
+        if transport == "auto" and self._shm_works is not False:
+            size = streaming.payload_estimate(tensors)
+            if self.shm_min_bytes <= size <= self.shm_max_bytes and self._shm_lock.acquire(blocking=False):
+                try:
+                    result = self._auto_shm(estimator, config, shm_kwargs)
+                finally:
+                    self._shm_lock.release()
+                if result is not None:
+                    return result
+        data = streaming.Request(streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, **tensors))
         if transport == "auto":
-            transport = "stream" if len(data) >= self.stream_threshold_bytes else "unary"
+            transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
+        self.last_transport = transport
         call = self._calls.stream if transport == "stream" else self._calls.unary
         try:
             reply = call(data, timeout=self.timeout, metadata=self._metadata)
@@ -219,16 +247,55 @@ class AdvantageClient:
         from advantage_client.shm import SharedMemoryRegion
         return SharedMemoryRegion(self, byte_size)
 
-    def _compute_shm(self, estimator: str, config: Any, **kwargs: Any) -> AdvantageResult:
-        tensors = {k: v for k, v in kwargs.items() if k not in ("output_dtype", "as_numpy", "cu_seqlens")}
-        need = sum(int(getattr(v, "nbytes", 0) or np.asarray(v).nbytes) + 64 for v in tensors.values()
-                   if v is not None)
-        need = 3 * need + (1 << 20)  # inputs + up to two float64 results
+    @staticmethod
+    def _shm_need(kwargs: dict[str, Any]) -> int:
+        tensors = [v for k, v in kwargs.items() if k not in ("output_dtype", "as_numpy", "cu_seqlens") and v is not None]
+        need = sum(streaming.payload_estimate({"x": v}) + 64 for v in tensors)
+        return 3 * need + (1 << 20)  # inputs + up to two float64 results
+
+    def _region_for(self, need: int) -> Any:
         if self._shm is None or self._shm.size < need:
             if self._shm is not None:
                 self._shm.close()
+                self._shm = None
             self._shm = self.shared_memory(need)
-        return self._shm.compute(estimator, config, **kwargs)
+        return self._shm
+
+    def _compute_shm(self, estimator: str, config: Any, **kwargs: Any) -> AdvantageResult:
+        self.last_transport = "shm"
+        return self._region_for(self._shm_need(kwargs)).compute(estimator, config, **kwargs)
+
+    def _auto_shm(self, estimator: str, config: Any, kwargs: dict[str, Any]) -> AdvantageResult | None:
+        """transport="auto" through shared memory; None when it cannot be used (then the caller streams or
+        sends one message). A failed registration is remembered (never tried again) unless it was a
+        transient UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED; a region the server no longer knows (another
+        replica answered, or the server restarted) turns shared memory off for this client."""
+        from advantage_client import shm as shm_mod
+        need = self._shm_need(kwargs)
+        if self._shm is None or self._shm.size < need:
+            if not shm_mod.room_for(need):
+                return None  # /dev/shm too small for this request (writing past it would be SIGBUS)
+            try:
+                self._region_for(need)
+            except AdvantageServiceError as err:
+                if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    grpc.StatusCode.CANCELLED):
+                    self._shm_works = False
+                return None
+            except (OSError, ValueError):  # no /dev/shm, or no room: not this client's error to report
+                self._shm_works = False
+                return None
+        try:
+            result = self._compute_shm(estimator, config, **kwargs)
+        except AdvantageServiceError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT and "no shared-memory region" in str(err):
+                self._shm_works = False
+                region, self._shm = self._shm, None
+                region.close()
+                return None
+            raise
+        self._shm_works = True
+        return result
 
     def _call(self, method: str, request: Any, response_cls: type) -> Any:
         from advantage_client.shm import call
@@ -253,10 +320,25 @@ class AdvantageClient:
             raise AdvantageServiceError(grpc.StatusCode.UNAVAILABLE, f"no server answered at {self.target} "
                                                                      f"within {timeout}s") from None
 
+    @property
+    def last_transport(self) -> str | None:
+        """The transport the calling thread's latest :meth:`compute` used ("unary", "stream" or "shm")."""
+        return getattr(self._calls._local, "transport", None)
+
+    @last_transport.setter
+    def last_transport(self, value: str | None) -> None:
+        self._calls._local.transport = value
+
+    @property
+    def last_timing(self) -> dict[str, float]:
+        """The calling thread's latest streamed call, split (see ``advantage_client.streaming.Calls``)."""
+        return self._calls.last_timing
+
     def close(self) -> None:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        self._calls.close()
         self._channel.close()
 
     def __enter__(self) -> "AdvantageClient":

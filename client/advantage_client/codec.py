@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -260,6 +260,14 @@ def encode_request(estimator: str | None, config: Any = None, inputs: Mapping[st
     """Serialized ``ComputeAdvantageRequest``, byte-identical to the generated class's
     ``SerializeToString(deterministic=True)``. ``config``: the typed config message (or a dict / None,
     see :func:`wire.config_message`); ``inputs``: name -> tensor-like (``None`` values skipped)."""
+    return b"".join(request_pieces(estimator, config, inputs, output_dtype, cu_seqlens))
+
+
+def request_pieces(estimator: str | None, config: Any = None, inputs: Mapping[str, Any] | None = None,
+                   output_dtype: int = 0, cu_seqlens: Any = None) -> list[Any]:
+    """The pieces whose concatenation is :func:`encode_request`'s output: small headers (``bytes``) and
+    ``memoryview``\\ s of the tensor payloads (nothing copied but what ``tensor_parts`` must: a
+    non-contiguous or GPU tensor). :func:`iter_chunks` streams them without joining them first."""
     parts: list[tuple[int, list[Any]]] = []  # (field number, pieces), sorted by number at the end
     if estimator is not None:
         cfg = config if (config is not None and hasattr(config, "SerializeToString")) else \
@@ -287,7 +295,7 @@ def encode_request(estimator: str | None, config: Any = None, inputs: Mapping[st
         tpieces, tsize = _tensor_pieces(*tensor_parts(cu_seqlens, "cu_seqlens"))
         parts.append((12, _message_field(12, tpieces, tsize)[0]))
     parts.sort(key=lambda p: p[0])
-    return b"".join(piece for _, pieces in parts for piece in pieces)
+    return [piece for _, pieces in parts for piece in pieces]
 
 
 def request_from_message(msg: pb.ComputeAdvantageRequest) -> bytes:
@@ -406,6 +414,11 @@ def decode_request(data: Any) -> DecodedRequest:
 # ------------------------------------------------------------------------------------------- results
 def encode_result(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None) -> bytes:
     """Serialized ``AdvantageResult`` (= ``SerializeToString(deterministic=True)``)."""
+    return b"".join(result_pieces(advantages, returns, metrics))
+
+
+def result_pieces(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None) -> list[Any]:
+    """The pieces whose concatenation is :func:`encode_result`'s output (headers and tensor views)."""
     pieces: list[Any] = []
     if advantages is not None:
         pieces += _message_field(1, *_tensor_pieces(*tensor_parts(advantages, "advantages")))[0]
@@ -416,7 +429,7 @@ def encode_result(advantages: Any, returns: Any = None, metrics: Mapping[str, fl
         kb = key.encode("utf-8")
         entry = b"\x0a" + varint(len(kb)) + kb + b"\x11" + np.float64(v).astype("<f8").tobytes()
         pieces += [b"\x1a" + varint(len(entry)), entry]
-    return b"".join(pieces)
+    return pieces
 
 
 def result_from_message(msg: pb.AdvantageResult) -> bytes:
@@ -478,6 +491,45 @@ def encode_chunk(total_size: int, data: Any) -> bytes:
     n = memoryview(data).nbytes
     head = (b"\x08" + varint(total_size) if total_size else b"") + (b"\x12" + varint(n) if n else b"")
     return b"".join((head, data)) if n else head
+
+
+def pieces_size(pieces: Iterable[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in pieces)
+
+
+def iter_chunks(pieces: list[Any], chunk_bytes: int, total: int | None = None) -> Iterator[bytes]:
+    """Serialized chunk messages carrying the concatenation of ``pieces`` (``total`` bytes; computed when
+    None) in ``chunk_bytes`` slices: ``total_size`` on the first chunk. Each chunk is built with one copy
+    of its slice of the pieces (``bytes.join`` over memoryview slices); the concatenation itself is never
+    built. The same messages as ``encode_chunk`` over ``b"".join(pieces)`` sliced every ``chunk_bytes``."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    views = [memoryview(p).cast("B") for p in pieces]
+    views = [v for v in views if v.nbytes]
+    if total is None:
+        total = sum(v.nbytes for v in views)
+    if total == 0:
+        yield b""  # one empty chunk: total_size 0, no data
+        return
+    i = off = sent = 0
+    while sent < total:
+        n = min(chunk_bytes, total - sent)
+        parts: list[Any] = [(b"\x08" + varint(total) if sent == 0 else b"") + b"\x12" + varint(n)]
+        need = n
+        while need:
+            if i >= len(views):
+                raise ValueError(f"the pieces hold {sent + n - need} bytes, fewer than the announced {total}")
+            v = views[i]
+            take = min(need, v.nbytes - off)
+            parts.append(v[off:off + take])
+            off += take
+            need -= take
+            if off == v.nbytes:
+                i, off = i + 1, 0
+        sent += n
+        yield b"".join(parts)
+    if i < len(views):
+        raise ValueError(f"the pieces hold more than the announced {total} bytes")
 
 
 def decode_chunk(data: Any) -> tuple[int, memoryview]:

@@ -171,6 +171,17 @@ class SharedMemoryRegion:
             pass
 
 
+def room_for(nbytes: int, path: str = "/dev/shm") -> bool:
+    """Whether ``path`` (where POSIX shared memory lives) has ``nbytes`` free: a segment larger than the free
+    space is created fine but kills the process with SIGBUS when written past it."""
+    import os
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return True  # no such directory (not Linux): let SharedMemory decide
+    return nbytes <= st.f_bavail * st.f_frsize
+
+
 def call(channel: grpc.Channel, method: str, request: Any, response_cls: type, **kwargs: Any) -> Any:
     return channel.unary_unary(PREFIX + method, request_serializer=type(request).SerializeToString,
                                response_deserializer=response_cls.FromString)(request, **kwargs)

@@ -18,8 +18,10 @@ import torch
 
 from advantage_client import wire
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server import validate
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
+from advantage_server.estimators.registry import OutputProvider
 from advantage_server.estimators.common import group_index
 from advantage_server.limits import checkpoint  # reliability hook: a cancelled/expired call stops between stages
 
@@ -53,11 +55,14 @@ class AdvantageCore:
     # ------------------------------------------------------------------ entry points
     def compute(self, request: pb.ComputeAdvantageRequest) -> pb.AdvantageResult:
         """Validate and run one request. Raises ``InvalidInput`` for a malformed request."""
-        return encode_result(*self.compute_result(request))
+        result, dtype = self.compute_result(request)
+        return encode_result(result, dtype, consume=True)
 
-    def compute_result(self, request: Any) -> tuple[AdvantageResult, torch.dtype]:
+    def compute_result(self, request: Any, output_provider: OutputProvider | None = None
+                       ) -> tuple[AdvantageResult, torch.dtype]:
         """:meth:`compute` before encoding: the result tensors and the requested output dtype. ``request``
-        is a ``ComputeAdvantageRequest`` or anything shaped like one (``codec.DecodedRequest``)."""
+        is a ``ComputeAdvantageRequest`` or anything shaped like one (``codec.DecodedRequest``).
+        ``output_provider``: see :meth:`run` (ignored for the packed layout, whose results are gathered)."""
         name = request.WhichOneof("estimator")
         if name is None:
             raise InvalidInput("estimator", f"no estimator chosen: set one of {', '.join(REGISTRY)} "
@@ -81,7 +86,7 @@ class AdvantageCore:
             raise InvalidInput(violations)
         checkpoint("after decoding")
         result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, output_provider=output_provider)
         checkpoint("before encoding")
         dtype = _OUTPUT[request.output_dtype]
         result.advantages = cast_output(result.advantages, dtype, "advantages")
@@ -89,11 +94,15 @@ class AdvantageCore:
             result.returns = cast_output(result.returns, dtype, "returns")
         return result, dtype
 
-    def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None) -> AdvantageResult:
+    def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None,
+            output_provider: OutputProvider | None = None) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
 
         ``cu_seqlens`` ([B + 1] row offsets) selects the packed layout: token-level inputs are flat
         ``[N]`` and so are the result's advantages and returns (see :func:`unpack`).
+        ``output_provider(name, shape, dtype, device)``: memory for the ``[B, T]`` results the estimator
+        writes densely (:meth:`Batch.output`), or None to let it allocate; the caller compares the
+        result tensors with what it handed out (not used with ``cu_seqlens``).
         """
         spec = REGISTRY.get(name)
         if spec is None:
@@ -106,6 +115,8 @@ class AdvantageCore:
         if cu_seqlens is not None:
             tensors, layout = unpack(spec, cu_seqlens, tensors)
         batch = Batch(self.prepare(spec, config, tensors))
+        if layout is None:  # packed results are gathered from the padded ones: nothing to write in place
+            batch.output_provider = output_provider
         checkpoint("before computing")
         result = spec.fn(config, batch)
         if (result.returns is not None) != spec.returns_for(config):
@@ -114,7 +125,7 @@ class AdvantageCore:
         if layout is not None:
             result = layout.repack(result)
         for label, t in (("advantages", result.advantages), ("returns", result.returns)):
-            if t is not None and not bool(torch.isfinite(t).all()):
+            if t is not None and not result.finite and not validate.all_finite(t):
                 # every input is finite (checked above): only magnitudes near the dtype's limit get here
                 raise InvalidInput("inputs", f"{name} overflowed {str(t.dtype).replace('torch.', '')} arithmetic "
                                              f"computing {label}: input magnitudes are too large; rescale the "
@@ -158,11 +169,15 @@ class AdvantageCore:
         compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
         out = {}
         for key, t in tensors.items():
-            t = t.to(self.device, non_blocking=True)
+            # casts on the CPU before a move (the smaller dtype crosses to the GPU) are rare; a tensor that
+            # already has the device and dtype is passed on as it is (no copy)
+            if t.device != self.device:
+                t = t.to(self.device, non_blocking=True)
             if owners[key].kind == "integer":
-                out[key] = group_index(t.long()) if key == "prompt_ids" else t.long()
+                t = validate.cast(t, torch.int64)
+                out[key] = group_index(t) if key == "prompt_ids" else t
             else:
-                out[key] = t.to(compute_dtype)
+                out[key] = validate.cast(t, compute_dtype)
         return out
 
 
@@ -177,10 +192,14 @@ def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int]) -> 
         want = " or ".join(re.sub(r"\b([BT])\b", lambda m: str(dims[m.group(1)]), p) for p in spec.shapes)
         return [(field, f"has shape {list(t.shape)} but must be {' or '.join(spec.shapes)} = {want} "
                         f"(B and T come from `mask` {[dims['B'], dims['T']]})")]
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        return [(field, "contains NaN or infinity; every input value must be finite")]
-    if spec.kind == "mask" and t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+    if spec.kind == "mask" and t.dtype != torch.bool:
+        if validate.is_binary(t):  # 0/1 values are finite: one pass checks both
+            return []
+        if t.is_floating_point() and not validate.all_finite(t):
+            return [(field, "contains NaN or infinity; every input value must be finite")]
         return [(field, "holds values other than 0 and 1; send a 0/1 (or bool) mask")]
+    if t.is_floating_point() and not validate.all_finite(t):
+        return [(field, "contains NaN or infinity; every input value must be finite")]
     return []
 
 
@@ -318,18 +337,39 @@ def config_from_dict(spec: EstimatorSpec, config: Mapping[str, Any]) -> Any:
 def cast_output(t: torch.Tensor, dtype: torch.dtype, label: str) -> torch.Tensor:
     """``t`` in the requested output dtype; values beyond its range are an ``InvalidInput`` on
     ``output_dtype`` (a float16 result of 1e5 would otherwise arrive as infinity)."""
-    out = t.to(dtype)
-    if out.dtype != t.dtype and not bool(torch.isfinite(out).all()):
+    out = validate.cast(t, dtype)
+    if out.dtype != t.dtype and not validate.all_finite(out):
         biggest = float(t.abs().max())
         raise InvalidInput("output_dtype", f"{label} reach {biggest:.3g}, beyond the range of "
                                            f"{str(dtype).replace('torch.', '')}; request float32 or float64")
     return out
 
 
-def encode_result(result: AdvantageResult, dtype: torch.dtype) -> pb.AdvantageResult:
-    msg = pb.AdvantageResult(advantages=wire.encode_tensor(result.advantages.to(dtype), "advantages"))
-    if result.returns is not None:
-        msg.returns.CopyFrom(wire.encode_tensor(result.returns.to(dtype), "returns"))
+def encode_result(result: AdvantageResult, dtype: torch.dtype, consume: bool = False) -> pb.AdvantageResult:
+    """The ``AdvantageResult`` message of ``result`` in ``dtype``.
+
+    Each tensor's bytes are copied twice on the way (a Python ``bytes``, then protobuf's own copy:
+    protobuf takes no buffer views); they are assigned to the field in place (building a ``Tensor`` and
+    ``CopyFrom`` would copy a third time). ``consume=True`` (the caller gives ``result`` up) drops each
+    result tensor as soon as its bytes are taken, so its memory is free for protobuf's copy.
+    """
+    msg = pb.AdvantageResult()
+    for label in ("advantages", "returns"):
+        t = getattr(result, label)
+        if t is None:
+            continue
+        if consume:
+            setattr(result, label, None)
+        t = t.to(dtype)
+        code, shape = wire._FROM_TORCH[t.dtype], list(t.shape)
+        t = t.detach().to("cpu").contiguous()
+        data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+        del t  # with consume: the result tensor's last reference
+        field = getattr(msg, label)
+        field.dtype = code
+        field.shape.extend(shape)
+        field.data = data
+        del data
     msg.metrics.update({k: float(v) for k, v in result.metrics.items()})
     return msg
 

@@ -19,6 +19,7 @@ import hmac
 import math
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from advantage_client import codec, wire
+from advantage_client.streaming import TIMING_KEY
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import AdvantageResult
@@ -67,9 +69,13 @@ class ResultPayload:
         ret = self.result.returns.to(self.dtype) if self.result.returns is not None else None
         return adv, ret
 
-    def encode(self) -> bytes:
+    def pieces(self) -> list[Any]:
+        """The encoded result's pieces (headers and views of the result tensors), for streaming it."""
         adv, ret = self.tensors()
-        return codec.encode_result(adv, ret, {k: float(v) for k, v in self.result.metrics.items()})
+        return codec.result_pieces(adv, ret, {k: float(v) for k, v in self.result.metrics.items()})
+
+    def encode(self) -> bytes:
+        return b"".join(self.pieces())
 
 
 def response_serializer(response_cls: type):
@@ -145,8 +151,10 @@ class TransportMethods:
         return grpc.stream_stream_rpc_method_handler(self._stream, request_deserializer=codec.decode_chunk,
                                                      response_serializer=None)
 
-    def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> bytearray:
-        buf: bytearray | None = None
+    def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> np.ndarray:
+        """The request's chunks -> one ``uint8`` numpy buffer allocated once from the declared total (numpy
+        backs large buffers with transparent huge pages: far fewer page faults than a ``bytearray``)."""
+        buf: np.ndarray | None = None
         total = pos = 0
         for declared, data in chunks:
             if buf is None:
@@ -156,40 +164,47 @@ class TransportMethods:
                     raise ResourceLimit(f"the streamed request declares {total} bytes, more than the server's "
                                         f"limit --max-stream-mb={cap >> 20} ({cap} bytes); split the batch into smaller "
                                         "requests")
-                buf = bytearray(total)
+                buf = np.empty(total, np.uint8)
             elif declared and declared != total:
                 raise InvalidInput("total_size", f"chunk says {declared} bytes, the first chunk said {total}")
             n = data.nbytes
             if pos + n > total:
                 raise InvalidInput("data", f"the chunks hold more than the declared total_size of {total} bytes; "
                                            "set total_size on the first chunk to the request's byte length")
-            buf[pos:pos + n] = data
+            if n:
+                buf[pos:pos + n] = np.frombuffer(data, np.uint8)
             pos += n
             alive("while receiving the request")
         if buf is None:
-            buf = bytearray()
+            buf = np.empty(0, np.uint8)
         if pos != total:
             raise InvalidInput("data", f"the stream ended after {pos} of the declared {total} bytes")
         return buf
 
     def _stream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-        what, status, out = "ComputeAdvantageStream", None, b""
+        what, status, pieces = "ComputeAdvantageStream", None, []
+        t0 = t1 = t2 = time.perf_counter()
         try:
             with self.gate.admit(True, context.add_callback):
                 alive = grpc_liveness(context)
                 data = self._reassemble(request_iterator, alive)
+                t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
                 what = f"ComputeAdvantageStream {request.estimator}"
-                out = self.compute_payload(request, context).encode()
-                del request, data
+                pieces = self.compute_payload(request, context).pieces()
+                del request, data  # the request buffer goes before the result is sent
+                t2 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
             status = self._status(exc, what)
         if status is not None:
             from grpc_status import rpc_status
             context.abort_with_status(rpc_status.to_status(status))
-        view = memoryview(out)
-        for i in range(0, max(len(out), 1), CHUNK_BYTES):
-            yield codec.encode_chunk(len(out) if i == 0 else 0, view[i:i + CHUNK_BYTES])
+        try:  # how long receiving and computing took, for clients that split a call's time (informational)
+            context.send_initial_metadata(((TIMING_KEY, f"recv={t1 - t0:.6f};compute={t2 - t1:.6f}"),))
+        except Exception:  # noqa: BLE001 - e.g. metadata already sent by an interceptor
+            pass
+        # the result is sliced straight from its tensors into chunk messages (one copy per chunk)
+        yield from codec.iter_chunks(pieces, CHUNK_BYTES)
 
     # ------------------------------------------------------------------ shared memory
     def _regions(self) -> tuple[dict[str, Region], threading.Lock]:
@@ -249,25 +264,34 @@ class TransportMethods:
                                                       f"{region.size} registered bytes")
             decoded.inputs[key] = codec.TensorView(t.dtype, list(shape), region.buf[t.offset:t.offset + nbytes])
         out_region = self._region(request.output_region_id, request.key, "output_region_id")
-        payload = self.compute_payload(decoded, context)
-        adv, ret = payload.tensors()
-        limit = min(out_region.size, request.output_offset + request.output_byte_size)
-        response = pb.ComputeAdvantageShmResponse()
-        response.metrics.update({k: float(v) for k, v in payload.result.metrics.items()})
-        pos = request.output_offset
-        for name, t in (("advantages", adv), ("returns", ret)):
-            if t is None:
-                continue
-            code = wire._FROM_TORCH[t.dtype]
-            t = t.contiguous()
-            raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
-            if pos + raw.nbytes > limit:
-                raise InvalidInput("output_byte_size", f"the result needs {raw.nbytes} bytes for {name} at offset "
-                                                       f"{pos}, but the output room ends at {limit}")
-            out_region.buf[pos:pos + raw.nbytes] = raw
-            getattr(response, name).CopyFrom(pb.SharedMemoryTensor(
-                dtype=code, shape=list(t.shape), region_id=request.output_region_id, offset=pos))
-            pos += -(-raw.nbytes // ALIGN) * ALIGN
+        # results are written straight into the output room where the estimator allows it (OutputRoom:
+        # bounds-checked views that never overlap an input in the region); the rest is copied there
+        from advantage_server.core import _OUTPUT
+        from advantage_server.shm_output import OutputRoom, input_spans, region_lock
+        room = OutputRoom(out_region.buf, request.output_offset,
+                          min(out_region.size, request.output_offset + request.output_byte_size),
+                          _OUTPUT.get(inner.output_dtype, torch.float32),
+                          input_spans(request, request.output_region_id))
+        check_batch_elements(decoded.tensor_fields(), self.limits.max_batch_elements)
+        alive = grpc_liveness(context)
+        lock = region_lock(out_region)  # one call writes into a region at a time (see shm_output)
+        while not lock.acquire(timeout=0.05):
+            alive("waiting for another call writing into this shared-memory region")
+        try:
+            with self.gate.compute_slot(alive), checkpoints(alive):
+                payload = ResultPayload(*self.core.compute_result(decoded, output_provider=room))
+            adv, ret = payload.tensors()
+            response = pb.ComputeAdvantageShmResponse()
+            response.metrics.update({k: float(v) for k, v in payload.result.metrics.items()})
+            for name, t in (("advantages", adv), ("returns", ret)):
+                if t is None:
+                    continue
+                pos = room.place(name, t)
+                getattr(response, name).CopyFrom(pb.SharedMemoryTensor(
+                    dtype=wire._FROM_TORCH[t.dtype], shape=list(t.shape), region_id=request.output_region_id,
+                    offset=pos))
+        finally:
+            lock.release()
         return response
 
     def close_regions(self) -> None:

@@ -101,6 +101,60 @@ def timeit_with_floor(fn: Callable[[], Any], repeats: int, probe: CopyProbe, war
     return Timing(statistics.median(runs), runs, result), probe.moved / statistics.median(copies) / 1e9
 
 
+def cuda_timeit_with_floor(fn: Callable[[], Any], repeats: int, floor_bytes: int, device: torch.device,
+                           warmup: int = 2) -> tuple[Timing, float, int]:
+    """On a CUDA device: (timing of ``fn``, median time of a device-to-device copy of ``floor_bytes / 2``
+    bytes (as many read + written as the floor), peak device bytes of one run above those allocated
+    before it). Each run and each copy is timed between two ``torch.cuda.synchronize`` calls; run and
+    copy alternate, as on the CPU."""
+    src = torch.ones(max(1, floor_bytes // 2), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    def timed(f: Callable[[], Any]) -> tuple[float, Any]:
+        sync()
+        t0 = time.perf_counter()
+        out = f()
+        sync()
+        return time.perf_counter() - t0, out
+
+    for _ in range(warmup):
+        fn()
+        dst.copy_(src)
+    runs, copies = [], []
+    result = None
+    for _ in range(max(1, repeats)):
+        result = None
+        dt, result = timed(fn)
+        runs.append(dt)
+        copies.append(timed(lambda: dst.copy_(src))[0])
+    del src, dst
+    sync()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _, extra = timed(fn)
+    peak = max(0, torch.cuda.max_memory_allocated(device) - before)
+    del extra
+    return Timing(statistics.median(runs), runs, result), statistics.median(copies), peak
+
+
+def cuda_copy_bandwidth(device: torch.device, size_mib: int = 256, repeats: int = 9) -> float:
+    """(bytes read + written) per second of a large device-to-device copy, GB/s."""
+    src = torch.ones(size_mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    runs = []
+    for i in range(repeats + 2):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            runs.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(runs) / 1e9
+
+
 # ------------------------------------------------------------------------------------ memory
 def _status_kib(key: str, pid: int | str = "self") -> int:
     with open(f"/proc/{pid}/status") as f:
@@ -143,7 +197,7 @@ def peak_extra_rss(fn: Callable[[], Any]) -> int | None:
 
 
 # ----------------------------------------------------------------------------------- machine
-def machine() -> dict[str, str]:
+def machine(device: str = "cpu") -> dict[str, str]:
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -172,8 +226,15 @@ def machine() -> dict[str, str]:
         versions.append(f"torchrl {torchrl.__version__}")
     except Exception:
         versions.append("torchrl absent")
-    return {"cpu": cpu, "cores": str(cores), "memory": mem, "torch_threads": str(torch.get_num_threads()),
+    info = {"cpu": cpu, "cores": str(cores), "memory": mem, "torch_threads": str(torch.get_num_threads()),
             "versions": ", ".join(versions)}
+    if device != "cpu":
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev)
+        info["device"] = (f"{dev}: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} "
+                          f"SMs; CUDA {torch.version.cuda}; device-to-device copy (256 MiB, read+write) "
+                          f"{cuda_copy_bandwidth(dev):.0f} GB/s")
+    return info
 
 
 def loadavg() -> str:

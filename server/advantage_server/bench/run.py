@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from advantage_server import tuning
 from advantage_server.bench import measure, references, transports, workloads
 from advantage_server.core import AdvantageCore, config_from_dict
 from advantage_server.estimators import REGISTRY, Batch, jit
@@ -93,11 +95,13 @@ def dense(result: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------ kernel
-def prepared(estimator: str, B: int, T: int, G: int, seed: int = 0):
+def prepared(estimator: str, B: int, T: int, G: int, seed: int = 0, device: str = "cpu"):
     config, tensors = workloads.inputs(estimator, B, T, G, seed)
+    if device != "cpu":  # the inputs live on the device before the call, as the server holds them
+        tensors = {k: v.to(device) for k, v in tensors.items()}
     spec = REGISTRY[estimator]
     cfg = config_from_dict(spec, config).resolved()
-    batch = Batch(AdvantageCore("cpu").prepare(spec, cfg, tensors))
+    batch = Batch(AdvantageCore(device).prepare(spec, cfg, tensors))
     return spec, cfg, batch, tensors
 
 
@@ -117,6 +121,9 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
     """Our estimator (and for GAE the bare kernel) against the reference, the peer and the memory floor.
     Each of our rows is timed alternately with a large memcpy: its floor is the row's floor bytes over
     the copy bandwidth measured in between its own runs (the reference rows use the same floor)."""
+    if getattr(args, "device", "cpu") != "cpu":
+        device_kernel_section(report, estimator, size, args)
+        return
     B, T, G = size
     label = size_label(*size)
     spec, cfg, batch, tensors = prepared(estimator, B, T, G)
@@ -196,6 +203,61 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
                    note=f"{floor_b / MiB:.2f} MiB moved"))
 
 
+def device_kernel_section(report: Report, estimator: str, size: tuple[int, int, int], args) -> None:
+    """``--device cuda``: our estimator (and for GAE the bare kernel) on device-resident inputs, against a
+    device-to-device copy of the same bytes (the HBM floor). The torch kernels run there (the numba ones
+    apply to CPU tensors only). Each run is timed between two ``torch.cuda.synchronize`` calls, so it
+    includes the launches and any device-to-host sync the estimator makes; the floor copy is timed the
+    same way, alternately with the kernel. +MiB = ``torch.cuda.max_memory_allocated`` above the memory
+    allocated before one run. No reference loops or peer (CPU code)."""
+    B, T, G = size
+    label = size_label(*size)
+    dev = torch.device(args.device)
+    spec, cfg, batch, _ = prepared(estimator, B, T, G, device=args.device)
+    rows: list[tuple[str, Callable[[], Any], int, str]] = [
+        ("ours: estimator (in-process)", lambda: dense(spec.fn(cfg, batch)), workloads.floor_bytes(estimator, B, T),
+         "memory floor" if estimator != "gae" else "memory floor: estimator")]
+    if estimator == "gae":
+        mask, values = batch["mask"], batch["values"]
+        tok = token_level_rewards(batch["rewards"], mask)
+        gamma, lam = cfg.gae_gamma, cfg.gae_lambda
+        rows.append(("ours: gae_kernel", lambda: gae_kernel(tok, values, mask, gamma, lam),
+                     workloads.gae_kernel_floor_bytes(B, T), "memory floor: gae_kernel"))
+    floors = []
+    for impl, fn, floor_b, floor_label in rows:
+        t, floor_s, peak = measure.cuda_timeit_with_floor(fn, args.repeats, floor_b, dev)
+        report.add(Row("kernel", estimator, label, impl, t.ms, 1.0, t.median_s / floor_s, floor_b / t.median_s / 1e9,
+                       peak / MiB, note=f"{len(t.runs)} runs, {dev} synchronised; +MiB = device peak above before"))
+        floors.append(Row("kernel", estimator, label, floor_label, floor_s * 1e3, None, 1.0, floor_b / floor_s / 1e9,
+                          note=f"{dev} copy of {floor_b / 2 / MiB:.2f} MiB ({floor_b / MiB:.2f} MiB read + written)"))
+    for row in floors:
+        report.add(row)
+
+
+def check_device(args) -> None:
+    """``--device``: cpu (the default, every section), or cuda / cuda:N (the kernel section only), which
+    needs a CUDA build of torch and a visible GPU: anything else exits with a message saying so."""
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise SystemExit(f"advantage-bench: --device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        args.device = "cpu"
+        return
+    if dev.type != "cuda":
+        raise SystemExit(f"advantage-bench: --device {args.device}: only cpu and cuda[:N] are measured")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"advantage-bench: --device {args.device}: no CUDA device here (torch {torch.__version__}, "
+                         f"CUDA build {torch.version.cuda or 'none'}, torch.cuda.is_available() is False). "
+                         "Run it on a GPU machine, e.g. scripts/gpu_bench.sh")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SystemExit(f"advantage-bench: --device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if sections - {"kernel"}:
+        raise SystemExit(f"advantage-bench: --device {args.device} measures the kernel section only "
+                         f"(pass --sections kernel; got {','.join(sorted(sections))})")
+
+
 # ------------------------------------------------------------------------------- concurrency
 def concurrency_section(report: Report, estimator: str, size: tuple[int, int, int], args) -> None:
     B, T, G = size
@@ -273,9 +335,9 @@ def memory_section(report: Report, estimator: str, size: tuple[int, int, int]) -
 class BenchServer:
     """The benchmark's server in its own process (``advantage_server.bench.serve``)."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "advantage_server.bench.serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+    def __init__(self, *options: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "advantage_server.bench.serve", *options],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the benchmark server did not start")
@@ -290,6 +352,18 @@ class BenchServer:
             self.proc.kill()
 
 
+def available_bytes() -> int | None:
+    """MemAvailable of the machine (None where /proc/meminfo has no such line)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def e2e_section(report: Report, server: BenchServer, transport: transports.Transport, size: tuple[int, int, int],
                 args, in_process_ms: dict[str, float], ref_ms: dict[str, float]) -> None:
     B, T, G = size
@@ -300,15 +374,43 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
         return
     config, tensors = workloads.inputs("gae", B, T, G)
     session = transport.open(server.address)
+    splits: list[tuple[float, float, float]] = []  # streamed calls: (upload s, server compute s, download s)
+
+    def call():
+        out = transport.compute(session, "gae", config, tensors)
+        tm = getattr(session, "last_timing", None)
+        if getattr(session, "last_transport", None) == "stream" and tm and "first" in tm:
+            compute = tm.get("server_compute", 0.0)
+            splits.append((tm["first"] - tm["start"] - compute, compute, tm["end"] - tm["first"],
+                           tm["request_bytes"], tm["response_bytes"] - tm.get("first_chunk_bytes", 0)))
+        return out
+    client_extra, huge = None, False
     try:
-        call = lambda: transport.compute(session, "gae", config, tensors)  # noqa: E731
-        res = call()
         big = workloads.payload_bytes(tensors) > 128 * MiB
-        t = measure.timeit(call, 3 if big else args.repeats, warmup=0 if big else 1)
-        before = measure.rss_bytes(server.pid)
-        measure.reset_peak(server.pid)
-        res = call()
-        extra = max(0, measure.peak_bytes(server.pid) - before)
+        huge = workloads.payload_bytes(tensors) > 1024 * MiB
+        if huge:  # two calls: the first (cold processes) with both processes' peak RSS, the second timed
+            small_cfg, small = workloads.inputs("gae", 8, 64, 8)  # loads the kernels first
+            transport.compute(session, "gae", small_cfg, small)
+            before, client_before = measure.rss_bytes(server.pid), measure.rss_bytes()
+            measure.reset_peak(server.pid)
+            client_reset = measure.reset_peak()
+            t0 = time.perf_counter()
+            call()
+            cold_s = time.perf_counter() - t0  # the result is dropped before the next call
+            extra = max(0, measure.peak_bytes(server.pid) - before)
+            if client_reset:
+                client_extra = max(0, measure.peak_bytes() - client_before)
+            splits.clear()
+            t = measure.timeit(call, 1, warmup=0)
+            res = t.result
+        else:
+            res = call()
+            splits.clear()
+            t = measure.timeit(call, 3 if big else args.repeats, warmup=0 if big else 1)
+            before = measure.rss_bytes(server.pid)
+            measure.reset_peak(server.pid)
+            res = call()
+            extra = max(0, measure.peak_bytes(server.pid) - before)
     finally:
         transport.close(session)
     request = workloads.payload_bytes(tensors)
@@ -323,6 +425,16 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
     ref = ref_ms.get(label)
     note = (f"req {request / MiB:.1f} MiB + resp {response / MiB:.1f} MiB = {moved / MiB / t.median_s:.0f} MiB/s; "
             f"server peak +{extra / MiB:.0f} MiB = {extra / request:.2f}x req")
+    if client_extra is not None:
+        note += f"; client peak +{client_extra / MiB:.0f} MiB = {client_extra / request:.2f}x req"
+    if huge:
+        note += f"; first call (cold processes, where the peaks are from) {cold_s:.1f} s, the time is the second's"
+    if splits:  # per direction: upload = request bytes / (first result chunk - start - server compute);
+        # download = bytes after the first result chunk / (last chunk - first chunk)
+        up = statistics.median(r / u for u, _, _, r, _ in splits if u > 0) if any(u > 0 for u, *_ in splits) else 0
+        down = statistics.median(b / d for _, _, d, _, b in splits if d > 0) if any(s[2] > 0 for s in splits) else 0
+        comp = statistics.median(c for _, c, *_ in splits)
+        note += f"; stream split: up {up / MiB:.0f} MiB/s, server compute {comp * 1e3:.0f} ms, down {down / MiB:.0f} MiB/s"
     if ref is not None:
         note += f"; vs in-process ref loop: {t.ms / ref:.2f}x"
     report.add(Row("e2e", "gae", label, transport.name, t.ms, None if ours is None else t.ms / ours, None,
@@ -339,8 +451,10 @@ def render(report: Report) -> str:
     lines = [
         f"advantage-bench: {' '.join(report.argv) or '(defaults)'}",
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; torch threads {m['torch_threads']}; {m['versions']}"
-        f"; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
+        f"; {tuning.describe()}",
     ]
+    if m.get("device"):
+        lines.append(f"device: {m['device']}")
     if report.bandwidth:
         bwr = report.bandwidth
         lines.append(f"copy bandwidth at start ({bwr.size_mib} MiB, read+write): numpy {bwr.numpy_gbps:.1f} GB/s, "
@@ -390,7 +504,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transports", default=None, help="e2e transport rows by name (default: all registered)")
     ap.add_argument("--transport-mib", type=int, default=None,
                     help="extra e2e row with a GAE request of about this many MiB (default 256; quick 0 = none)")
+    ap.add_argument("--big-mib", type=int, default=0,
+                    help="instead of the other e2e rows, one GAE request of about this many MiB through "
+                         "grpc-stream only (float32 mask and values, as big as the response), timed once with "
+                         "both processes' peak RSS; e.g. --sections e2e --estimators gae --big-mib 4096")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before measuring")
+    ap.add_argument("--device", default="cpu",
+                    help="where the kernel section runs: cpu, or cuda / cuda:N (inputs created on the GPU, "
+                         "CUDA-synchronised timing, the floor a device-to-device copy of the same bytes; kernel "
+                         "section only; see scripts/gpu_bench.sh)")
     ap.add_argument("--thp", action="store_true",
                     help="run with THP_MEM_ALLOC_ENABLE=1 (torch backs allocations >= 2 MiB with transparent huge "
                          "pages: far fewer page faults for fresh outputs > 32 MiB, which glibc always maps anew); "
@@ -404,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Report:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    check_device(args)
     if args.thp and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads it once, at its first allocation
         os.execve(sys.executable, [sys.executable, "-m", "advantage_server.bench", *argv],
                   {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
@@ -429,7 +552,7 @@ def main(argv: list[str] | None = None) -> Report:
     chosen = transports.select(args.transports)
 
     t_start = time.perf_counter()
-    report = Report(argv=["advantage-bench", *argv], machine=measure.machine(), load_before=measure.loadavg())
+    report = Report(argv=["advantage-bench", *argv], machine=measure.machine(args.device), load_before=measure.loadavg())
     report.bandwidth = measure.copy_bandwidth(64 if args.quick else 256, 5 if args.quick else 9)
     probe = measure.CopyProbe(64)
 
@@ -453,8 +576,8 @@ def main(argv: list[str] | None = None) -> Report:
     if "concurrency" in sections:
         if "gae" in estimators:
             concurrency_section(report, "gae", sizes[-1], args)
-        if "grpo" in estimators and group_sizes:  # the second group size by default (65536x64x8)
-            concurrency_section(report, "grpo", group_sizes[min(1, len(group_sizes) - 1)], args)
+        if "grpo" in estimators and group_sizes:  # the first group size with T > 1 (by default 65536x64x8)
+            concurrency_section(report, "grpo", next((s for s in group_sizes if s[1] > 1), group_sizes[0]), args)
     if "memory" in sections:  # one fresh process per probe (~2 s each): quick mode probes gae and grpo once
         for est in estimators:
             if args.quick and est not in ("gae", "grpo"):
@@ -464,7 +587,21 @@ def main(argv: list[str] | None = None) -> Report:
                 probe = [group_sizes[-1]] if args.quick else probe + [group_sizes[-1]]
             for size in probe:
                 memory_section(report, est, size)
-    if "e2e" in sections and "gae" in estimators:
+    if "e2e" in sections and "gae" in estimators and args.big_mib:
+        T = 8192
+        B = max(1, args.big_mib * MiB // (2 * T * 4))
+        need = int(4.5 * 8 * B * T)  # request and response in each process, plus the inputs' construction
+        avail = available_bytes()
+        server = BenchServer("--max-batch-elements", str(B * T), "--max-stream-mb", str(2 * args.big_mib + 1024))
+        try:
+            if avail is not None and avail < need:
+                report.add(Row("e2e", "gae", size_label(B, T, 8), "grpc-stream", note=(
+                    f"skipped: needs about {need / 2**30:.1f} GiB of free memory, {avail / 2**30:.1f} GiB available")))
+            else:
+                e2e_section(report, server, transports.select("grpc-stream")[0], (B, T, 8), args, {}, {})
+        finally:
+            server.close()
+    elif "e2e" in sections and "gae" in estimators:
         e2e_sizes = list(sizes)
         if transport_mib:
             T = 8192

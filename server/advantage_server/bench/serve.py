@@ -13,9 +13,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m advantage_server.bench.serve")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-message-mb", type=int, default=2047)
+    ap.add_argument("--max-batch-elements", type=int, default=None, help="default: the server's")
+    ap.add_argument("--max-stream-mb", type=int, default=None, help="default: the server's")
     args = ap.parse_args(argv)
     from advantage_server import create_server
-    server = create_server("127.0.0.1", 0, device=args.device, max_message_mb=args.max_message_mb).start()
+    limits = {k: v for k, v in (("max_batch_elements", args.max_batch_elements),
+                                ("max_stream_mb", args.max_stream_mb)) if v is not None}
+    server = create_server("127.0.0.1", 0, device=args.device, max_message_mb=args.max_message_mb, **limits).start()
     print(json.dumps({"address": server.address, "pid": os.getpid()}), flush=True)
     try:
         sys.stdin.read()

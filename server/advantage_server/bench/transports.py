@@ -95,13 +95,13 @@ def _shm_inplace_close(client: Any) -> None:
 
 #: the transport rows, in table order
 TRANSPORTS: list[Transport] = [
-    Transport("grpc-unary", "AdvantageClient.compute, transport auto (codec unary; client stream >= 64 MiB)",
+    Transport("grpc-unary", "AdvantageClient.compute, transport auto (shm on this host; else unary, stream >= 8 MiB)",
               _unary_open, _unary_compute),
     Transport("grpc-pb-stub", "plain generated stub: protobuf messages built and parsed client-side",
               _stub_open, _stub_compute),
     Transport("grpc-codec", "transport='unary': one ComputeAdvantage call, tensor codec both ends",
               _unary_open, _client_compute("unary")),
-    Transport("grpc-stream", "transport='stream': ComputeAdvantageStream, 4 MiB chunks each way",
+    Transport("grpc-stream", "transport='stream': ComputeAdvantageStream, 4 MiB chunks built lazily each way",
               _unary_open, _client_compute("stream")),
     Transport("grpc-shm", "transport='shm': inputs copied into a registered shared-memory region, results copied out",
               _unary_open, _client_compute("shm")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -357,6 +358,232 @@ def _group_stats_chunk(g_lo, g_hi, start, rs, leave_one_out, out_b, out_s):  # p
             out_s[k_top] = 0.0 if others_tied else sd
 
 
+#: groups per block of the uniform-size kernel (its per-block temporaries stay in L1)
+_GROUP_BLOCK = 128
+#: largest group size the uniform-size kernel takes (larger groups amortise the per-group work anyway)
+_UNIFORM_MAX = 64
+
+
+@jit.njit
+def _uniform_size(start):  # pragma: no cover - compiled
+    """n when every group of the layout has n members (trainers send G samples per prompt), else 0."""
+    G = start.shape[0] - 1
+    if G < 1:
+        return 0
+    n = start[1] - start[0]
+    for g in range(1, G):
+        if start[g + 1] - start[g] != n:
+            return 0
+    return n
+
+
+@jit.njit
+def _group_stats_uniform(g_lo, g_hi, n, rs, leave_one_out, out_b, out_s):  # pragma: no cover - compiled
+    """:func:`_group_stats_chunk` for a layout whose groups all have ``n`` members (group g is
+    ``rs[g * n:(g + 1) * n]``): the same arithmetic in the same order, bit for bit, but a block of
+    groups at a time with the loop over the block's groups innermost. Each group's sums are then
+    independent chains the CPU overlaps (and LLVM vectorizes), instead of one short dependent chain
+    per group; the branches of the generic kernel become selects."""
+    if n == 1:
+        for k in range(g_lo, g_hi):
+            out_b[k] = rs[k]
+            out_s[k] = 0.0
+        return
+    nf = np.float64(n)
+    others = nf - 1.0
+    dof = others - 1.0
+    pos_dof = 1.0 if dof > 0 else 0.0
+    inv_others = 1.0 / others
+    n_over_others = nf / others
+    inv_dof = 1.0 / max(dof, 1.0)
+    nm1 = nf - 1.0
+    BW = _GROUP_BLOCK
+    X = np.empty((n, BW))
+    Y = np.empty((n, BW))
+    total = np.empty(BW)
+    lo = np.empty(BW)
+    hi = np.empty(BW)
+    mean = np.empty(BW)
+    m2g = np.empty(BW)
+    top = np.empty(BW)
+    n_top = np.empty(BW)
+    n_lo = np.empty(BW)
+    n_hi = np.empty(BW)
+    acc = np.empty(BW)
+    m2x = np.empty(BW)
+    for g0 in range(g_lo, g_hi, BW):
+        bw = min(BW, g_hi - g0)
+        base = g0 * n
+        for j in range(bw):
+            total[j] = 0.0
+            lo[j] = np.inf
+            hi[j] = -np.inf
+        for j in range(bw):  # transpose the block: contiguous reads here, contiguous rows of X below
+            for k in range(n):
+                X[k, j] = rs[base + j * n + k]
+        for k in range(n):
+            for j in range(bw):
+                x = X[k, j]
+                total[j] += x
+                lo[j] = min(lo[j], x)
+                hi[j] = max(hi[j], x)
+        for j in range(bw):
+            mean[j] = lo[j] if lo[j] == hi[j] else total[j] / nf
+            m2g[j] = 0.0
+            top[j] = -1.0
+            n_top[j] = 0.0
+            n_lo[j] = 0.0
+            n_hi[j] = 0.0
+            acc[j] = 0.0
+            m2x[j] = 0.0
+        for k in range(n):
+            for j in range(bw):
+                c = X[k, j] - mean[j]
+                m2g[j] += c * c
+                top[j] = max(top[j], abs(c))
+        if not leave_one_out:
+            for j in range(bw):
+                tied = lo[j] == hi[j]
+                sd = 0.0 if tied else math.sqrt(m2g[j] / nm1)
+                for k in range(n):
+                    out_b[base + j * n + k] = mean[j]
+                    out_s[base + j * n + k] = sd
+            continue
+        for k in range(n):
+            for j in range(bw):
+                x = X[k, j]
+                dev = abs(x - mean[j])
+                n_top[j] += 1.0 if dev == top[j] else 0.0
+                n_lo[j] += 1.0 if x == lo[j] else 0.0
+                n_hi[j] += 1.0 if x == hi[j] else 0.0
+                acc[j] += 0.0 if dev == top[j] else x
+        for j in range(bw):
+            if lo[j] == hi[j]:
+                m2g[j] = 0.0
+            acc[j] = acc[j] / others  # the others' mean of the lone dominant member
+        for k in range(n):
+            for j in range(bw):
+                x = X[k, j]
+                d = x - acc[j]
+                m2x[j] += 0.0 if abs(x - mean[j]) == top[j] else d * d
+        for k in range(n):  # per member, branch-free over the block; results in X (b) and Y (sd)
+            for j in range(bw):
+                x = X[k, j]
+                c = x - mean[j]
+                lone = (n_top[j] == 1.0) & (abs(c) == top[j])
+                b = acc[j] if lone else mean[j] - c * inv_others
+                m2 = m2x[j] if lone else max(m2g[j] - c * c * n_over_others, 0.0)
+                others_tied = (lo[j] == hi[j]) | ((x == hi[j]) & (n_lo[j] == others)) | (
+                    (x == lo[j]) & (n_hi[j] == others))
+                sd = math.sqrt(m2 * inv_dof) * pos_dof
+                X[k, j] = (lo[j] if x == hi[j] else hi[j]) if others_tied else b
+                Y[k, j] = 0.0 if others_tied else sd
+        for j in range(bw):
+            for k in range(n):
+                out_b[base + j * n + k] = X[k, j]
+                out_s[base + j * n + k] = Y[k, j]
+
+
+def _group_stats_run(start, rs, leave_one_out, out_b, out_s) -> None:
+    """The group statistics of a layout: the uniform-size kernel when every group has the same (small)
+    size, else the generic one. Split over the cores from 2^17 rewards on (``parallel_rows``'s threshold
+    counts rewards here: below it a hand-off costs about what it saves, and far more when another
+    process holds the other core)."""
+    G = start.shape[0] - 1
+    B = rs.shape[0]
+    n = _uniform_size(start) if G > 1 else 0
+    if 0 < n <= _UNIFORM_MAX:
+        jit.parallel_rows(_group_stats_uniform, G, n, n, rs, bool(leave_one_out), out_b, out_s)
+    else:  # T = the mean group size for the parallel threshold
+        jit.parallel_rows(_group_stats_chunk, G, max(1, B // max(G, 1)) * 8, start, rs, bool(leave_one_out),
+                          out_b, out_s)
+
+
+@jit.njit
+def _weighted_relative_uniform(g_lo, g_hi, n, rs2, weights, leave_one_out, normalize, epsilon, tmp_b, tmp_s,
+                               total):  # pragma: no cover - compiled; tested through gdpo
+    """:func:`_weighted_relative_chunk` for groups that all have ``n`` members (:func:`_group_stats_uniform`)."""
+    lo = g_lo * n
+    hi = g_hi * n
+    for c in range(rs2.shape[0]):
+        _group_stats_uniform(g_lo, g_hi, n, rs2[c], leave_one_out, tmp_b, tmp_s)
+        w = weights[c]
+        for k in range(lo, hi):
+            a = rs2[c, k] - tmp_b[k]
+            if normalize and tmp_s[k] > 0:
+                a = a / (tmp_s[k] + epsilon)
+            total[k] = w * a if c == 0 else total[k] + w * a
+
+
+@jit.njit
+def _in_order_size(group):  # pragma: no cover - compiled
+    """n when ``group`` is 0 (n times), 1 (n times), ... G - 1 (n times), else 0."""
+    B = group.shape[0]
+    n = 0
+    while n < B and group[n] == 0:
+        n += 1
+    if n == 0 or B % n != 0:
+        return 0
+    g = 0
+    c = 0
+    for i in range(B):
+        if group[i] != g:
+            return 0
+        c += 1
+        if c == n:
+            c = 0
+            g += 1
+    return n
+
+
+@jit.njit
+def _relative_rows_uniform(g_lo, g_hi, n, r, leave_one_out, normalize, epsilon, out):  # pragma: no cover - compiled
+    """Groups ``g_lo..g_hi-1`` (all of ``n`` members, in order) straight to the ``[B, T]`` output: the
+    statistics of :func:`_group_stats_uniform` and the advantage of :func:`_relative` on an L2-sized
+    float64 copy of a slice of the rewards, each row written once (the value cast to ``out``'s dtype as
+    ``astype`` does). Bit for bit :func:`group_relative` + :func:`broadcast_rows`, without their three
+    ``[B]`` float64 temporaries (at small T those cost more than the output)."""
+    T = out.shape[1]
+    step = 1024  # groups per slice
+    m_max = min(step, g_hi - g_lo) * n
+    loc = np.empty(m_max)
+    ob = np.empty(m_max)
+    os_ = np.empty(m_max)
+    for g0 in range(g_lo, g_hi, step):
+        bw = min(step, g_hi - g0)
+        base = g0 * n
+        m = bw * n
+        for i in range(m):
+            loc[i] = r[base + i]
+        _group_stats_uniform(0, bw, n, loc, leave_one_out, ob, os_)
+        for i in range(m):
+            a = loc[i] - ob[i]
+            if normalize and os_[i] > 0:
+                a = a / (os_[i] + epsilon)
+            for t in range(T):
+                out[base + i, t] = a
+
+
+def group_relative_rows(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bool, normalize: bool,
+                        epsilon: float, T: int, dtype: torch.dtype, batch=None) -> torch.Tensor | None:
+    """:func:`group_relative` broadcast to the ``[B, T]`` result (:func:`broadcast_rows`) in one compiled
+    pass, for the layout trainers send: CPU with numba, ``[B]`` rewards, each prompt's samples back to
+    back, every group of the same size (<= 64). None where that does not apply (the caller then takes
+    the general path). The output comes from ``batch.output`` when a batch is given."""
+    if not (jit.applies(group, rewards) and group.numel() > 1 and rewards.dim() == 1 and rewards.dtype in
+            (torch.float32, torch.float64) and dtype in (torch.float32, torch.float64)):
+        return None
+    n = _in_order_size(np.ascontiguousarray(jit.numpy_as(group, torch.int64)))
+    if not 0 < n <= _UNIFORM_MAX:
+        return None
+    B = group.shape[0]
+    G = B // n
+    out = batch.output("advantages", dtype) if batch is not None else torch.empty((B, T), dtype=dtype)
+    jit.parallel_rows(_relative_rows_uniform, G, n * T, n, jit.as_numpy(rewards), bool(leave_one_out),
+                      bool(normalize), float(epsilon), out.numpy())
+    return out
+
+
 @jit.njit
 def _weighted_relative_chunk(g_lo, g_hi, start, rs2, weights, leave_one_out, normalize, epsilon, tmp_b, tmp_s,
                              total):  # pragma: no cover - compiled; tested through gdpo
@@ -382,15 +609,24 @@ def weighted_group_relative(group: torch.Tensor, components: list[torch.Tensor],
     apply (the caller then sums :func:`group_relative` itself)."""
     if not (jit.applies(group, *components) and group.numel() > 0 and components):
         return None
-    rows = [np.ascontiguousarray(jit.numpy_as(c, torch.float64)) for c in components]
-    start, order, rs = _group_layout(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), rows[0])
+    B = group.shape[0]
+    rs2 = np.empty((len(components), B))  # the components as float64 rows, cast straight into place
+    for c, comp in enumerate(components):
+        rs2[c] = comp.detach().numpy()
+    start, order, _ = _group_layout(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), rs2[0])
     in_order = order.shape[0] == 0
-    rs2 = np.stack([rs] + [r if in_order else r[order] for r in rows[1:]])
-    B, G = rs.shape[0], start.shape[0] - 1
+    if not in_order:
+        rs2 = rs2[:, order]
+    G = start.shape[0] - 1
     tmp_b, tmp_s, total = np.empty(B), np.empty(B), np.empty(B)
-    jit.parallel_rows(_weighted_relative_chunk, G, max(1, B // max(G, 1)) * 8 * len(rows), start, rs2,
-                      np.asarray(weights, dtype=np.float64), bool(leave_one_out), bool(normalize), float(epsilon),
-                      tmp_b, tmp_s, total)
+    w = np.asarray(weights, dtype=np.float64)
+    n = _uniform_size(start) if G > 1 else 0
+    if 0 < n <= _UNIFORM_MAX:
+        jit.parallel_rows(_weighted_relative_uniform, G, n * len(components), n, rs2, w, bool(leave_one_out),
+                          bool(normalize), float(epsilon), tmp_b, tmp_s, total)
+    else:
+        jit.parallel_rows(_weighted_relative_chunk, G, max(1, B // max(G, 1)) * 8 * len(components), start, rs2,
+                          w, bool(leave_one_out), bool(normalize), float(epsilon), tmp_b, tmp_s, total)
     if in_order:
         return torch.from_numpy(total)
     out = np.empty(B)
@@ -438,10 +674,7 @@ def _group_stats_numpy(group: torch.Tensor, rewards: torch.Tensor, leave_one_out
     start, order, rs = _group_layout(np.ascontiguousarray(jit.numpy_as(group, torch.int64)), r)
     in_order = order.shape[0] == 0
     out_b, out_s = (baseline, std) if in_order else (np.empty_like(r), np.empty_like(r))
-    G = start.shape[0] - 1
-    # groups split over the cores (GIL released); T = the mean group size for the parallel threshold
-    jit.parallel_rows(_group_stats_chunk, G, max(1, r.shape[0] // max(G, 1)) * 8, start, rs, bool(leave_one_out),
-                      out_b, out_s)
+    _group_stats_run(start, rs, leave_one_out, out_b, out_s)  # groups split over the cores, GIL released
     if not in_order:
         _scatter_back(order, out_b, out_s, baseline, std)
     return r, baseline, std
@@ -606,14 +839,19 @@ def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch) -> tu
 
 
 # --------------------------------------------------------------------------- per-row outputs
-def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype) -> torch.Tensor:
+def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype, batch: Any = None) -> torch.Tensor:
     """A per-sample ``[B]`` advantage as the ``[B, T]`` result in ``dtype``, the same value in every column.
 
     On the CPU with numba the ``[B, T]`` tensor is written here, densely and in parallel (the response
-    needs those bytes anyway); elsewhere it is an ``expand`` view of the ``[B]`` values.
+    needs those bytes anyway), into ``batch.output("advantages", dtype)`` when a ``Batch`` is given (the
+    caller's memory, when it offers some); elsewhere it is an ``expand`` view of the ``[B]`` values.
     """
     if jit.applies(adv):
-        return jit.broadcast_rows(jit.numpy_as(adv, dtype), T, dtype)
+        if batch is None:
+            return jit.broadcast_rows(jit.numpy_as(adv, dtype), T, dtype)
+        out = batch.output("advantages", dtype)
+        jit.parallel_rows(jit._fill_rows, B, T, np.ascontiguousarray(jit.numpy_as(adv, dtype)), out.numpy())
+        return out
     return adv.to(dtype)[:, None].expand(B, T)
 
 
@@ -623,9 +861,26 @@ def whiten_rows_clamped(a: np.ndarray, mask: torch.Tensor) -> np.ndarray:
     CPU (numba) path: the masked moments of a row-constant matrix need only the valid count of each
     row, so the ``[B, T]`` float64 temporaries of the general function are never built. ``a`` float64.
     """
-    counts = jit.row_counts(mask)
-    n = counts.sum()
+    out = np.empty_like(a)
+    _whiten_const_rows(a, jit.row_counts(mask), out)
+    return out
+
+
+@jit.njit(reassoc=True)
+def _whiten_const_rows(a, counts, out):  # pragma: no cover - compiled; tested through reinforce_plus_plus
+    """out = (a - mean) / sqrt(max(var, 1e-8)), mean and biased var of a weighted by counts (float64,
+    two passes): compiled, because at small T numpy's temporaries cost more than the rest of the call."""
+    n = 0.0
+    total = 0.0
+    for b in range(a.shape[0]):
+        n += counts[b]
+        total += a[b] * counts[b]
     denom = max(n, 1.0)
-    mean = float((a * counts).sum()) / denom
-    var = float((counts * (a - mean) ** 2).sum()) / denom
-    return (a - mean) * (1.0 / math.sqrt(max(var, 1e-8)))
+    mean = total / denom
+    m2 = 0.0
+    for b in range(a.shape[0]):
+        d = a[b] - mean
+        m2 += counts[b] * d * d
+    scale = 1.0 / math.sqrt(max(m2 / denom, 1e-8))
+    for b in range(a.shape[0]):
+        out[b] = (a[b] - mean) * scale

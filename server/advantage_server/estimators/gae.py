@@ -168,15 +168,17 @@ def gae_loop(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 # --------------------------------------------------------------------------- CPU kernel (numba)
 @jit.njit(contract=True)
 def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_v, adv, ret,
-              stats):  # pragma: no cover - compiled; tested through gae_kernel_numba and gae
+              stats, fin):  # pragma: no cover - compiled; tested through gae_kernel_numba and gae
     """Rows ``lo..hi-1`` of GAE in one backward pass each (float64 accumulation).
 
     rewards2 [B, T] per-step rewards, or None and rewards1 [B] terminal rewards (added at the row's
     last valid step); boot [B]; lam_p [B]; lam_v [B], or None when it equals lam_p. Writes adv
     (lambda_p) and, unless ret is None, ret = A(lambda_v) + values. Unless stats is None, stats[b] =
     (valid count, sum of adv over valid steps, centred sum of squares about the row mean, first
-    valid t, last valid t), over the stored (rounded) advantages. The ``is None`` tests are resolved
-    at compile time: each combination is its own specialised loop.
+    valid t, last valid t), over the stored (rounded) advantages. Unless fin is None, fin[b] =
+    (every stored advantage of row b finite, every stored return finite): the core's overflow check,
+    done here while the row is still in cache (:func:`_row_finite`). The
+    ``is None`` tests are resolved at compile time: each combination is its own specialised loop.
     """
     T = values.shape[1]
     for b in range(lo, hi):
@@ -212,8 +214,22 @@ def _gae_rows(lo, hi, rewards2, rewards1, values, mask, boot, gamma, lam_p, lam_
                     ret[b, t] += values[b, t]
                 else:
                     ret[b, t] = adv[b, t] + values[b, t]
+        if fin is not None:  # separate passes over the cached row: the recurrence above stays lean
+            fin[b, 0] = _row_finite(adv[b])
+            fin[b, 1] = True if ret is None else _row_finite(ret[b])
         if stats is not None:
             _row_moments(adv[b], mask[b], stats[b])
+
+
+@jit.njit
+def _row_finite(a):  # pragma: no cover - compiled
+    """Every value of the row ``a`` is finite: ``x - x`` is 0 except for NaN and infinity (an OR
+    reduction, so it runs on SIMD lanes without fast-math)."""
+    bad = False
+    for t in range(a.shape[0]):
+        x = a[t]
+        bad = bad | ((x - x) != 0)
+    return not bad
 
 
 @jit.njit(reassoc=True)
@@ -249,9 +265,10 @@ def _row_moments(a, m, out):  # pragma: no cover - compiled
 
 
 @jit.njit
-def _whiten_rows(lo, hi, adv, mask, stats, mean, scale, zero_masked):  # pragma: no cover - compiled
+def _whiten_rows(lo, hi, adv, mask, stats, mean, scale, zero_masked, fin):  # pragma: no cover - compiled
     """Rows ``lo..hi-1``: adv = (adv - mean) * scale, then 0 where mask = 0 when zero_masked. A row
-    whose valid steps form one block (stats: count = last - first + 1) skips reading the mask."""
+    whose valid steps form one block (stats: count = last - first + 1) skips reading the mask.
+    fin[b, 0] = every stored value of row b is finite (see :func:`_gae_rows`)."""
     T = adv.shape[1]
     for b in range(lo, hi):
         count = int(stats[b, 0])
@@ -261,6 +278,7 @@ def _whiten_rows(lo, hi, adv, mask, stats, mean, scale, zero_masked):  # pragma:
             if count == 0:
                 for t in range(T):
                     adv[b, t] = 0.0
+                fin[b, 0] = True
             elif count == last - first + 1:
                 for t in range(first):
                     adv[b, t] = 0.0
@@ -268,15 +286,18 @@ def _whiten_rows(lo, hi, adv, mask, stats, mean, scale, zero_masked):  # pragma:
                     adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
                 for t in range(last + 1, T):
                     adv[b, t] = 0.0
+                fin[b, 0] = _row_finite(adv[b, first:last + 1])  # while the row is in cache
             else:
                 for t in range(T):
                     if mask[b, t] != 0:
                         adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
                     else:
                         adv[b, t] = 0.0
+                fin[b, 0] = _row_finite(adv[b])
         else:
             for t in range(T):
                 adv[b, t] = (np.float64(adv[b, t]) - mean) * scale
+            fin[b, 0] = _row_finite(adv[b])
 
 
 def _row_lambdas(lam: float | torch.Tensor, B: int) -> np.ndarray:
@@ -287,8 +308,10 @@ def _row_lambdas(lam: float | torch.Tensor, B: int) -> np.ndarray:
 
 def _gae_numba(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
                lam_p: float | torch.Tensor, lam_v: float | torch.Tensor, bootstrap: torch.Tensor | None,
-               want_ret: bool, want_stats: bool):
-    """Run :func:`_gae_rows` on all rows. Returns (adv, ret or None, stats or None, mask as numpy)."""
+               want_ret: bool, want_stats: bool, batch: Batch | None = None, want_fin: bool = False):
+    """Run :func:`_gae_rows` on all rows. Returns (adv, ret or None, stats or None, mask as numpy, fin or
+    None: the per-row finiteness flags). With ``batch`` the outputs come from :meth:`Batch.output` (the
+    caller's memory when it offers some)."""
     B, T = values.shape
     v = jit.as_numpy(values)
     m = jit.as_numpy(mask)
@@ -301,12 +324,17 @@ def _gae_numba(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, 
     same = lam_v is lam_p or (not isinstance(lam_p, torch.Tensor) and not isinstance(lam_v, torch.Tensor)
                               and float(lam_p) == float(lam_v))
     lv = None if same or not want_ret else _row_lambdas(lam_v, B)
-    adv = torch.empty((B, T), dtype=values.dtype)
-    ret = torch.empty((B, T), dtype=values.dtype) if want_ret else None
+    if batch is not None:
+        adv = batch.output("advantages", values.dtype)
+        ret = batch.output("returns", values.dtype) if want_ret else None
+    else:
+        adv = torch.empty((B, T), dtype=values.dtype)
+        ret = torch.empty((B, T), dtype=values.dtype) if want_ret else None
     stats = np.zeros((B, 5), dtype=np.float64) if want_stats else None
+    fin = np.zeros((B, 2), dtype=np.bool_) if want_fin else None
     jit.parallel_rows(_gae_rows, B, T, r2, r1, v, m, boot, float(gamma), lp, lv, adv.numpy(),
-                      None if ret is None else ret.numpy(), stats)
-    return adv, ret, stats, m
+                      None if ret is None else ret.numpy(), stats, fin)
+    return adv, ret, stats, m, fin
 
 
 def gae_kernel_numba(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -317,14 +345,15 @@ def gae_kernel_numba(token_rewards: torch.Tensor, values: torch.Tensor, mask: to
 
 
 def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               bootstrap: torch.Tensor | None, lam_value: float, lam_policy: float | torch.Tensor) -> AdvantageResult:
+               bootstrap: torch.Tensor | None, lam_value: float, lam_policy: float | torch.Tensor,
+               batch: Batch | None = None) -> AdvantageResult:
     """The whole GAE estimator on the CPU in two passes over memory (numba): pass 1 computes both
     lambdas' advantages, the returns and per-row moments; pass 2 whitens in place and zeroes masked
     positions. Same results as the torch path of :func:`gae` (float tolerance)."""
     zero_masked = cfg.semantics != "verl"
     whiten = bool(cfg.normalize_advantages)
-    adv, ret, stats, m = _gae_numba(rewards, values, mask, cfg.gae_gamma, lam_policy, lam_value, bootstrap,
-                                    True, whiten or zero_masked)
+    adv, ret, stats, m, fin = _gae_numba(rewards, values, mask, cfg.gae_gamma, lam_policy, lam_value, bootstrap,
+                                         True, whiten or zero_masked, batch, want_fin=True)
     if whiten:
         # Chan et al.'s pairwise combination of the per-row (count, sum, centred M2), in float64
         count, total, m2 = stats[:, 0], stats[:, 1], stats[:, 2]
@@ -341,10 +370,11 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
         var = torch.where(nt > 1, var * nt / (nt - 1).clamp(min=1), var)
         scale = torch.rsqrt(var + 1e-8)
         jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, float(mean),
-                          float(scale), zero_masked)
+                          float(scale), zero_masked, fin)
     elif zero_masked:  # (a - 0) * 1 = a: only the zeroing
-        jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, 0.0, 1.0, True)
-    return AdvantageResult(adv, returns=ret)
+        jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, 0.0, 1.0, True, fin)
+    # fin: both outputs checked for overflow on the way (the core then skips its own pass over them)
+    return AdvantageResult(adv, returns=ret, finite=bool(fin.all()))
 
 
 def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -405,7 +435,7 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     else:
         lam_policy = cfg.gae_lambda if cfg.gae_lambda_policy is None else cfg.gae_lambda_policy
     if fused:
-        return _gae_fused(cfg, rewards, values, mask, bootstrap, lam_value, lam_policy)
+        return _gae_fused(cfg, rewards, values, mask, bootstrap, lam_value, lam_policy, batch)
     adv_value = gae_kernel(rewards, values, mask, cfg.gae_gamma, lam_value, bootstrap)
     if isinstance(lam_policy, float) and lam_policy == lam_value:
         advantages = adv_value

@@ -82,11 +82,11 @@ def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
     if fused is not None:  # CPU (numba): the weighted sum in one pass over the groups, standardised in place
         t = fused.numpy()
         _standardize(t)
-        return AdvantageResult(broadcast_rows(fused, batch.B, batch.T, dtype))
+        return AdvantageResult(broadcast_rows(fused, batch.B, batch.T, dtype, batch))
     parts = [group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
              for k in names]
     total = sum(w * p for w, p in zip(weights, parts))
     centred = total - total.mean()
     std = total.std() if total.numel() > 1 else torch.zeros((), dtype=total.dtype, device=total.device)
     adv = torch.where(std > 0, centred / std, centred)
-    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))
+    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype, batch))

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, broadcast_rows, group_baseline_and_std, group_relative, last_valid_index,
-    outcome_scores, verl_group_stats,
+    MASK, OUTCOME_REWARDS, PROMPT_IDS, broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows,
+    last_valid_index, outcome_scores, verl_group_stats,
 )
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
@@ -91,11 +91,17 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
     std_rewards = batch.get("std_rewards")
     dtype = rewards.dtype
+    if cfg.semantics == "nemo_rl" and std_rewards is None and rewards.dim() == 1:
+        # CPU (numba), prompts' samples back to back in equal groups: statistics and the [B, T] rows in one pass
+        out = group_relative_rows(group, rewards, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
+                                  cfg.epsilon, batch.T, dtype, batch)
+        if out is not None:
+            return AdvantageResult(out)
     scores = outcome_scores(rewards)
     if cfg.semantics == "nemo_rl":
         adv = group_relative(group, scores, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
                              cfg.epsilon, std_rewards)
-        return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))
+        return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype, batch))
     if cfg.semantics == "verl":
         mean, std = verl_group_stats(group, scores)
         if std_rewards is not None:
@@ -120,4 +126,4 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         std = std.expand_as(adv)
     if cfg.normalize_rewards and cfg.scale_rewards != "none":
         adv = adv / (std + cfg.epsilon)
-    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype))
+    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype, batch))

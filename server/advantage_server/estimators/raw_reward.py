@@ -38,7 +38,7 @@ def raw_reward(cfg: RawRewardConfig, batch: Batch) -> AdvantageResult:
             mean = (a * counts).sum() / denom
             var = dt((counts * (a - mean) ** 2).sum() / denom)
             a = (jit.numpy_as(rewards, rewards.dtype) - dt(mean)) * (dt(1.0) / np.sqrt(max(var, dt(1e-8))))
-        return AdvantageResult(broadcast_rows(torch.from_numpy(np.asarray(a)), batch.B, batch.T, rewards.dtype))
+        return AdvantageResult(broadcast_rows(torch.from_numpy(np.asarray(a)), batch.B, batch.T, rewards.dtype, batch))
     adv = batch["rewards"][:, None].expand(batch.B, batch.T)
     if cfg.normalize_advantages:
         mean, var = masked_moments(adv, batch["mask"], count_floor=1.0)

@@ -34,11 +34,14 @@ class AdvantageResult:
     returns:    ``[B, T]`` tensor where the estimator computes returns (see ``EstimatorSpec.returns_for``),
                 else ``None``.
     metrics:    scalar diagnostics (OPD reports three), else empty.
+    finite:     the estimator has checked every value of ``advantages`` and ``returns`` is finite (a
+                kernel that does it on the way); the core then skips its own overflow check.
     """
 
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    finite: bool = False
 
 
 #: the ``Semantics`` enum's short names: which public reference an estimator setting reproduces
@@ -150,6 +153,11 @@ class InputSpec:
         return self.required or (self.required_when is not None and self.required_when[0](cfg))
 
 
+#: ``provider(name, shape, dtype, device)`` -> a writable contiguous tensor of that shape, dtype and device
+#: to write the result ``name`` into, or None (then the estimator allocates its own)
+OutputProvider = Callable[[str, tuple, torch.dtype, torch.device], "torch.Tensor | None"]
+
+
 class Batch:
     """Validated input tensors on the compute device, by name. Records which names were read.
 
@@ -157,11 +165,35 @@ class Batch:
     ``prompt_ids`` has been reduced to ``[B]`` int64 group ids ``0..G-1``.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], output_provider: OutputProvider | None = None):
         self._tensors = dict(tensors)
         self.read: set[str] = set()
         mask = self._tensors["mask"]
         self.B, self.T = mask.shape
+        #: where :meth:`output` takes result memory from first (None: ``torch.empty``); settable
+        self.output_provider = output_provider
+        #: outputs handed out by the caller's provider, by name (see :meth:`output`)
+        self.provided: dict[str, torch.Tensor] = {}
+
+    def output(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised ``[B, T]`` tensor of ``dtype`` on the mask's device for the result ``name``
+        (``"advantages"`` or ``"returns"``), for an estimator that writes its result densely.
+
+        When the caller passed an output provider (the shared-memory transport: the response room of
+        the client's region) and it has room for it, the tensor is the caller's memory and the result
+        needs no copy afterwards; otherwise it is a fresh ``torch.empty``. Ask once per name.
+        """
+        mask = self._tensors["mask"]  # not self.B/T: asking for memory is not reading an input
+        shape, device = tuple(mask.shape), mask.device
+        if self.output_provider is not None and name not in self.provided:
+            t = self.output_provider(name, shape, dtype, device)
+            if t is not None:
+                if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+                    raise RuntimeError(f"output provider returned {tuple(t.shape)} {t.dtype} on {t.device} "
+                                       f"for {name}, wanted contiguous {shape} {dtype} on {device}")
+                self.provided[name] = t
+                return t
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         self.read.add(name)

@@ -127,7 +127,7 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
         if not kl_active and jit.applies(a, mask):
             # CPU: A is constant along each row, so its masked whitening needs only per-row valid counts
             w = whiten_rows_clamped(jit.numpy_as(a, dtype).astype(np.float64), mask)
-            return AdvantageResult(broadcast_rows(torch.from_numpy(w), batch.B, batch.T, dtype))
+            return AdvantageResult(broadcast_rows(torch.from_numpy(w), batch.B, batch.T, dtype, batch))
         a = a.to(dtype)
         adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
         return AdvantageResult(whiten_clamped(adv, mask))

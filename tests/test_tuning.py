@@ -1,0 +1,49 @@
+"""The server process's memory defaults (advantage_server.tuning): applied on import, overridable."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = ("import json, os, advantage_server; from advantage_server import tuning; "
+         "print(json.dumps({'thp': os.environ.get('THP_MEM_ALLOC_ENABLE'), 'applied': tuning.APPLIED, "
+         "'describe': tuning.describe()}))")
+
+
+def glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def probe(**env: str) -> dict:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("THP_MEM_ALLOC_ENABLE", "ADVANTAGE_MEMORY_DEFAULTS", "MALLOC_TRIM_THRESHOLD_",
+                         "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    proc = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_defaults_applied_on_import():
+    got = probe()
+    assert got["thp"] == "1"
+    assert got["applied"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    if glibc():
+        assert got["applied"]["malloc mmap_threshold"] == str(32 << 20)
+        assert got["applied"]["malloc trim_threshold"] == str(256 << 20)
+
+
+def test_switched_off():
+    got = probe(ADVANTAGE_MEMORY_DEFAULTS="0")
+    assert got["thp"] is None and got["applied"] == {}
+    assert got["describe"].startswith("ADVANTAGE_MEMORY_DEFAULTS=0")
+
+
+def test_explicit_settings_win():
+    got = probe(THP_MEM_ALLOC_ENABLE="0", MALLOC_TRIM_THRESHOLD_="1048576")
+    assert got["thp"] == "0"
+    assert "THP_MEM_ALLOC_ENABLE" not in got["applied"] and "malloc trim_threshold" not in got["applied"]
+    assert "trim_threshold=1048576" in got["describe"]
