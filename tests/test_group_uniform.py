@@ -142,3 +142,33 @@ def test_group_relative_rows_equals_general_path(leave_one_out, normalize, dtype
     # layouts it leaves to the general path
     assert common.group_relative_rows(group.flip(0), r, leave_one_out, normalize, 1e-6, T, dtype) is None
     assert common.group_relative_rows(torch.arange(G * n) // 100, r, leave_one_out, normalize, 1e-6, T, dtype) is None
+
+
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["in_order", "shuffled", "ragged"])
+def test_gdpo_fused_rows_equal_the_unfused_path(monkeypatch, T, dtype, layout):
+    """GDPO's fused CPU paths (straight from the components; standardised straight into the rows) write
+    exactly what the weighted sum + ``_standardize`` + ``broadcast_rows`` wrote before."""
+    from advantage_server.estimators import gdpo as gdpo_mod
+    from advantage_server.estimators.registry import Batch
+    rng = np.random.default_rng(13)
+    G, n = 700, 4
+    group = torch.arange(G * n) // n
+    if layout == "shuffled":
+        group = group[torch.from_numpy(rng.permutation(G * n))]
+    elif layout == "ragged":
+        group = torch.from_numpy(np.sort(rng.integers(0, G, G * n)))
+    comps = {"reward/a": torch.from_numpy(rewards("binary", G, n, rng)).to(dtype),
+             "reward/b": torch.from_numpy(rewards("normal", G, n, rng)).to(dtype)}
+    batch = Batch({"prompt_ids": group, "mask": torch.ones(G * n, T, dtype=dtype), **comps})
+    cfg = gdpo_mod.GDPOConfig().resolved() if hasattr(gdpo_mod.GDPOConfig(), "resolved") else gdpo_mod.GDPOConfig()
+    got = gdpo_mod.gdpo(cfg, batch).advantages
+    total = common.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
+    monkeypatch.setattr(common, "_UNIFORM_MAX", 0)
+    slow = common.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
+    torch.testing.assert_close(total, slow, rtol=0, atol=0)
+    t = slow.numpy().copy()
+    gdpo_mod._standardize(t)
+    want = common.broadcast_rows(torch.from_numpy(t), G * n, T, dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

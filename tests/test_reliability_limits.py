@@ -152,7 +152,8 @@ def test_max_batch_elements(make_server):
 def test_max_message_size(make_server):
     srv = make_server(max_message_mb=1)
     n = 2 * 1024 * 1024 // 4
-    with AdvantageClient(srv.address, timeout=10) as client:
+    # the message limit is the unary transport's (auto would send 2 MiB through shared memory on this host)
+    with AdvantageClient(srv.address, timeout=10, transport="unary") as client:
         with pytest.raises(AdvantageServiceError) as exc:
             client.compute("raw_reward", None, rewards=np.ones(n // 64, np.float32), mask=np.ones((n // 64, 64), np.float32))
         assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

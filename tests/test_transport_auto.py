@@ -198,3 +198,28 @@ def test_several_replicas_never_use_shared_memory(make_server):
     with AdvantageClient([a.address, b.address], timeout=30.0) as c:
         c.compute("gae", None, **_batch(2, 4))
         assert c.last_transport == "unary" and c._shm_works is False
+
+
+def test_auto_region_fits_results_larger_than_the_inputs(make_server):
+    """A bool mask's float64 result is 8x its bytes: the region is sized from the outputs, not the inputs."""
+    srv = make_server()
+    B, T = 256, 4096
+    g = torch.Generator().manual_seed(3)
+    tensors = dict(prompt_ids=torch.arange(B) // 4, rewards=torch.randn(B, generator=g),
+                   mask=torch.rand(B, T, generator=g) > 0.2)
+    with AdvantageClient(srv.address, timeout=60.0) as c:
+        ref = c.compute("grpo", None, transport="stream", output_dtype="float64", **tensors)
+        got = c.compute("grpo", None, output_dtype="float64", **tensors)
+        assert c.last_transport == "shm" and torch.equal(got.advantages, ref.advantages)
+        got = c.compute("grpo", None, transport="shm", **tensors)  # explicit shm sizes its region the same way
+        assert torch.equal(got.advantages, ref.advantages.float())
+
+
+def test_auto_result_that_does_not_fit_is_sent_again(make_server, monkeypatch):
+    srv = make_server()
+    tensors = _batch(8, 4096)
+    with AdvantageClient(srv.address, timeout=30.0) as c:
+        ref = c.compute("gae", None, transport="unary", **tensors)
+        monkeypatch.setattr(AdvantageClient, "_shm_need", staticmethod(lambda kwargs: 300 << 10))  # inputs fit, results not
+        got = c.compute("gae", None, **tensors)
+        assert c.last_transport == "unary" and torch.equal(got.advantages, ref.advantages)

@@ -249,9 +249,15 @@ class AdvantageClient:
 
     @staticmethod
     def _shm_need(kwargs: dict[str, Any]) -> int:
+        """Region bytes for the inputs and the results: advantages and returns are at most as many elements
+        as the largest input (``[B, T]`` or packed ``[N]``), float32 unless a wider ``output_dtype`` is asked
+        for (a bool mask's result is 4x its bytes)."""
         tensors = [v for k, v in kwargs.items() if k not in ("output_dtype", "as_numpy", "cu_seqlens") and v is not None]
-        need = sum(streaming.payload_estimate({"x": v}) + 64 for v in tensors)
-        return 3 * need + (1 << 20)  # inputs + up to two float64 results
+        inputs = sum(streaming.payload_estimate({"x": v}) + 64 for v in tensors)
+        out_dtype = kwargs.get("output_dtype")
+        itemsize = 8 if out_dtype is not None and wire.dtype_code(out_dtype) == pb.DTYPE_FLOAT64 else 4
+        elems = max((streaming.numel_estimate(v) for v in tensors), default=0)
+        return inputs + 2 * (elems * itemsize + 64) + (1 << 20)
 
     def _region_for(self, need: int) -> Any:
         if self._shm is None or self._shm.size < need:
@@ -293,7 +299,12 @@ class AdvantageClient:
                 region, self._shm = self._shm, None
                 region.close()
                 return None
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT and any(
+                    f.startswith("output_") for f, _ in err.field_violations):
+                return None  # the result did not fit the region (a larger output than estimated): not via shm
             raise
+        except MemoryError:  # the inputs did not fit the region
+            return None
         self._shm_works = True
         return result
 

@@ -29,16 +29,26 @@ from advantage_client import codec, wire
 COMPUTE = "/advantage.v1.AdvantageService/ComputeAdvantage"
 COMPUTE_STREAM = "/advantage.v1.AdvantageService/ComputeAdvantageStream"
 TRANSPORTS = ("auto", "unary", "stream", "shm")
-DEFAULT_STREAM_THRESHOLD_MB = 8
+DEFAULT_STREAM_THRESHOLD_MB = 16
 DEFAULT_CHUNK_MB = 4
 #: how much of a streamed request gRPC keeps for a retry (see ``AdvantageClient``)
 STREAM_RETRY_BUFFER_MB = 8
-#: transport="auto" thresholds, from advantage-bench runs on 2 cores (GAE, T = 1024): unary and stream cross
-#: at about 8 MiB (unary 33 ms vs stream 31 ms; at 32 MiB 310 vs 139 ms); shared memory beats unary from about
-#: 128 KiB (at 64 KiB 1.7 vs 1.7 ms, at 2 MiB 4 vs 12 ms). Above shm_max_mb the region would pin 3x the
-#: request in /dev/shm for the client's lifetime: such requests stream.
+#: transport="auto" thresholds, from runs on 2 cores (GAE, T = 1024; BENCHMARKS.md): unary and stream tie from
+#: 8 to 24 MiB (unary 21-35 ms vs stream 22-31 ms at 8 MiB, 42-66 vs 39-66 ms at 16 MiB) and unary falls off a
+#: cliff by 32 MiB (175-415 ms vs 80-156 ms): the stream from 16 MiB. Shared memory beats unary from about
+#: 128 KiB (at 64 KiB 1.7 vs 1.7 ms, at 2 MiB 4 vs 12 ms). Above shm_max_mb the region would pin the inputs
+#: and the outputs (2-3x the request) in /dev/shm for the client's lifetime: such requests stream.
 DEFAULT_SHM_MIN_MB = 0.125
 DEFAULT_SHM_MAX_MB = 1024
+
+
+def numel_estimate(value: Any) -> int:
+    """Elements of a tensor-like (without converting torch or numpy tensors)."""
+    if hasattr(value, "numel") and callable(value.numel):
+        return int(value.numel())
+    if hasattr(value, "size") and isinstance(getattr(value, "size"), int):
+        return int(value.size)
+    return int(np.asarray(value).size)
 
 
 def payload_estimate(tensors: dict[str, Any]) -> int:

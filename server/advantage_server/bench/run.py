@@ -8,6 +8,7 @@ ratios within one run). See BENCHMARKS.md for the command and results.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -269,20 +270,26 @@ def concurrency_section(report: Report, estimator: str, size: tuple[int, int, in
     per_thread = max(2, min(50, int(args.concurrency_seconds / max(t_one, 1e-4) / callers)))
 
     def throughput(n_threads: int) -> float:
+        # every caller keeps its last callers / n_threads results alive, as a server holds responses in
+        # flight: 1 caller and n callers then cycle through the same number of outputs (one output
+        # reused back to back stays in the CPU's last-level cache, which n concurrent outputs do not)
         total = per_thread * callers
+        keep = max(1, callers // n_threads)
         if n_threads == 1:
+            held: collections.deque = collections.deque(maxlen=keep)
             t0 = time.perf_counter()
             for _ in range(total):
-                call()
+                held.append(call())
             return total / (time.perf_counter() - t0)
         barrier = threading.Barrier(n_threads + 1)
         errors: list[BaseException] = []
 
         def worker():
+            held: collections.deque = collections.deque(maxlen=keep)
             barrier.wait()
             try:
                 for _ in range(total // n_threads):
-                    call()
+                    held.append(call())
             except BaseException as e:  # pragma: no cover - reported below
                 errors.append(e)
 
@@ -307,7 +314,7 @@ def concurrency_section(report: Report, estimator: str, size: tuple[int, int, in
             jit.set_row_parallel(old)
         how = "rows split over the cores" if split else "each call on one core"
         report.add(Row("concurrency", estimator, label, f"1 caller ({how})", 1e3 / one, 1.0,
-                       note=f"{one:.1f} calls/s"))
+                       note=f"{one:.1f} calls/s; keeps its last {callers} results alive (as many as {callers} callers)"))
         report.add(Row("concurrency", estimator, label, f"{callers} callers ({how})", 1e3 / many, many / one,
                        note=f"{many:.1f} calls/s; x ours = throughput / 1 caller's"))
 
@@ -352,6 +359,10 @@ class BenchServer:
             self.proc.kill()
 
 
+#: e2e rows above this many request bytes run twice (cold, with both processes' peaks; then timed)
+HUGE_BYTES = 1024 * MiB
+
+
 def available_bytes() -> int | None:
     """MemAvailable of the machine (None where /proc/meminfo has no such line)."""
     try:
@@ -374,7 +385,8 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
         return
     config, tensors = workloads.inputs("gae", B, T, G)
     session = transport.open(server.address)
-    splits: list[tuple[float, float, float]] = []  # streamed calls: (upload s, server compute s, download s)
+    # streamed calls: (upload s, server compute s, download s, request bytes, bytes after the first result chunk)
+    splits: list[tuple[float, float, float, int, int]] = []
 
     def call():
         out = transport.compute(session, "gae", config, tensors)
@@ -387,7 +399,7 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
     client_extra, huge = None, False
     try:
         big = workloads.payload_bytes(tensors) > 128 * MiB
-        huge = workloads.payload_bytes(tensors) > 1024 * MiB
+        huge = workloads.payload_bytes(tensors) > HUGE_BYTES
         if huge:  # two calls: the first (cold processes) with both processes' peak RSS, the second timed
             small_cfg, small = workloads.inputs("gae", 8, 64, 8)  # loads the kernels first
             transport.compute(session, "gae", small_cfg, small)
@@ -432,9 +444,10 @@ def e2e_section(report: Report, server: BenchServer, transport: transports.Trans
     if splits:  # per direction: upload = request bytes / (first result chunk - start - server compute);
         # download = bytes after the first result chunk / (last chunk - first chunk)
         up = statistics.median(r / u for u, _, _, r, _ in splits if u > 0) if any(u > 0 for u, *_ in splits) else 0
-        down = statistics.median(b / d for _, _, d, _, b in splits if d > 0) if any(s[2] > 0 for s in splits) else 0
+        downs = [b / d for _, _, d, _, b in splits if d > 0 and b > 0]
         comp = statistics.median(c for _, c, *_ in splits)
-        note += f"; stream split: up {up / MiB:.0f} MiB/s, server compute {comp * 1e3:.0f} ms, down {down / MiB:.0f} MiB/s"
+        note += (f"; stream split: up {up / MiB:.0f} MiB/s, server compute {comp * 1e3:.0f} ms, "
+                 + (f"down {statistics.median(downs) / MiB:.0f} MiB/s" if downs else "down: one chunk"))
     if ref is not None:
         note += f"; vs in-process ref loop: {t.ms / ref:.2f}x"
     report.add(Row("e2e", "gae", label, transport.name, t.ms, None if ours is None else t.ms / ours, None,

@@ -95,7 +95,7 @@ def _shm_inplace_close(client: Any) -> None:
 
 #: the transport rows, in table order
 TRANSPORTS: list[Transport] = [
-    Transport("grpc-unary", "AdvantageClient.compute, transport auto (shm on this host; else unary, stream >= 8 MiB)",
+    Transport("grpc-auto", "AdvantageClient.compute, transport auto (shm on this host; else unary, stream >= 16 MiB)",
               _unary_open, _unary_compute),
     Transport("grpc-pb-stub", "plain generated stub: protobuf messages built and parsed client-side",
               _stub_open, _stub_compute),

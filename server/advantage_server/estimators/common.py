@@ -585,6 +585,33 @@ def group_relative_rows(group: torch.Tensor, rewards: torch.Tensor, leave_one_ou
 
 
 @jit.njit
+def _weighted_relative_rows_uniform(g_lo, g_hi, n, comps, weights, leave_one_out, normalize, epsilon,
+                                    total):  # pragma: no cover - compiled; tested through gdpo
+    """:func:`_weighted_relative_uniform` read straight from the components (a tuple of ``[B]`` arrays,
+    groups of ``n`` back to back) on L2-sized float64 slices: bit for bit the same ``total``."""
+    step = 1024  # groups per slice
+    m_max = min(step, g_hi - g_lo) * n
+    loc = np.empty(m_max)
+    ob = np.empty(m_max)
+    os_ = np.empty(m_max)
+    for g0 in range(g_lo, g_hi, step):
+        bw = min(step, g_hi - g0)
+        base = g0 * n
+        m = bw * n
+        for c in range(len(comps)):
+            r = comps[c]
+            for i in range(m):
+                loc[i] = r[base + i]
+            _group_stats_uniform(0, bw, n, loc, leave_one_out, ob, os_)
+            w = weights[c]
+            for i in range(m):
+                a = loc[i] - ob[i]
+                if normalize and os_[i] > 0:
+                    a = a / (os_[i] + epsilon)
+                total[base + i] = w * a if c == 0 else total[base + i] + w * a
+
+
+@jit.njit
 def _weighted_relative_chunk(g_lo, g_hi, start, rs2, weights, leave_one_out, normalize, epsilon, tmp_b, tmp_s,
                              total):  # pragma: no cover - compiled; tested through gdpo
     """Groups ``g_lo..g_hi-1``: total = sum_c weights[c] * A_c with A_c the group-relative advantage of
@@ -610,6 +637,15 @@ def weighted_group_relative(group: torch.Tensor, components: list[torch.Tensor],
     if not (jit.applies(group, *components) and group.numel() > 0 and components):
         return None
     B = group.shape[0]
+    ids = np.ascontiguousarray(jit.numpy_as(group, torch.int64))
+    n = _in_order_size(ids) if B > 1 else 0
+    if 0 < n <= _UNIFORM_MAX and len({c.dtype for c in components}) == 1 and all(c.dim() == 1 for c in components):
+        # prompts back to back in equal groups: straight from the inputs, no [C, B] copy, no [B] temporaries
+        total = np.empty(B)
+        jit.parallel_rows(_weighted_relative_rows_uniform, B // n, n * len(components), n,
+                          tuple(jit.as_numpy(c) for c in components), np.asarray(weights, dtype=np.float64),
+                          bool(leave_one_out), bool(normalize), float(epsilon), total)
+        return torch.from_numpy(total)
     rs2 = np.empty((len(components), B))  # the components as float64 rows, cast straight into place
     for c, comp in enumerate(components):
         rs2[c] = comp.detach().numpy()

@@ -48,6 +48,31 @@ def _standardize(t):  # pragma: no cover - compiled; tested through gdpo
         t[i] = (t[i] - mean) / sd if sd > 0 else t[i] - mean
 
 
+@jit.njit
+def _moments(t):  # pragma: no cover - compiled; tested through gdpo
+    """(mean, unbiased std) of ``t`` exactly as :func:`_standardize` computes them (std 0 for n = 1)."""
+    n = t.shape[0]
+    total = 0.0
+    for i in range(n):
+        total += t[i]
+    mean = total / n
+    m2 = 0.0
+    for i in range(n):
+        d = t[i] - mean
+        m2 += d * d
+    return mean, (np.sqrt(m2 / (n - 1)) if n > 1 else 0.0)
+
+
+@jit.njit
+def _standardized_rows(lo, hi, t, mean, sd, out):  # pragma: no cover - compiled; tested through gdpo
+    """Rows ``lo..hi-1`` of the result: :func:`_standardize`'s value of t[b], cast to ``out``'s dtype, in
+    every column (what ``_standardize`` + ``broadcast_rows`` write, without the [B] cast temporary)."""
+    for b in range(lo, hi):
+        x = (t[b] - mean) / sd if sd > 0 else t[b] - mean
+        for j in range(out.shape[1]):
+            out[b, j] = x
+
+
 @register(
     "gdpo", config=GDPOConfig,
     inputs=[
@@ -81,6 +106,11 @@ def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
                                     cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
     if fused is not None:  # CPU (numba): the weighted sum in one pass over the groups, standardised in place
         t = fused.numpy()
+        if dtype in (torch.float32, torch.float64):  # standardised straight into the [B, T] rows
+            mean, sd = _moments(t)
+            out = batch.output("advantages", dtype)
+            jit.parallel_rows(_standardized_rows, batch.B, batch.T, t, mean, sd, out.numpy())
+            return AdvantageResult(out)
         _standardize(t)
         return AdvantageResult(broadcast_rows(fused, batch.B, batch.T, dtype, batch))
     parts = [group_relative(group, components[k], cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
