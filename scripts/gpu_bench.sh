@@ -80,7 +80,12 @@ if "$PY" -m pip "${pip_args[@]}" >>"$OUT/env.txt" 2>&1; then
 else
     echo "gpu_bench.sh: pip install failed (tail of $OUT/env.txt below); running from the source tree" >&2
     tail -5 "$OUT/env.txt" >&2
-    export PYTHONPATH="$PWD/server:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
+    site=""
+    if [ -d "$WHEELS" ] && "$PY" -m pip install --quiet --no-index --no-deps --target /tmp/advantage-site \
+            "$WHEELS"/*.whl >>"$OUT/env.txt" 2>&1; then
+        site=":/tmp/advantage-site"   # the carried wheels, for this process only
+    fi
+    export PYTHONPATH="$PWD/server:$PWD/client$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 rm -f "$constraints"
 "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|numpy|numba|grpcio[a-z-]*|protobuf) " >>"$OUT/env.txt"

@@ -1,8 +1,8 @@
 """advantage_server: the estimators, the transport-agnostic core, the gRPC servicer and the CLI."""
 from advantage_server import tuning
 
-# malloc settings that keep request outputs in reused memory (advantage_server.tuning; applied before
-# anything is allocated; ADVANTAGE_MEMORY_DEFAULTS=0 turns them off)
+# opt-in malloc settings (ADVANTAGE_MALLOC_TUNING=1; see advantage_server.tuning), applied before anything
+# is allocated
 tuning.apply()
 
 from advantage_server.core import AdvantageCore  # noqa: E402

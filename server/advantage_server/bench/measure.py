@@ -130,7 +130,7 @@ def cuda_timeit_with_floor(fn: Callable[[], Any], repeats: int, floor_bytes: int
         dt, result = timed(fn)
         runs.append(dt)
         copies.append(timed(lambda: dst.copy_(src))[0])
-    del src, dst
+    src = dst = None  # the floor's buffers are not part of the kernel's peak
     sync()
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -153,6 +153,19 @@ def cuda_copy_bandwidth(device: torch.device, size_mib: int = 256, repeats: int 
         if i >= 2:
             runs.append(time.perf_counter() - t0)
     return 2 * src.numel() / statistics.median(runs) / 1e9
+
+
+def settle_heap() -> None:
+    """Hand the heap's free memory back (glibc ``malloc_trim(0)``, as the server's ``MemoryTrimmer`` does
+    after large requests) before a row is timed. Building a row's batch frees large temporaries; left at
+    the top of the heap they made glibc trim, and so fault in again, the whole output of every call of
+    the first row of a run (4096 faults per 16 MiB output, 4-7 ms a call); after a trim the output's
+    memory is reused from the second call on. A no-op without glibc."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
 
 
 # ------------------------------------------------------------------------------------ memory

@@ -128,6 +128,7 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
     B, T, G = size
     label = size_label(*size)
     spec, cfg, batch, tensors = prepared(estimator, B, T, G)
+    measure.settle_heap()
     floor_b = workloads.floor_bytes(estimator, B, T)
 
     def run_ours():
@@ -263,6 +264,7 @@ def check_device(args) -> None:
 def concurrency_section(report: Report, estimator: str, size: tuple[int, int, int], args) -> None:
     B, T, G = size
     spec, cfg, batch, _ = prepared(estimator, B, T, G)
+    measure.settle_heap()
     call = lambda: spec.fn(cfg, batch)  # noqa: E731
     call()
     callers = args.callers
@@ -314,7 +316,7 @@ def concurrency_section(report: Report, estimator: str, size: tuple[int, int, in
             jit.set_row_parallel(old)
         how = "rows split over the cores" if split else "each call on one core"
         report.add(Row("concurrency", estimator, label, f"1 caller ({how})", 1e3 / one, 1.0,
-                       note=f"{one:.1f} calls/s; keeps its last {callers} results alive (as many as {callers} callers)"))
+                       note=f"{one:.1f} calls/s; keeps its last {callers} results alive (as {callers} callers do)"))
         report.add(Row("concurrency", estimator, label, f"{callers} callers ({how})", 1e3 / many, many / one,
                        note=f"{many:.1f} calls/s; x ours = throughput / 1 caller's"))
 
