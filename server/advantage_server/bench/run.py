@@ -141,6 +141,29 @@ def kernel_section(report: Report, estimator: str, size: tuple[int, int, int], a
     report.add(Row("kernel", estimator, label, "ours: estimator (in-process)", t_ours.ms, 1.0, t_ours.median_s / floor_s,
                    floor_b / t_ours.median_s / 1e9, None if extra is None else extra / MiB,
                    note=f"{len(t_ours.runs)} runs; copy {bw:.1f} GB/s in between"))
+    # the same call writing its [B, T] outputs into memory reused from the previous call (what the shared-memory
+    # transport's output room gives the server): no page faults of fresh output memory
+    reused: dict[str, torch.Tensor] = {}
+
+    def reuse(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = reused.get(name)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            t = reused[name] = torch.zeros(shape, dtype=dtype, device=device)
+        return t
+
+    def run_reused():
+        batch.output_provider, batch.provided = reuse, {}
+        try:
+            return dense(spec.fn(cfg, batch))
+        finally:
+            batch.output_provider, batch.provided = None, {}
+
+    t_re, rbw = measure.timeit_with_floor(run_reused, args.repeats, probe)
+    rfloor_s = floor_b / (rbw * 1e9)
+    report.add(Row("kernel", estimator, label, "ours: estimator, outputs in reused memory", t_re.ms,
+                   t_re.median_s / t_ours.median_s, t_re.median_s / rfloor_s, floor_b / t_re.median_s / 1e9,
+                   err=rel_err(t_re.result.advantages, ours.advantages),
+                   note=f"{len(t_re.runs)} runs; as the shared-memory path writes; copy {rbw:.1f} GB/s in between"))
     if estimator == "gae":
         mask, values = batch["mask"], batch["values"]
         tok = token_level_rewards(batch["rewards"], mask)
@@ -584,8 +607,8 @@ def main(argv: list[str] | None = None) -> Report:
                     label = size_label(*size)
                     for r in report.rows:
                         if r.size == label and r.estimator == "gae" and r.section == "kernel":
-                            if r.impl == "ours: estimator (in-process)":
-                                in_process_ms[label] = r.ms
+                            if r.impl.startswith("ours: estimator"):  # the faster of fresh / reused outputs
+                                in_process_ms[label] = min(r.ms, in_process_ms.get(label, r.ms))
                             elif r.impl == "ref: per-time-step loop":
                                 ref_ms[label] = r.ms
     if "concurrency" in sections:
