@@ -119,20 +119,29 @@ def test_auto_without_the_token_fails_like_any_call_and_does_not_retry_the_probe
         assert c.last_transport == "shm"
 
 
-def test_auto_forgets_shared_memory_when_the_server_forgets_the_region(make_server):
+def test_auto_registers_again_when_the_server_forgets_the_region_then_gives_up(make_server):
     """Another replica answered, or the server restarted: the region is unknown there. The call still
-    succeeds (sent again without shared memory) and the client stops using it."""
+    succeeds (sent again without shared memory), the next call registers a new region, and after
+    MAX_SHM_FORGOTTEN such answers the client stops using shared memory."""
+    from advantage_client.client import MAX_SHM_FORGOTTEN
     srv = make_server()
     tensors = _batch(8, 4096)
     with AdvantageClient(srv.address, timeout=30.0) as c:
         ref = c.compute("gae", None, **tensors)
         assert c.last_transport == "shm"
-        region = c._shm  # the server forgets it (as after a restart); the client still holds it
-        c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=region.region_id, key=region.key),
-                pb.UnregisterSharedMemoryResponse)
-        got = c.compute("gae", None, **tensors)
-        assert c.last_transport == "unary" and torch.equal(got.advantages, ref.advantages)
-        assert c._shm_works is False and c._shm is None
+        for n in range(1, MAX_SHM_FORGOTTEN + 1):
+            region = c._shm  # the server forgets it (as after a restart); the client still holds it
+            c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=region.region_id,
+                                                                               key=region.key),
+                    pb.UnregisterSharedMemoryResponse)
+            got = c.compute("gae", None, **tensors)
+            assert c.last_transport == "unary" and torch.equal(got.advantages, ref.advantages)
+            assert c._shm is None
+            if n < MAX_SHM_FORGOTTEN:
+                assert c._shm_works is None
+                got = c.compute("gae", None, **tensors)  # a new region
+                assert c.last_transport == "shm" and torch.equal(got.advantages, ref.advantages)
+        assert c._shm_works is False
         c.compute("gae", None, **tensors)
         assert c.last_transport == "unary"
 

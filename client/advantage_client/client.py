@@ -13,6 +13,7 @@ installed (``numpy.ndarray`` otherwise). Every server error is raised as :class:
 from __future__ import annotations
 
 import threading
+import errno
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,6 +30,10 @@ try:
     from google.rpc import error_details_pb2
 except ImportError:  # pragma: no cover
     error_details_pb2 = None
+
+
+#: transport="auto": how many times the server may forget this client's region before shared memory is off
+MAX_SHM_FORGOTTEN = 3
 
 
 class AdvantageServiceError(Exception):
@@ -160,8 +165,8 @@ class AdvantageClient:
              cap) or ``"shm"`` (shared memory, server on the same host; see :meth:`shared_memory`).
              ``"auto"`` uses shared memory when the server is on this host: the first call registers a region
              (RegisterSharedMemory); if that fails (a server on another host or in another container,
-             UNIMPLEMENTED, no token, several replicas, /dev/shm too small) the client remembers it and never
-             tries again. Otherwise, and for requests above ``shm_max_mb`` or while another thread uses the
+             UNIMPLEMENTED, no token, several replicas) the client remembers it and never tries again (a
+             /dev/shm too small for one request only sends that request another way). Otherwise, and for requests above ``shm_max_mb`` or while another thread uses the
              region, it sends requests of ``stream_threshold_mb`` MiB or more with ``"stream"`` and smaller
              ones with ``"unary"``. ``shm_min_mb``: smaller requests go unary even when shared memory works.
     """
@@ -195,6 +200,7 @@ class AdvantageClient:
         self.shm_min_bytes, self.shm_max_bytes = int(shm_min_mb * (1 << 20)), int(shm_max_mb * (1 << 20))
         # transport="auto": does shared memory work with this server? None = not tried yet
         self._shm_works: bool | None = False if "," in self.target else None
+        self._shm_forgotten = 0  # answers "no such region" so far (see MAX_SHM_FORGOTTEN)
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
                 cu_seqlens: Any = None, transport: str | None = None, **tensors: Any) -> AdvantageResult:
@@ -269,13 +275,21 @@ class AdvantageClient:
 
     def _compute_shm(self, estimator: str, config: Any, **kwargs: Any) -> AdvantageResult:
         self.last_transport = "shm"
-        return self._region_for(self._shm_need(kwargs)).compute(estimator, config, **kwargs)
+        region = self._region_for(self._shm_need(kwargs))
+        try:
+            return region.compute(estimator, config, **kwargs)
+        finally:
+            if region.abandoned and self._shm is region:
+                # the server may still write that call's results into it: the next call gets a new region
+                self._shm = None
+                region.close()
 
     def _auto_shm(self, estimator: str, config: Any, kwargs: dict[str, Any]) -> AdvantageResult | None:
         """transport="auto" through shared memory; None when it cannot be used (then the caller streams or
         sends one message). A failed registration is remembered (never tried again) unless it was a
-        transient UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED; a region the server no longer knows (another
-        replica answered, or the server restarted) turns shared memory off for this client."""
+        transient UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED; a region the server no longer knows (the server
+        restarted, or another replica answered) is registered anew on the next call, up to
+        ``MAX_SHM_FORGOTTEN`` times per client, after which shared memory stays off for it."""
         from advantage_client import shm as shm_mod
         need = self._shm_need(kwargs)
         if self._shm is None or self._shm.size < need:
@@ -288,16 +302,24 @@ class AdvantageClient:
                                     grpc.StatusCode.CANCELLED):
                     self._shm_works = False
                 return None
-            except (OSError, ValueError):  # no /dev/shm, or no room: not this client's error to report
+            except OSError as err:  # no /dev/shm (remembered), or no room now (ENOSPC: tried again later)
+                if err.errno != errno.ENOSPC:
+                    self._shm_works = False
+                return None
+            except ValueError:
                 self._shm_works = False
                 return None
         try:
             result = self._compute_shm(estimator, config, **kwargs)
         except AdvantageServiceError as err:
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and "no shared-memory region" in str(err):
-                self._shm_works = False
+                # the server forgot the region (restarted, or another replica answered): register anew on the
+                # next call, but after MAX_SHM_FORGOTTEN such answers (replicas behind one address) stop trying
+                self._shm_forgotten += 1
+                self._shm_works = False if self._shm_forgotten >= MAX_SHM_FORGOTTEN else None
                 region, self._shm = self._shm, None
-                region.close()
+                if region is not None:
+                    region.close()
                 return None
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and any(
                     f.startswith("output_") for f, _ in err.field_violations):

@@ -14,6 +14,7 @@ writes the results into it (after the inputs), everything bounds-checked on the 
 from __future__ import annotations
 
 import math
+import os
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -29,7 +30,24 @@ except ImportError:  # pragma: no cover
     torch = None
 
 ALIGN = 64
+#: call outcomes after which the server may still be running the call (it has not answered)
+ABANDONED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+                       grpc.StatusCode.UNKNOWN})
 PREFIX = "/advantage.v1.AdvantageService/"
+
+
+def close_mapping(shm: shared_memory.SharedMemory) -> None:
+    """``shm.close()``, or, while views of the segment are still alive (tensors from :meth:`SharedMemoryRegion.empty`,
+    results read with ``copy=False``), let go of it quietly: the file descriptor is closed now and the mapping
+    goes with the last view (``SharedMemory.close`` would raise BufferError, and again, printed, at exit)."""
+    try:
+        shm.close()
+    except BufferError:
+        shm._buf = None  # the views keep the mapping alive through the memoryview they were made from
+        shm._mmap = None
+        if getattr(shm, "_fd", -1) >= 0:
+            os.close(shm._fd)
+            shm._fd = -1
 
 
 def _align(n: int) -> int:
@@ -44,6 +62,15 @@ class SharedMemoryRegion:
         self._client = client
         self.shm = shared_memory.SharedMemory(create=True, size=max(int(byte_size), ALIGN))
         self.size = self.shm.size
+        #: set when a call was given up (deadline, cancel, lost connection) while the server may still run it
+        self.abandoned: str | None = None
+        try:  # back every page now: on a full /dev/shm a later write would be SIGBUS, here it is an OSError
+            os.posix_fallocate(self.shm._fd, 0, self.size)
+        except AttributeError:  # pragma: no cover - no posix_fallocate on this platform
+            pass
+        except OSError:
+            self._release()
+            raise
         self._buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
         self._next = 0  # bump allocator for empty()
         try:
@@ -89,8 +116,19 @@ class SharedMemoryRegion:
                 copy: bool = True, cu_seqlens: Any = None, **tensors: Any) -> Any:
         """Like ``AdvantageClient.compute``. Inputs already in the region (from :meth:`empty`) are read in
         place; others are copied in once. ``copy=False`` returns result tensors that are views of the
-        region (valid until the next call on it)."""
-        from advantage_client.client import AdvantageResult, reduce_prompt_ids
+        region (valid until the next call on it).
+
+        A call that ends without the server's answer (DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE, or an
+        exception such as KeyboardInterrupt while waiting) may still be running on the server, which would
+        then write its results into this region's output room later, over whatever the region holds by then.
+        The region is therefore marked :attr:`abandoned` and refuses further calls (RuntimeError): close it
+        and register a new one (``AdvantageClient`` does that by itself for the region it manages).
+        """
+        from advantage_client.client import AdvantageResult, AdvantageServiceError, reduce_prompt_ids
+
+        if self.abandoned:
+            raise RuntimeError(f"a call on this shared-memory region was abandoned ({self.abandoned}) and the server "
+                               "may still write its results here: close the region and register a new one")
 
         request = pb.ComputeAdvantageShmRequest(key=self.key, output_region_id=self.region_id)
         inner = request.request
@@ -118,7 +156,15 @@ class SharedMemoryRegion:
                                                                 offset=offset))
         request.output_offset = pos
         request.output_byte_size = self.size - pos
-        reply = self._client._call("ComputeAdvantageShm", request, pb.ComputeAdvantageShmResponse)
+        try:
+            reply = self._client._call("ComputeAdvantageShm", request, pb.ComputeAdvantageShmResponse)
+        except AdvantageServiceError as err:
+            if err.code in ABANDONED:
+                self.abandoned = err.code.name
+            raise
+        except BaseException as exc:  # interrupted while waiting: the server may still be computing
+            self.abandoned = type(exc).__name__
+            raise
         out = []
         for name in ("advantages", "returns"):
             if not reply.HasField(name):
@@ -139,10 +185,7 @@ class SharedMemoryRegion:
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
         self._buf = None
-        try:
-            self.shm.close()
-        except BufferError:  # views handed out with copy=False / empty() are still alive
-            pass
+        close_mapping(self.shm)
         try:
             self.shm.unlink()
         except FileNotFoundError:

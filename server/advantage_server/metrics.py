@@ -209,11 +209,13 @@ def request_id_of(metadata: Any) -> str:
 
 
 class ObservabilityInterceptor(grpc.ServerInterceptor):
-    """Request ids, log context and metrics for the unary methods of ``service`` (see the module docstring).
+    """Request ids, log context and metrics for the unary methods and the client-and-server streaming
+    method (``ComputeAdvantageStream``) of ``service`` (see the module docstring).
 
     ``estimators``: the service's request messages by method name, each with its estimator oneof as
-    ``{field number: field name}`` (empty for a method without one). Calls of other services (health,
-    reflection) and streaming methods pass through untouched.
+    ``{field number: field name}`` (empty for a method without one). A method that finds its estimator
+    only after decoding (the stream, the shared-memory call) sets ``logs.CALL.get()["estimator"]``; the
+    metrics take the label from there. Calls of other services (health, reflection) pass through.
     """
 
     def __init__(self, service: str, estimators: dict[str, dict[int, str]], metrics: ServerMetrics):
@@ -224,10 +226,16 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = continuation(handler_call_details)
         full = handler_call_details.method
-        if handler is None or not full.startswith(self.prefix) or handler.unary_unary is None:
+        if handler is None or not full.startswith(self.prefix):
             return handler
         method = full[len(self.prefix):]
         request_id = request_id_of(handler_call_details.invocation_metadata)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._observed_stream(method, request_id, handler), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_unary is None:
+            return handler
         return grpc.unary_unary_rpc_method_handler(
             self._observed(method, request_id, handler), request_deserializer=None, response_serializer=None)
 
@@ -251,7 +259,8 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             estimator = self._estimator(method, data)
             echo = ((REQUEST_ID_KEY, request_id),)
             context.set_trailing_metadata(echo)
-            token = logs.CALL.set({"request_id": request_id, "method": method, "estimator": estimator})
+            call = {"request_id": request_id, "method": method, "estimator": estimator}
+            token = logs.CALL.set(call)
             in_flight = m.in_flight.labels(method)
             in_flight.inc()
             size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
@@ -262,7 +271,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 if context.code() not in (None, grpc.StatusCode.OK):
                     code = context.code().name
                 else:
-                    m.response_bytes.labels(method, estimator).observe(len(out))
+                    m.response_bytes.labels(method, call["estimator"]).observe(len(out))
                 return out
             except BaseException:
                 status = context.code()
@@ -274,9 +283,67 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             finally:
                 in_flight.dec()
                 logs.CALL.reset(token)
+                estimator = call["estimator"]
                 m.requests.labels(method, estimator, code).inc()
                 m.duration.labels(method, estimator).observe(time.perf_counter() - started)
                 m.request_bytes.labels(method, estimator).observe(size)
+
+        return observed
+
+    def _observed_stream(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
+        """The streaming twin of :meth:`_observed`: request bytes are the chunks' payloads as they arrive,
+        response bytes the chunks sent; the estimator label comes from the handler once it has decoded."""
+        behavior = handler.stream_stream
+        m = self.metrics
+
+        def nbytes(item: Any) -> int:
+            data = item[-1] if isinstance(item, tuple) else item
+            try:
+                return memoryview(data).nbytes
+            except TypeError:
+                return 0
+
+        def observed(request_iterator: Any, context: grpc.ServicerContext) -> Any:
+            started = time.perf_counter()
+            echo = ((REQUEST_ID_KEY, request_id),)
+            context.set_trailing_metadata(echo)
+            call = {"request_id": request_id, "method": method, "estimator": "none"}
+            sent = [0, 0]  # request bytes, response bytes
+
+            def counted() -> Any:
+                for item in request_iterator:
+                    sent[0] += nbytes(item)
+                    yield item
+
+            in_flight = m.in_flight.labels(method)
+            in_flight.inc()
+            code = "OK"
+            token = logs.CALL.set(call)
+            try:
+                for out in behavior(counted(), context):
+                    sent[1] += nbytes(out)
+                    yield out
+                if context.code() not in (None, grpc.StatusCode.OK):
+                    code = context.code().name
+            except BaseException:
+                status = context.code()
+                code = status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
+                trailing = tuple(context.trailing_metadata() or ())
+                if not any(k == REQUEST_ID_KEY for k, _ in trailing):
+                    context.set_trailing_metadata(trailing + echo)
+                raise
+            finally:
+                in_flight.dec()
+                try:
+                    logs.CALL.reset(token)
+                except ValueError:  # resumed in another context: nothing of ours to restore there
+                    pass
+                estimator = call["estimator"]
+                m.requests.labels(method, estimator, code).inc()
+                m.duration.labels(method, estimator).observe(time.perf_counter() - started)
+                m.request_bytes.labels(method, estimator).observe(sent[0])
+                if code == "OK":
+                    m.response_bytes.labels(method, estimator).observe(sent[1])
 
         return observed
 

@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -29,8 +31,10 @@ import numpy as np
 import torch
 
 from advantage_client import codec, wire
+from advantage_client.shm import close_mapping
 from advantage_client.streaming import TIMING_KEY
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server import logs
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import AdvantageResult
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
@@ -39,12 +43,18 @@ from advantage_server.limits import check_batch_elements, checkpoints, grpc_live
 CUSTOM_HANDLERS = frozenset({"ComputeAdvantageStream"})
 #: bytes per chunk the server sends (the client chooses its own)
 CHUNK_BYTES = 4 << 20
-#: largest streamed request by default (RESOURCE_EXHAUSTED beyond it)
-DEFAULT_MAX_STREAM_BYTES = 16 << 30
 #: regions one server keeps registered at most
 MAX_REGIONS = 256
 ALIGN = 64
 _ATTACH_LOCK = threading.Lock()
+log = logging.getLogger("advantage_server")
+
+
+def _label_call(estimator: str | None) -> None:
+    """Tell the observability interceptor which estimator this call runs (known only after decoding)."""
+    call = logs.CALL.get()
+    if call is not None and estimator:
+        call["estimator"] = estimator
 
 
 def decode_request(data: Any) -> codec.DecodedRequest:
@@ -109,14 +119,41 @@ class Region:
             raise InvalidInput("byte_size", f"{size} bytes registered but segment {name!r} has {self.shm.size}")
         self.size = size or self.shm.size
         self.key = key
+        self.name = name
+        st = os.fstat(self.shm._fd)
+        self.inode = (st.st_dev, st.st_ino)
         self.buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
+
+    def check_size(self, field: str) -> None:
+        """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration.
+
+        Reading or writing a mapped page past the end of a truncated segment kills the process with SIGBUS,
+        so every call checks the segment's current size first. (A client that shrinks its segment while a
+        call is running can still crash the server: shared memory is for trusted co-located trainers.)"""
+        try:
+            size = os.fstat(self.shm._fd).st_size
+        except (OSError, ValueError, TypeError):
+            size = -1
+        if size < self.size:
+            raise InvalidInput(field, f"shared-memory segment {self.name!r} now has {max(size, 0)} bytes, fewer "
+                                      f"than the {self.size} registered; register the region again")
+
+    def stale(self) -> bool:
+        """True when the segment's name is gone from /dev/shm or names another segment (the client unlinked it
+        without unregistering, e.g. it exited or was killed: Python's resource tracker unlinks its segments)."""
+        if not os.path.isdir("/dev/shm"):
+            return False  # no way to tell on this platform
+        try:
+            st = os.stat(os.path.join("/dev/shm", self.name.lstrip("/")))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self.inode
 
     def close(self) -> None:
         self.buf = None
-        try:
-            self.shm.close()
-        except BufferError:  # a call still reads it; the mapping goes when its last view does
-            pass
+        close_mapping(self.shm)  # while a call still reads it, the mapping goes with its last view
 
 
 def _shm_layout(t: pb.SharedMemoryTensor, field: str) -> tuple[int, tuple[int, ...]]:
@@ -132,7 +169,8 @@ class TransportMethods:
     """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status`` of the
     servicer it is mixed into."""
 
-    max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
+    #: overrides ``limits.max_stream_bytes`` when set (tests)
+    max_stream_bytes: int | None = None
 
     # ------------------------------------------------------------------ codec unary
     def compute_payload(self, request: Any, context: Any) -> ResultPayload:
@@ -159,7 +197,7 @@ class TransportMethods:
         for declared, data in chunks:
             if buf is None:
                 total = declared
-                cap = min(self.max_stream_bytes, self.limits.max_stream_bytes)
+                cap = self.max_stream_bytes or self.limits.max_stream_bytes
                 if total > cap:
                     raise ResourceLimit(f"the streamed request declares {total} bytes, more than the server's "
                                         f"limit --max-stream-mb={cap >> 20} ({cap} bytes); split the batch into smaller "
@@ -191,9 +229,13 @@ class TransportMethods:
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
                 what = f"ComputeAdvantageStream {request.estimator}"
+                _label_call(request.estimator)
                 pieces = self.compute_payload(request, context).pieces()
                 del request, data  # the request buffer goes before the result is sent
                 t2 = time.perf_counter()
+        except grpc.RpcError as exc:  # reading the request failed: the client cancelled or its deadline passed
+            log.debug("%s: the client went away during the upload (%s)", what, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
             status = self._status(exc, what)
         if status is not None:
@@ -213,16 +255,31 @@ class TransportMethods:
             self._shm_lock = threading.Lock()
         return self._shm_regions, self._shm_lock
 
-    def _region(self, region_id: str, key: str, field: str) -> Region:
+    def _region(self, region_id: str, key: str, field: str, check: bool = True) -> Region:
         regions, lock = self._regions()
         with lock:
             region = regions.get(region_id)
         if region is None or not hmac.compare_digest(region.key.encode(), key.encode()):
             raise InvalidInput(field, f"no shared-memory region {region_id!r} is registered for this key; "
                                       "register it with RegisterSharedMemory and send the key it returned")
+        if check:
+            region.check_size(field)
         return region
 
+    def _sweep_regions(self) -> int:
+        """Forget the regions whose segment its client has unlinked without unregistering (a client that
+        exited without ``close()`` or was killed); returns how many. Run at each (un)registration, so leaked
+        regions neither pin memory for long nor use up ``MAX_REGIONS``."""
+        regions, lock = self._regions()
+        with lock:
+            gone = [rid for rid, r in regions.items() if r.stale()]
+            dropped = [regions.pop(rid) for rid in gone]
+        for region in dropped:
+            region.close()
+        return len(dropped)
+
     def RegisterSharedMemory(self, request: pb.RegisterSharedMemoryRequest, context: Any):  # noqa: N802
+        self._sweep_regions()
         regions, lock = self._regions()
         with lock:
             if len(regions) >= MAX_REGIONS:
@@ -236,17 +293,19 @@ class TransportMethods:
         return pb.RegisterSharedMemoryResponse(region_id=region_id, key=region.key)
 
     def UnregisterSharedMemory(self, request: pb.UnregisterSharedMemoryRequest, context: Any):  # noqa: N802
-        region = self._region(request.region_id, request.key, "region_id")
+        region = self._region(request.region_id, request.key, "region_id", check=False)
         regions, lock = self._regions()
         with lock:
             regions.pop(request.region_id, None)
         region.close()
+        self._sweep_regions()
         return pb.UnregisterSharedMemoryResponse()
 
     def ComputeAdvantageShm(self, request: pb.ComputeAdvantageShmRequest, context: Any):  # noqa: N802
         inner = request.request
         decoded = codec.DecodedRequest()
         decoded.estimator = inner.WhichOneof("estimator")
+        _label_call(decoded.estimator)
         decoded._config = getattr(inner, decoded.estimator) if decoded.estimator else None
         decoded.output_dtype = inner.output_dtype
         decoded.inputs = {k: codec.TensorView(v.dtype, list(v.shape), v.data) for k, v in inner.inputs.items()}
