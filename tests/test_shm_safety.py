@@ -130,3 +130,49 @@ def test_the_stream_cap_is_the_operators_max_stream_mb_only(make_server):
         assert "--max-stream-mb=1 " in err.value.details()
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream", "shm", "auto"])
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_results_are_writable_whichever_transport_brought_them(client, transport, as_numpy):
+    tensors = _gae(4, 8)
+    r = client.compute("gae", None, transport=transport, as_numpy=as_numpy, **tensors)
+    before = r.advantages.copy() if as_numpy else r.advantages.clone()
+    r.advantages *= 2  # numpy raises "output array is read-only" on a view of immutable bytes
+    assert (r.advantages == 2 * before).all()
+    again = client.compute("gae", None, transport=transport, as_numpy=as_numpy, **tensors)
+    assert (again.advantages == before).all()  # nothing shared between calls
+
+
+def test_auto_sends_one_message_when_the_server_refuses_the_stream(make_server):
+    srv = make_server(max_stream_mb=1)
+    tensors = _gae(64, 8192)  # 4 MiB: above the stream threshold set below
+    with AdvantageClient(srv.address, timeout=30.0, stream_threshold_mb=2, shm_max_mb=0) as c:
+        got = c.compute("gae", None, **tensors)
+        assert c.last_transport == "unary"
+        with pytest.raises(AdvantageServiceError) as err:  # an explicit choice is not second-guessed
+            c.compute("gae", None, transport="stream", **tensors)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert torch.equal(got.advantages, c.compute("gae", None, transport="unary", **tensors).advantages)
+
+
+def test_registering_a_segment_needs_the_proof_written_into_it(make_server):
+    """Nobody can register another client's segment (or any other object the server's user may open): the
+    registration must carry the random bytes the registering process has just written at offset 0."""
+    srv = make_server()
+    with AdvantageClient(srv.address, timeout=30.0) as victim, AdvantageClient(srv.address, timeout=30.0) as other, \
+            victim.shared_memory(1 << 20) as region:
+        name = region.shm.name.lstrip("/")
+        for proof, code in ((b"", grpc.StatusCode.INVALID_ARGUMENT), (b"x" * 65, grpc.StatusCode.INVALID_ARGUMENT),
+                            (b"\0" * 32, grpc.StatusCode.PERMISSION_DENIED),
+                            (bytes(region._buf[:31]) + b"?", grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(AdvantageServiceError) as err:
+                other._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(name=name, byte_size=1 << 20,
+                                                                                   proof=proof),
+                            pb.RegisterSharedMemoryResponse)
+            assert err.value.code == code, proof
+        # the owner's proof (still at offset 0, nothing computed yet) works: the check is the bytes, not the caller
+        reply = other._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
+            name=name, byte_size=1 << 20, proof=bytes(region._buf[:32])), pb.RegisterSharedMemoryResponse)
+        assert reply.region_id
+        assert region.compute("gae", None, **_gae(4, 8)).advantages.shape == (4, 8)

@@ -190,6 +190,6 @@ def test_shm_of_another_client_is_refused(target, client):
 def test_register_needs_an_existing_segment(client):
     with pytest.raises(AdvantageServiceError) as err:
         client._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(name="advantage-no-such-segment",
-                                                                            byte_size=10),
+                                                                            byte_size=10, proof=b"p" * 32),
                      pb.RegisterSharedMemoryResponse)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -180,6 +180,7 @@ class AdvantageClient:
                  shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB):
         self.target = channel_target(target)
         self.timeout = timeout
+        self.max_message_bytes = max_message_mb << 20
         self._metadata = auth_metadata(token, token_file)
         channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                             tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
@@ -237,14 +238,24 @@ class AdvantageClient:
                 if result is not None:
                     return result
         data = streaming.Request(streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, **tensors))
-        if transport == "auto":
+        auto = transport == "auto"
+        if auto:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
         self.last_transport = transport
         call = self._calls.stream if transport == "stream" else self._calls.unary
         try:
             reply = call(data, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err) from None
+            error = AdvantageServiceError.from_rpc_error(err)
+            if not (auto and transport == "stream" and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    and "--max-stream-mb" in str(error) and data.nbytes < self.max_message_bytes):
+                raise error from None
+            # the server takes smaller streams than this; one message may still be within its limit
+            self.last_transport = "unary"
+            try:
+                reply = self._calls.unary(data, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as err2:
+                raise AdvantageServiceError.from_rpc_error(err2) from None
         return decode_result(reply, as_numpy=as_numpy)
 
     def shared_memory(self, byte_size: int) -> Any:

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover
     torch = None
 
 ALIGN = 64
+PROOF_BYTES = 32
 #: call outcomes after which the server may still be running the call (it has not answered)
 ABANDONED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
                        grpc.StatusCode.UNKNOWN})
@@ -73,9 +74,11 @@ class SharedMemoryRegion:
             raise
         self._buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
         self._next = 0  # bump allocator for empty()
+        proof = os.urandom(PROOF_BYTES)  # shows the server this process writes the segment (see the proto)
+        self._buf[:PROOF_BYTES] = np.frombuffer(proof, np.uint8)
         try:
             reply = client._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
-                name=self.shm.name, byte_size=self.size), pb.RegisterSharedMemoryResponse)
+                name=self.shm.name, byte_size=self.size, proof=proof), pb.RegisterSharedMemoryResponse)
         except BaseException:
             self._release()
             raise

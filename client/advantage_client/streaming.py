@@ -153,6 +153,15 @@ def parse_timing(value: str | None) -> dict[str, float]:
     return out
 
 
+def decode_writable(data: bytes) -> codec.DecodedResult:
+    """A unary reply -> its result, decoded from a writable copy of the reply: gRPC hands the reply over as
+    immutable ``bytes``, and results must be writable whichever transport brought them (the streamed and
+    shared-memory results are). One copy of the reply, into a numpy buffer (huge pages when large)."""
+    buf = np.empty(len(data), np.uint8)
+    buf[:] = np.frombuffer(data, np.uint8)
+    return codec.decode_result(memoryview(buf))
+
+
 class Calls:
     """The raw-bytes calls on one channel (a :class:`Request` or bytes in, :class:`codec.DecodedResult` out).
 
@@ -165,7 +174,7 @@ class Calls:
         """``stream_channel``: a function returning the channel for streamed calls (made on first use and
         closed by :meth:`close`); None: ``channel``."""
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
-        self._unary = channel.unary_unary(COMPUTE, request_serializer=None, response_deserializer=codec.decode_result)
+        self._unary = channel.unary_unary(COMPUTE, request_serializer=None, response_deserializer=decode_writable)
         self._channel = channel
         self._make_stream_channel = stream_channel
         self._stream_channel: grpc.Channel | None = None

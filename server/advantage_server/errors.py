@@ -2,6 +2,7 @@
 
 ``InvalidInput``   -> INVALID_ARGUMENT (with one ``google.rpc.BadRequest`` field violation each)
 ``ResourceLimit``  -> RESOURCE_EXHAUSTED
+``NotPermitted``   -> PERMISSION_DENIED
 anything else      -> INTERNAL (a bug: logged with its traceback, never shown as UNKNOWN)
 """
 from __future__ import annotations
@@ -27,3 +28,7 @@ class InvalidInput(ValueError):
 
 class ResourceLimit(RuntimeError):
     """The request exceeds a configured server limit (size, elements, concurrency)."""
+
+
+class NotPermitted(PermissionError):
+    """The caller may not do this (e.g. register a shared-memory segment it cannot prove it writes)."""

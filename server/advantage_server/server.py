@@ -43,7 +43,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
-from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
@@ -94,6 +94,7 @@ def status_for(exc: BaseException) -> status_pb2.Status:
             message += f"; and {len(exc.violations) - len(shown)} more"
         return status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message, details=[detail])
     for kind, code in ((ResourceLimit, code_pb2.RESOURCE_EXHAUSTED), (Draining, code_pb2.UNAVAILABLE),
+                       (NotPermitted, code_pb2.PERMISSION_DENIED),
                        (NotImplementedError, code_pb2.UNIMPLEMENTED)):
         if isinstance(exc, kind):
             return status_pb2.Status(code=code, message=str(exc) or "method not implemented by this server")

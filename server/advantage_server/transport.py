@@ -35,7 +35,7 @@ from advantage_client.shm import close_mapping
 from advantage_client.streaming import TIMING_KEY
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server import logs
-from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import AdvantageResult
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 
@@ -43,6 +43,8 @@ from advantage_server.limits import check_batch_elements, checkpoints, grpc_live
 CUSTOM_HANDLERS = frozenset({"ComputeAdvantageStream"})
 #: bytes per chunk the server sends (the client chooses its own)
 CHUNK_BYTES = 4 << 20
+#: the proof of write access RegisterSharedMemory requires (bytes at offset 0 of the segment)
+MIN_PROOF, MAX_PROOF = 16, 64
 #: regions one server keeps registered at most
 MAX_REGIONS = 256
 ALIGN = 64
@@ -286,7 +288,15 @@ class TransportMethods:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
         if not request.name or "/" in request.name:
             raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/'")
+        proof = bytes(request.proof)
+        if not MIN_PROOF <= len(proof) <= MAX_PROOF:
+            raise InvalidInput("proof", f"send {MIN_PROOF}-{MAX_PROOF} random bytes written at offset 0 of the segment "
+                                        f"just before registering (got {len(proof)}); update the client")
         region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))
+        if region.size < len(proof) or not hmac.compare_digest(region.buf[:len(proof)].tobytes(), proof):
+            region.close()
+            raise NotPermitted(f"segment {request.name!r} does not hold the proof bytes at offset 0: register only a "
+                               "segment your process has just written the proof into")
         region_id = secrets.token_hex(8)
         with lock:
             regions[region_id] = region

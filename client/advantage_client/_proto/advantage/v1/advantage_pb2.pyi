@@ -1413,18 +1413,27 @@ class RegisterSharedMemoryRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    PROOF_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     byte_size: _builtins.int
     """bytes of the segment the server may use, from 0"""
+    proof: _builtins.bytes
+    """Proof of access to the segment: 16 to 64 random bytes the client has just
+    written at offset 0 of it. The server reads them back and refuses the
+    registration (PERMISSION_DENIED) when they differ, so no caller can
+    register a segment it cannot read (another user's client's, or any other
+    shared-memory object the server's user may open). Required.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         byte_size: _builtins.int = ...,
+        proof: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "name", b"name", "proof", b"proof"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
