@@ -132,11 +132,13 @@ def service_call(case: dict) -> tuple[str, dict, dict]:
     return service, config, tensors
 
 
+@pytest.mark.parametrize("transport", ["auto", "unary", "stream", "shm"])
 @pytest.mark.parametrize("path", CASES, ids=IDS)
-def test_verl_golden_via_client_compute(path, client):
+def test_verl_golden_via_client_compute(path, transport, client):
+    """Every verl golden case through AdvantageClient.compute, on every transport (the same bytes back)."""
     case = load_case(path)
     service, config, tensors = service_call(case)
-    result = client.compute(service, config, **tensors)
+    result = client.compute(service, config, transport=transport, **tensors)
     if case["estimator"] in SAME_RETURNS:
         assert result.returns is None, f"{service} (verl) has no genuine returns; the service leaves them unset"
         check_case(case, result.advantages, result.advantages)
