@@ -208,6 +208,16 @@ def request_id_of(metadata: Any) -> str:
     return uuid.uuid4().hex
 
 
+def _failed(context: grpc.ServicerContext, echo: tuple) -> str:
+    """A call's behaviour raised (an abort, or a bug): its status code name for the metrics, and the request
+    id kept in the trailing metadata next to what the abort set there."""
+    status = context.code()
+    trailing = tuple(context.trailing_metadata() or ())
+    if not any(k == REQUEST_ID_KEY for k, _ in trailing):
+        context.set_trailing_metadata(trailing + echo)
+    return status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
+
+
 class ObservabilityInterceptor(grpc.ServerInterceptor):
     """Request ids, log context and metrics for the unary methods and the client-and-server streaming
     method (``ComputeAdvantageStream``) of ``service`` (see the module docstring).
@@ -274,11 +284,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                     m.response_bytes.labels(method, call["estimator"]).observe(len(out))
                 return out
             except BaseException:
-                status = context.code()
-                code = status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
-                trailing = tuple(context.trailing_metadata() or ())
-                if not any(k == REQUEST_ID_KEY for k, _ in trailing):
-                    context.set_trailing_metadata(trailing + echo)
+                code = _failed(context, echo)
                 raise
             finally:
                 in_flight.dec()
@@ -326,11 +332,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 if context.code() not in (None, grpc.StatusCode.OK):
                     code = context.code().name
             except BaseException:
-                status = context.code()
-                code = status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
-                trailing = tuple(context.trailing_metadata() or ())
-                if not any(k == REQUEST_ID_KEY for k, _ in trailing):
-                    context.set_trailing_metadata(trailing + echo)
+                code = _failed(context, echo)
                 raise
             finally:
                 in_flight.dec()

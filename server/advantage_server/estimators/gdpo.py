@@ -32,25 +32,8 @@ class GDPOConfig(EstimatorConfig):
 
 
 @jit.njit
-def _standardize(t):  # pragma: no cover - compiled; tested through gdpo
-    """In place: t = (t - mean) / std (unbiased, two-pass, float64), or t - mean where std = 0 or B = 1."""
-    n = t.shape[0]
-    total = 0.0
-    for i in range(n):
-        total += t[i]
-    mean = total / n
-    m2 = 0.0
-    for i in range(n):
-        d = t[i] - mean
-        m2 += d * d
-    sd = np.sqrt(m2 / (n - 1)) if n > 1 else 0.0
-    for i in range(n):
-        t[i] = (t[i] - mean) / sd if sd > 0 else t[i] - mean
-
-
-@jit.njit
 def _moments(t):  # pragma: no cover - compiled; tested through gdpo
-    """(mean, unbiased std) of ``t`` exactly as :func:`_standardize` computes them (std 0 for n = 1)."""
+    """(mean, unbiased std) of ``t``, two-pass in float64 (std 0 for n = 1)."""
     n = t.shape[0]
     total = 0.0
     for i in range(n):
@@ -61,6 +44,14 @@ def _moments(t):  # pragma: no cover - compiled; tested through gdpo
         d = t[i] - mean
         m2 += d * d
     return mean, (np.sqrt(m2 / (n - 1)) if n > 1 else 0.0)
+
+
+@jit.njit
+def _standardize(t):  # pragma: no cover - compiled; tested through gdpo
+    """In place: t = (t - mean) / std with :func:`_moments`, or t - mean where std = 0 or B = 1."""
+    mean, sd = _moments(t)
+    for i in range(t.shape[0]):
+        t[i] = (t[i] - mean) / sd if sd > 0 else t[i] - mean
 
 
 @jit.njit
