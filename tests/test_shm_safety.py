@@ -156,23 +156,81 @@ def test_auto_sends_one_message_when_the_server_refuses_the_stream(make_server):
         assert torch.equal(got.advantages, c.compute("gae", None, transport="unary", **tensors).advantages)
 
 
-def test_registering_a_segment_needs_the_proof_written_into_it(make_server):
-    """Nobody can register another client's segment (or any other object the server's user may open): the
-    registration must carry the random bytes the registering process has just written at offset 0."""
+def test_registering_a_segment_needs_the_servers_challenge_written_into_it(make_server):
+    """Nobody can register a segment they cannot write (another client's, or any other object the server's
+    user may open): registration hands out a challenge, and only a segment holding that challenge at offset 0
+    gets a region. Guessable bytes (zeros, whatever the segment held) do not pass."""
     srv = make_server()
     with AdvantageClient(srv.address, timeout=30.0) as victim, AdvantageClient(srv.address, timeout=30.0) as other, \
             victim.shared_memory(1 << 20) as region:
         name = region.shm.name.lstrip("/")
-        for proof, code in ((b"", grpc.StatusCode.INVALID_ARGUMENT), (b"x" * 65, grpc.StatusCode.INVALID_ARGUMENT),
-                            (b"\0" * 32, grpc.StatusCode.PERMISSION_DENIED),
-                            (bytes(region._buf[:31]) + b"?", grpc.StatusCode.PERMISSION_DENIED)):
+
+        def register(proof: bytes = b"") -> pb.RegisterSharedMemoryResponse:
+            return other._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(name=name, byte_size=1 << 20,
+                                                                                      proof=proof),
+                               pb.RegisterSharedMemoryResponse)
+
+        first = register()
+        assert len(first.challenge) == 32 and not first.region_id and not first.key
+        for proof in (first.challenge, b"\0" * 32, bytes(region._buf[:32])):  # challenge not written / guessed
             with pytest.raises(AdvantageServiceError) as err:
-                other._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(name=name, byte_size=1 << 20,
-                                                                                   proof=proof),
-                            pb.RegisterSharedMemoryResponse)
-            assert err.value.code == code, proof
-        # the owner's proof (still at offset 0, nothing computed yet) works: the check is the bytes, not the caller
-        reply = other._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
-            name=name, byte_size=1 << 20, proof=bytes(region._buf[:32])), pb.RegisterSharedMemoryResponse)
-        assert reply.region_id
+                register(proof)
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, proof
+        again = register()
+        region._buf[:32] = np.frombuffer(again.challenge, np.uint8)  # written by someone who can write it
+        with pytest.raises(AdvantageServiceError):  # a used-up challenge does not count twice
+            register(first.challenge)
+        assert register(again.challenge).region_id
+        with pytest.raises(AdvantageServiceError) as err:
+            register(again.challenge)
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert region.compute("gae", None, **_gae(4, 8)).advantages.shape == (4, 8)
+
+def test_closing_an_abandoned_region_makes_no_call(make_server, monkeypatch):
+    """The server may be gone when a call was abandoned: cleanup must not wait for it."""
+    srv = make_server()
+    with AdvantageClient(srv.address, timeout=30.0) as c:
+        region = c.shared_memory(1 << 20)
+        c.timeout = 1e-6
+        with pytest.raises(AdvantageServiceError):
+            region.compute("gae", None, **_gae(4, 8))
+        calls = []
+        monkeypatch.setattr(c, "_call", lambda method, *a, **k: calls.append(method))
+        region.close()
+        assert calls == [] and region._buf is None
+
+
+def test_a_float_max_message_mb_is_accepted(target):
+    with AdvantageClient(target, timeout=30.0, max_message_mb=64.5) as c:
+        assert c.max_message_bytes == int(64.5 * (1 << 20))
+        assert c.compute("gae", None, transport="unary", **_gae(4, 8)).advantages.shape == (4, 8)
+
+
+def test_a_stream_cut_by_the_clients_deadline_is_counted_as_such():
+    import time as _time
+    from advantage_client import codec
+    srv = create_server("127.0.0.1", 0, device="cpu", metrics_port=0).start()
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stream = channel.stream_stream("/advantage.v1.AdvantageService/ComputeAdvantageStream",
+                                       request_serializer=None, response_deserializer=None)
+
+        def slow():
+            yield codec.encode_chunk(1 << 20, memoryview(b"x" * 1000))
+            _time.sleep(2.0)
+
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream(slow(), timeout=0.5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = _time.monotonic() + 10
+        while _time.monotonic() < deadline:  # the server notices when its handler returns
+            m = scrape(srv.metrics.port)
+            counted = {dict(k)["code"]: v for k, v in m.get("advantage_requests_total", {}).items()
+                       if dict(k).get("method") == "ComputeAdvantageStream"}
+            if counted:
+                break
+            _time.sleep(0.1)
+        assert counted == {"DEADLINE_EXCEEDED": 1.0}
+    finally:
+        channel.close()
+        srv.stop(grace=1.0)

@@ -180,7 +180,7 @@ class AdvantageClient:
                  shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB):
         self.target = channel_target(target)
         self.timeout = timeout
-        self.max_message_bytes = max_message_mb << 20
+        self.max_message_bytes = int(max_message_mb * (1 << 20))
         self._metadata = auth_metadata(token, token_file)
         channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                             tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready)
@@ -291,7 +291,9 @@ class AdvantageClient:
             return region.compute(estimator, config, **kwargs)
         finally:
             if region.abandoned and self._shm is region:
-                # the server may still write that call's results into it: the next call gets a new region
+                # the server may still write that call's results into it: the next call gets a new region.
+                # No Unregister call (the server may be gone: it must not block); the server forgets a
+                # region whose segment is unlinked at its next registration.
                 self._shm = None
                 region.close()
 

@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover
     torch = None
 
 ALIGN = 64
-PROOF_BYTES = 32
 #: call outcomes after which the server may still be running the call (it has not answered)
 ABANDONED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
                        grpc.StatusCode.UNKNOWN})
@@ -74,11 +73,16 @@ class SharedMemoryRegion:
             raise
         self._buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
         self._next = 0  # bump allocator for empty()
-        proof = os.urandom(PROOF_BYTES)  # shows the server this process writes the segment (see the proto)
-        self._buf[:PROOF_BYTES] = np.frombuffer(proof, np.uint8)
         try:
-            reply = client._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(
-                name=self.shm.name, byte_size=self.size, proof=proof), pb.RegisterSharedMemoryResponse)
+            request = pb.RegisterSharedMemoryRequest(name=self.shm.name, byte_size=self.size)
+            reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+            if reply.challenge:  # show the server this process writes the segment (see the proto)
+                n = len(reply.challenge)
+                if n > self.size:
+                    raise MemoryError(f"the region's {self.size} bytes cannot hold the server's {n}-byte challenge")
+                self._buf[:n] = np.frombuffer(reply.challenge, np.uint8)
+                request.proof = reply.challenge
+                reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
         except BaseException:
             self._release()
             raise
@@ -195,7 +199,12 @@ class SharedMemoryRegion:
             pass
 
     def close(self) -> None:
+        """Unregister the region and unlink its segment. After an abandoned call only the segment is unlinked
+        (no call to a server that may be gone; it forgets the region at its next registration)."""
         if self._buf is None:
+            return
+        if self.abandoned:
+            self._release()
             return
         try:
             self._client._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(

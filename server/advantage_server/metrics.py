@@ -215,7 +215,21 @@ def _failed(context: grpc.ServicerContext, echo: tuple) -> str:
     trailing = tuple(context.trailing_metadata() or ())
     if not any(k == REQUEST_ID_KEY for k, _ in trailing):
         context.set_trailing_metadata(trailing + echo)
-    return status.name if status not in (None, grpc.StatusCode.OK) else "UNKNOWN"
+    if status not in (None, grpc.StatusCode.OK):
+        return status.name
+    return _gone(context) or "UNKNOWN"
+
+
+def _gone(context: grpc.ServicerContext) -> str | None:
+    """DEADLINE_EXCEEDED / CANCELLED when the client is no longer there (its deadline passed or it
+    cancelled), else None."""
+    try:
+        if context.is_active():
+            return None
+        remaining = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a context without these (tests' fakes)
+        return None
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 class ObservabilityInterceptor(grpc.ServerInterceptor):
@@ -331,6 +345,8 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                     yield out
                 if context.code() not in (None, grpc.StatusCode.OK):
                     code = context.code().name
+                else:
+                    code = _gone(context) or "OK"  # the handler stops quietly when the client has gone
             except BaseException:
                 code = _failed(context, echo)
                 raise

@@ -43,8 +43,9 @@ from advantage_server.limits import check_batch_elements, checkpoints, grpc_live
 CUSTOM_HANDLERS = frozenset({"ComputeAdvantageStream"})
 #: bytes per chunk the server sends (the client chooses its own)
 CHUNK_BYTES = 4 << 20
-#: the proof of write access RegisterSharedMemory requires (bytes at offset 0 of the segment)
-MIN_PROOF, MAX_PROOF = 16, 64
+#: RegisterSharedMemory's challenge (bytes the client must write at offset 0 of its segment), and how many
+#: unanswered challenges a server keeps (the oldest go first)
+CHALLENGE_BYTES, MAX_CHALLENGES = 32, 1024
 #: regions one server keeps registered at most
 MAX_REGIONS = 256
 ALIGN = 64
@@ -218,6 +219,7 @@ class TransportMethods:
         if buf is None:
             buf = np.empty(0, np.uint8)
         if pos != total:
+            alive("while receiving the request")  # a stream cut by the client's deadline or cancel is not malformed
             raise InvalidInput("data", f"the stream ended after {pos} of the declared {total} bytes")
         return buf
 
@@ -254,6 +256,7 @@ class TransportMethods:
     def _regions(self) -> tuple[dict[str, Region], threading.Lock]:
         if not hasattr(self, "_shm_regions"):
             self._shm_regions: dict[str, Region] = {}
+            self._challenges: dict[bytes, str] = {}  # challenge -> segment name, insertion ordered
             self._shm_lock = threading.Lock()
         return self._shm_regions, self._shm_lock
 
@@ -288,15 +291,24 @@ class TransportMethods:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
         if not request.name or "/" in request.name:
             raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/'")
+        region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))  # INVALID_ARGUMENT if absent
         proof = bytes(request.proof)
-        if not MIN_PROOF <= len(proof) <= MAX_PROOF:
-            raise InvalidInput("proof", f"send {MIN_PROOF}-{MAX_PROOF} random bytes written at offset 0 of the segment "
-                                        f"just before registering (got {len(proof)}); update the client")
-        region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))
-        if region.size < len(proof) or not hmac.compare_digest(region.buf[:len(proof)].tobytes(), proof):
+        if not proof:  # step 1: a challenge the caller must write into the segment (proof of write access)
             region.close()
-            raise NotPermitted(f"segment {request.name!r} does not hold the proof bytes at offset 0: register only a "
-                               "segment your process has just written the proof into")
+            challenge = secrets.token_bytes(CHALLENGE_BYTES)
+            with lock:
+                self._challenges[challenge] = request.name
+                while len(self._challenges) > MAX_CHALLENGES:
+                    self._challenges.pop(next(iter(self._challenges)))
+            return pb.RegisterSharedMemoryResponse(challenge=challenge)
+        with lock:  # step 2: the challenge this server issued for this segment, now at its offset 0
+            issued_for = self._challenges.pop(proof, None)
+        if issued_for != request.name or region.size < len(proof) or \
+                not hmac.compare_digest(region.buf[:len(proof)].tobytes(), proof):
+            region.close()
+            raise NotPermitted(f"segment {request.name!r} does not hold a challenge this server issued for it at "
+                               "offset 0: call RegisterSharedMemory without proof, write the returned challenge at "
+                               "offset 0 of the segment, then call again with proof = that challenge")
         region_id = secrets.token_hex(8)
         with lock:
             regions[region_id] = region

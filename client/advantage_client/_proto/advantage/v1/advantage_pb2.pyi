@@ -1418,11 +1418,14 @@ class RegisterSharedMemoryRequest(_message.Message):
     byte_size: _builtins.int
     """bytes of the segment the server may use, from 0"""
     proof: _builtins.bytes
-    """Proof of access to the segment: 16 to 64 random bytes the client has just
-    written at offset 0 of it. The server reads them back and refuses the
-    registration (PERMISSION_DENIED) when they differ, so no caller can
-    register a segment it cannot read (another user's client's, or any other
-    shared-memory object the server's user may open). Required.
+    """Registration takes two calls. Without proof, the server answers with a
+    random `challenge` only (no region yet). The client writes the challenge
+    at offset 0 of its segment and calls again with proof = the challenge;
+    the server reads it back and registers the region, or answers
+    PERMISSION_DENIED when the segment does not hold a challenge it issued
+    for that name. So no caller can register a segment it cannot write
+    (another client's, or any other shared-memory object the server's user
+    may open).
     """
     def __init__(
         self,
@@ -1445,19 +1448,23 @@ class RegisterSharedMemoryResponse(_message.Message):
 
     REGION_ID_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
+    CHALLENGE_FIELD_NUMBER: _builtins.int
     region_id: _builtins.str
-    """names the region in SharedMemoryTensor"""
+    """names the region in SharedMemoryTensor (set by the second call)"""
     key: _builtins.str
     """secret: send it with every call using the region"""
+    challenge: _builtins.bytes
+    """the first call's answer: write it at offset 0, send it as proof"""
     def __init__(
         self,
         *,
         region_id: _builtins.str = ...,
         key: _builtins.str = ...,
+        challenge: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "region_id", b"region_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["challenge", b"challenge", "key", b"key", "region_id", b"region_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
