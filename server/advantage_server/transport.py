@@ -176,8 +176,9 @@ class TransportMethods:
     max_stream_bytes: int | None = None
 
     # ------------------------------------------------------------------ codec unary
-    def compute_payload(self, request: Any, context: Any) -> ResultPayload:
-        """check_batch_elements, a compute slot, the core; the result left for the codec to encode."""
+    def compute_payload(self, request: Any, context: Any, output_provider: Any = None) -> ResultPayload:
+        """check_batch_elements, a compute slot, the core; the result left for the codec to encode (or, with
+        ``output_provider``, written where the provider put it: see ``AdvantageCore.run``)."""
         fields = request.tensor_fields() if hasattr(request, "tensor_fields") else None
         if fields is None:
             from advantage_server.server import tensor_fields
@@ -185,7 +186,7 @@ class TransportMethods:
         check_batch_elements(fields, self.limits.max_batch_elements)
         alive = grpc_liveness(context)
         with self.gate.compute_slot(alive), checkpoints(alive):
-            return ResultPayload(*self.core.compute_result(request))
+            return ResultPayload(*self.core.compute_result(request, output_provider=output_provider))
 
     # ------------------------------------------------------------------ client streaming
     def custom_handler(self, method: Any) -> grpc.RpcMethodHandler:
@@ -334,8 +335,6 @@ class TransportMethods:
         if inner.HasField("cu_seqlens"):
             c = inner.cu_seqlens
             decoded.cu_seqlens = codec.TensorView(c.dtype, list(c.shape), c.data)
-        check_batch_elements({f"inputs[{k!r}]": t for k, t in request.inputs.items()},
-                             self.limits.max_batch_elements)
         for key, t in request.inputs.items():
             field = f"inputs[{key!r}]"
             nbytes, shape = _shm_layout(t, field)
@@ -353,14 +352,12 @@ class TransportMethods:
                           min(out_region.size, request.output_offset + request.output_byte_size),
                           _OUTPUT.get(inner.output_dtype, torch.float32),
                           input_spans(request, request.output_region_id))
-        check_batch_elements(decoded.tensor_fields(), self.limits.max_batch_elements)
         alive = grpc_liveness(context)
         lock = region_lock(out_region)  # one call writes into a region at a time (see shm_output)
         while not lock.acquire(timeout=0.05):
             alive("waiting for another call writing into this shared-memory region")
         try:
-            with self.gate.compute_slot(alive), checkpoints(alive):
-                payload = ResultPayload(*self.core.compute_result(decoded, output_provider=room))
+            payload = self.compute_payload(decoded, context, output_provider=room)
             adv, ret = payload.tensors()
             response = pb.ComputeAdvantageShmResponse()
             response.metrics.update({k: float(v) for k, v in payload.result.metrics.items()})
