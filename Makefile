@@ -3,7 +3,9 @@
 # `make lint`: only the deployment checks (hadolint, Kubernetes schemas, buf lint and breaking); `make test` runs them too.
 VENV ?= .venv
 PYTHON ?= python3
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+# tests/references/requirements.txt: the released references the differential tests run (installed --no-deps)
+REFS := tests/references/requirements.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt $(REFS) | cksum | cut -d' ' -f1)
 # The Node.js example's packages (the lockfile's exact versions), where npm exists.
 NODE_EXAMPLE := examples/node
 NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modules/.installed)
@@ -12,9 +14,10 @@ NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modu
 
 setup: $(STAMP) $(NODE_STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(REFS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt -r $(REFS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+# SEMANTICS: the ``Semantics`` enum's short names; REFERENCES: the release each one reproduces
+from advantage_client.references import REFERENCES, SEMANTICS  # noqa: F401  (re-exported)
 from advantage_server.errors import InvalidInput
 
 
@@ -43,9 +45,6 @@ class AdvantageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     finite: bool = False
 
-
-#: the ``Semantics`` enum's short names: which public reference an estimator setting reproduces
-SEMANTICS = ("nemo_rl", "verl", "openrlhf", "trl")
 
 
 @dataclass(frozen=True)

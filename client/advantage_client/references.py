@@ -1,0 +1,54 @@
+"""The releases each ``semantics`` value reproduces: the one place that names them.
+
+``ListEstimators`` reports them (``ListEstimatorsResponse.references``), the README's estimator table
+and the ``.proto`` comments name the same releases, and the differential tests
+(``tests/test_diff_*.py``) install exactly these pins (``tests/references/requirements.txt``; a test
+checks that the file and the installed packages agree with this module).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One public reference implementation.
+
+    semantics: the ``Semantics`` enum's short name (``"verl"``).
+    project:   the project's own name (``"verl"``).
+    release:   the release reproduced: a PyPI version (``"0.9.1"``), or ``"main@<commit>"`` where the
+               project publishes no release containing the estimators (NeMo RL).
+    package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
+               produced at ``release``, ``shared/golden/nemo-rl``).
+    code:      where the reproduced estimators live in that release.
+    """
+
+    semantics: str
+    project: str
+    release: str
+    package: str | None
+    code: str
+
+    @property
+    def pin(self) -> str | None:
+        """The pip requirement of the release (``"verl==0.9.1"``), or ``None`` where none is published."""
+        return f"{self.package}=={self.release}" if self.package else None
+
+    @property
+    def label(self) -> str:
+        """``"verl 0.9.1"`` / ``"NeMo RL main@7ea279a"``: how the README and ListEstimators name it."""
+        release = self.release if self.package else self.release[: len("main@") + 7]
+        return f"{self.project} {release}"
+
+
+#: semantics short name -> the release it reproduces, in the ``Semantics`` enum's order
+REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
+    Reference("nemo_rl", "NeMo RL", "main@7ea279abfbeb698b092856d0dab61e7cf39bc909", None,
+              "nemo_rl/algorithms/advantage_estimator.py"),
+    Reference("verl", "verl", "0.9.1", "verl", "verl/trainer/ppo/core_algos.py"),
+    Reference("openrlhf", "OpenRLHF", "0.11.2", "openrlhf", "openrlhf/trainer/ppo_utils/experience_maker.py"),
+    Reference("trl", "TRL", "1.16.0", "trl", "trl/trainer/grpo_trainer.py"),
+)}
+
+#: the ``Semantics`` enum's short names
+SEMANTICS = tuple(REFERENCES)
