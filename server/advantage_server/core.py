@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from advantage_client import wire
+from advantage_client.references import REFERENCES
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server import validate
 from advantage_server.errors import InvalidInput, ResourceLimit
@@ -412,4 +413,9 @@ def describe(spec: EstimatorSpec) -> pb.EstimatorInfo:
 
 
 def list_estimators() -> pb.ListEstimatorsResponse:
-    return pb.ListEstimatorsResponse(estimators=[describe(s) for s in REGISTRY.values()])
+    """The ``ListEstimators`` answer: every registered estimator's contract, and the release each
+    ``semantics`` value reproduces (from :data:`advantage_client.references.REFERENCES`)."""
+    return pb.ListEstimatorsResponse(
+        estimators=[describe(s) for s in REGISTRY.values()],
+        references=[pb.ReferenceRelease(semantics=r.semantics, project=r.project, release=r.release,
+                                        package=r.package or "", code=r.code) for r in REFERENCES.values()])

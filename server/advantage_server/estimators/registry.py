@@ -111,10 +111,14 @@ class EstimatorConfig:
 
 
 def semantics_field(choices: tuple[str, ...], doc: str) -> Any:
-    """The ``semantics`` field of a config: ``choices[0]`` is the default (an unset field)."""
+    """The ``semantics`` field of a config: ``choices[0]`` is the default (an unset field).
+
+    Its ``doc`` ends with the release each choice reproduces, from :data:`REFERENCES`.
+    """
     assert all(c in SEMANTICS for c in choices), choices
+    releases = "; ".join(f"{c} = {REFERENCES[c].label}" for c in choices)
     return field(default=None, metadata={
-        "doc": doc, "choices": choices, "enum": "Semantics", "default": choices[0], "default_text": choices[0]})
+        "doc": f"{doc} Releases: {releases}.", "choices": choices, "enum": "Semantics", "default": choices[0], "default_text": choices[0]})
 
 
 @dataclass(frozen=True)

@@ -147,13 +147,15 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     DESCRIPTOR: _descriptor.EnumDescriptor
     SEMANTICS_UNSPECIFIED: _Semantics.ValueType  # 0
     SEMANTICS_NEMO_RL: _Semantics.ValueType  # 1
-    """NVIDIA NeMo RL nemo_rl/algorithms/advantage_estimator.py"""
+    """NVIDIA NeMo RL main@7ea279abfbeb698b092856d0dab61e7cf39bc909,
+    nemo_rl/algorithms/advantage_estimator.py
+    """
     SEMANTICS_VERL: _Semantics.ValueType  # 2
-    """volcengine verl verl/trainer/ppo/core_algos.py"""
+    """volcengine verl 0.9.1 (PyPI), verl/trainer/ppo/core_algos.py"""
     SEMANTICS_OPENRLHF: _Semantics.ValueType  # 3
-    """OpenRLHF openrlhf/trainer/ppo_utils/experience_maker.py"""
+    """OpenRLHF 0.11.2 (PyPI), openrlhf/trainer/ppo_utils/experience_maker.py"""
     SEMANTICS_TRL: _Semantics.ValueType  # 4
-    """Hugging Face TRL trl/trainer/grpo_trainer.py"""
+    """Hugging Face TRL 1.16.0 (PyPI), trl/trainer/grpo_trainer.py"""
 
 class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     """Which public reference an estimator reproduces, where references that share
@@ -161,17 +163,21 @@ class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     documents which values it accepts and what each one reproduces; unset means
     nemo_rl for the six NeMo RL estimators and verl for the others. A value the
     estimator does not offer is INVALID_ARGUMENT naming config.semantics.
+    Each value names the release it reproduces (ListEstimatorsResponse.references
+    reports the same, and the differential tests run against these releases).
     """
 
 SEMANTICS_UNSPECIFIED: Semantics.ValueType  # 0
 SEMANTICS_NEMO_RL: Semantics.ValueType  # 1
-"""NVIDIA NeMo RL nemo_rl/algorithms/advantage_estimator.py"""
+"""NVIDIA NeMo RL main@7ea279abfbeb698b092856d0dab61e7cf39bc909,
+nemo_rl/algorithms/advantage_estimator.py
+"""
 SEMANTICS_VERL: Semantics.ValueType  # 2
-"""volcengine verl verl/trainer/ppo/core_algos.py"""
+"""volcengine verl 0.9.1 (PyPI), verl/trainer/ppo/core_algos.py"""
 SEMANTICS_OPENRLHF: Semantics.ValueType  # 3
-"""OpenRLHF openrlhf/trainer/ppo_utils/experience_maker.py"""
+"""OpenRLHF 0.11.2 (PyPI), openrlhf/trainer/ppo_utils/experience_maker.py"""
 SEMANTICS_TRL: Semantics.ValueType  # 4
-"""Hugging Face TRL trl/trainer/grpo_trainer.py"""
+"""Hugging Face TRL 1.16.0 (PyPI), trl/trainer/grpo_trainer.py"""
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
 
 class _ScaleRewards:
@@ -1185,20 +1191,71 @@ class ListEstimatorsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ESTIMATORS_FIELD_NUMBER: _builtins.int
+    REFERENCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def estimators(self) -> _containers.RepeatedCompositeFieldContainer[Global___EstimatorInfo]: ...
+    @_builtins.property
+    def references(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReferenceRelease]:
+        """The release each Semantics value reproduces, one entry per value, in the
+        enum's order (see Semantics). Estimators without a `semantics` field
+        reproduce the release of their default semantics.
+        """
+
     def __init__(
         self,
         *,
         estimators: _abc.Iterable[Global___EstimatorInfo] | None = ...,
+        references: _abc.Iterable[Global___ReferenceRelease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimators", b"estimators"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimators", b"estimators", "references", b"references"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListEstimatorsResponse: _TypeAlias = ListEstimatorsResponse  # noqa: Y015
+
+@_typing.final
+class ReferenceRelease(_message.Message):
+    """One public reference implementation, pinned to the release the service
+    reproduces and the service's differential tests run against.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEMANTICS_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    PACKAGE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    semantics: _builtins.str
+    """The Semantics value's short name: "nemo_rl", "verl", "openrlhf", "trl"."""
+    project: _builtins.str
+    """The project's own name: "NeMo RL", "verl", "OpenRLHF", "TRL"."""
+    release: _builtins.str
+    """A PyPI version ("0.9.1"), or "main@<40-hex commit>" where the project
+    publishes no release containing the estimators (NeMo RL).
+    """
+    package: _builtins.str
+    """The PyPI distribution of that release ("verl"); empty where none."""
+    code: _builtins.str
+    """The file holding the reproduced estimators in that release."""
+    def __init__(
+        self,
+        *,
+        semantics: _builtins.str = ...,
+        project: _builtins.str = ...,
+        release: _builtins.str = ...,
+        package: _builtins.str = ...,
+        code: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "package", b"package", "project", b"project", "release", b"release", "semantics", b"semantics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReferenceRelease: _TypeAlias = ReferenceRelease  # noqa: Y015
 
 @_typing.final
 class EstimatorInfo(_message.Message):
