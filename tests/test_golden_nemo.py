@@ -36,7 +36,7 @@ def test_golden_cases_present():
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_nemo_golden_over_grpc(path, target):
     case = load_case(path)
-    estimator = RemoteAdvantageEstimator(target, case["estimator"], case["config"])
+    estimator = RemoteAdvantageEstimator(target, case["estimator"], case["config"], result_format="advantage_result")
     result = estimator.compute_advantage(**nemo_kwargs(case))
     assert_close_to_golden(result.advantages.numpy(), case, "advantages")
     if case["expected"]["returns"] is None:

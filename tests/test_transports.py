@@ -29,7 +29,8 @@ def tclient(request, target):
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_nemo_golden_over_every_transport(path, tclient, target):
     case = load_case(path)
-    estimator = RemoteAdvantageEstimator(target, case["estimator"], case["config"], client=tclient)
+    estimator = RemoteAdvantageEstimator(target, case["estimator"], case["config"], client=tclient,
+                                         result_format="advantage_result")
     result = estimator.compute_advantage(**nemo_kwargs(case))
     assert_close_to_golden(result.advantages.numpy(), case, "advantages")
     if case["expected"]["returns"] is None:

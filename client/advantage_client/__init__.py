@@ -29,12 +29,13 @@ from advantage_client._proto.advantage.v1.advantage_pb2 import (
     Semantics,
     TIROptimalTokenBaselineConfig,
 )
-from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError
+from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError, InvalidArgumentError
 from advantage_client.nemo import RemoteAdvantageEstimator
 from advantage_client.wire import WireError
 
 __all__ = [
-    "AdvantageClient", "AdvantageResult", "AdvantageServiceError", "RemoteAdvantageEstimator", "WireError",
+    "AdvantageClient", "AdvantageResult", "AdvantageServiceError", "InvalidArgumentError", "RemoteAdvantageEstimator",
+    "WireError",
     "GRPOConfig", "GDPOConfig", "ReinforcePlusPlusConfig", "RawRewardConfig", "GAEConfig", "OPDConfig",
     "GRPOPassKConfig", "ReinforcePlusPlusBaselineConfig", "RLOOConfig", "OPOConfig", "ReMaxConfig", "GPGConfig",
     "OptimalTokenBaselineConfig", "TIROptimalTokenBaselineConfig", "Semantics", "ScaleRewards", "KLType",

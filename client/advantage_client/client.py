@@ -8,7 +8,8 @@
         result.advantages, result.returns, result.metrics
 
 Tensors go in as ``torch.Tensor`` or ``numpy.ndarray`` and come back as ``torch.Tensor`` when torch is
-installed (``numpy.ndarray`` otherwise). Every server error is raised as :class:`AdvantageServiceError`.
+installed (``numpy.ndarray`` otherwise). Every server error is raised as :class:`AdvantageServiceError`;
+INVALID_ARGUMENT as its subclass :class:`InvalidArgumentError`, which is also a ``ValueError``.
 """
 from __future__ import annotations
 
@@ -43,15 +44,33 @@ class AdvantageServiceError(Exception):
                       answers, DEADLINE_EXCEEDED after ``timeout``, ...).
     field_violations: ``[(field, description), ...]`` from the ``google.rpc.BadRequest`` detail, if any.
     ``str(error)`` is the server's message.
+
+    An error whose code is INVALID_ARGUMENT is created as :class:`InvalidArgumentError`, which is also a
+    ``ValueError`` (``AdvantageServiceError(grpc.StatusCode.INVALID_ARGUMENT, ...)`` gives one too), so a
+    trainer's ``except ValueError`` catches bad input sent to the service as it catches it from an
+    in-process estimator (NeMo RL's and verl's raise ``ValueError``). Every other code stays a plain
+    ``AdvantageServiceError``, not a ``ValueError``.
     """
+
+    def __new__(cls, code: Any = None, *args: Any, **kwargs: Any) -> "AdvantageServiceError":
+        if cls is AdvantageServiceError and code == grpc.StatusCode.INVALID_ARGUMENT:
+            cls = InvalidArgumentError
+        return super().__new__(cls, code, *args, **kwargs)
 
     def __init__(self, code: grpc.StatusCode, message: str, field_violations: list[tuple[str, str]] | None = None):
         super().__init__(message)
         self.code = code
         self.field_violations = field_violations or []
 
+    def __reduce__(self) -> tuple:
+        # pickled (e.g. raised in a Ray worker) with its code and violations, and unpickled as the same type
+        return AdvantageServiceError, (self.code, str(self), self.field_violations)
+
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> "AdvantageServiceError":
+        """The ``grpc.RpcError`` of a failed call -> :class:`AdvantageServiceError` with its code, message and
+        ``BadRequest`` field violations: an :class:`InvalidArgumentError` (also a ``ValueError``) for
+        INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code."""
         violations = []
         try:
             status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
@@ -62,7 +81,13 @@ class AdvantageServiceError(Exception):
                 bad = error_details_pb2.BadRequest()
                 if detail.Unpack(bad):
                     violations += [(v.field, v.description) for v in bad.field_violations]
-        return cls(err.code(), err.details() or "", violations)
+        return AdvantageServiceError(err.code(), err.details() or "", violations)
+
+
+class InvalidArgumentError(AdvantageServiceError, ValueError):
+    """INVALID_ARGUMENT from the service (bad input or config: see ``field_violations``): an
+    :class:`AdvantageServiceError` and a ``ValueError`` at once, whichever transport (unary, stream, shared
+    memory) carried the call. ``code`` is always ``grpc.StatusCode.INVALID_ARGUMENT``."""
 
 
 @dataclass
@@ -219,7 +244,8 @@ class AdvantageClient:
                 ``[N]`` with holes, and the result's advantages/returns come back flat ``[N]``.
         transport: overrides the client's ``transport`` for this call.
         Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded, and
-        :class:`AdvantageServiceError` for every error the server reports.
+        :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
+        (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
         """
         transport = transport or self.transport
         if transport not in streaming.TRANSPORTS:
