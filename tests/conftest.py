@@ -85,3 +85,10 @@ def assert_close_to_golden(got, case: dict, key: str) -> None:
         failures.append(f"{variant}: {int((~ok).sum())} positions differ, e.g. {bad}: "
                         f"got {[got[tuple(i)] for i in bad]} want {[exp[tuple(i)] for i in bad]}")
     raise AssertionError(f"{case['id']} {key}: " + " | ".join(failures))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One ``differential batches tried: <name>: <n>`` line per differential test (tests/references/counts.py)."""
+    from references.counts import TRIED
+    for name in sorted(TRIED):
+        terminalreporter.write_line(f"differential batches tried: {name}: {TRIED[name]}")

@@ -77,8 +77,17 @@ def full_batch(info, seed: int = 0) -> dict[str, np.ndarray]:
 
 def all_paths_config(info) -> dict:
     """A config with every optional path switched on: every bool field true (use_kl_in_reward,
-    minus_baseline, normalization, leave-one-out)."""
-    return {f.name: True for f in info.config_fields if f.type == "bool"}
+    minus_baseline, normalization, leave-one-out) that applies under the default semantics (a field
+    listed "false (verl); not applicable otherwise" is left unset for a nemo_rl default)."""
+    semantics = next((f.default_value for f in info.config_fields if f.name == "semantics"), None)
+
+    def applies(f) -> bool:
+        if semantics is None or "not applicable" not in f.default_value:
+            return True
+        where = f.default_value.split("(", 1)[1].split(")", 1)[0]
+        return semantics in [w.strip() for w in where.split(",")]
+
+    return {f.name: True for f in info.config_fields if f.type == "bool" and applies(f)}
 
 
 def declared_name(info, key: str) -> str | None:
@@ -338,13 +347,18 @@ NEMO_DEFAULTS = {
     "epsilon": 1e-6,
     "scale_rewards": "group",  # trl only; the first word of the listed default
     "gamma": 1.0,              # verl and openrlhf only
+    # options asked for in public bug reports (issue 10): off by default, so the references are reproduced
+    "exclude_empty_responses": False,
+    "sum_rewards_over_mask": False,   # verl semantics only
+    "allow_missing_rewards": False,   # gdpo
 }
 #: defaults of the estimators that follow verl (and of fields whose listed default is per estimator)
 VERL_DEFAULTS = {
     ("grpo_passk", "normalize_rewards"): True,
     ("grpo_passk", "epsilon"): 1e-6,
     ("gpg", "f_norm"): 1.0,
-    ("optimal_token_baseline", "handle_zero_tail"): False,
+    ("optimal_token_baseline", "handle_zero_tail"): True,   # verl 0.9.1's function default
+    ("reinforce_plus_plus", "reset_returns_at_holes"): False,  # verl only; true = verl 0.8's recursion
     ("optimal_token_baseline", "epsilon"): 1e-8,
     ("tir_optimal_token_baseline", "handle_zero_tail"): True,
     ("tir_optimal_token_baseline", "epsilon"): 1e-8,
@@ -360,6 +374,13 @@ PER_SEMANTICS_TEXT = {
     ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf); not applicable to nemo_rl",
     ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl)",
     ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl",
+    ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
+    ("rloo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
+    ("reinforce_plus_plus", "exclude_empty_responses"): "false (nemo_rl); not applicable otherwise",
+    ("reinforce_plus_plus", "reset_returns_at_holes"): "false (verl); not applicable otherwise",
+    ("gdpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable to verl",
+    ("gdpo", "epsilon"): "1e-06 (verl); not applicable to nemo_rl",
 }
 
 

@@ -70,10 +70,14 @@ def close(got, want, tol=1e-9):
 
 
 # ------------------------------------------------------------------------------------------ grpo
+# verl 0.9.1's std of a group of one is torch.tensor(1.0), float32: 1 + epsilon is rounded to float32
+ONE_PLUS_EPS_F32 = float(np.float32(1.0) + np.float32(1e-6))
+
+
 def test_grpo_verl():
     a = 0.5 / (0.5 + 1e-6)
     close(run("grpo", {"semantics": "verl"}, prompt_ids=IDS, rewards=R).advantages,
-          rows([a, 0, -a, 2.0 / (1 + 1e-6), 0, 0]))  # a group of one: mean 0, std 1
+          rows([a, 0, -a, 2.0 / ONE_PLUS_EPS_F32, 0, 0]))  # a group of one: mean 0, std 1 (float32)
     close(run("grpo", {"semantics": "verl", "normalize_rewards": False}, prompt_ids=IDS, rewards=R).advantages,
           rows([0.5, 0, -0.5, 2.0, 0, 0]))
 
@@ -119,7 +123,7 @@ def test_grpo_dapo_std_rewards():
     s = torch.tensor([3.0, 0, 1.0, 0, 0, 0], dtype=F64)
     a = 0.5 / (math.sqrt(7 / 3) + 1e-6)
     close(run("grpo", {"semantics": "verl"}, prompt_ids=IDS, rewards=R, std_rewards=s).advantages,
-          rows([a, 0, -a, 2.0 / (1 + 1e-6), 0, 0]))
+          rows([a, 0, -a, 2.0 / ONE_PLUS_EPS_F32, 0, 0]))
     # nemo_rl with leave-one-out: row 0's others are rows 2, 5 with std_rewards 1, 0 -> std sqrt(0.5);
     # its baseline (mean of the others' rewards) is 0.25
     got = run("grpo", None, prompt_ids=IDS, rewards=R, std_rewards=s).advantages
@@ -149,21 +153,22 @@ def test_rloo_verl():
 
 
 def test_rloo_openrlhf():
-    """Shaped [0.75, 0, -0.75, 2, 0, 0] on the last valid token; G = reverse cumsum; whitened over the 16
-    valid tokens (biased variance)."""
+    """Shaped [0.75, 0, -0.75, 2, 0, 0] on the last valid token; G = reverse cumsum; OpenRLHF 0.11.2 does not
+    whiten rloo: advantages = G. A shaped reward beyond +-10 is clamped (OpenRLHF's default clip_range)."""
     res = run("rloo", {"semantics": "openrlhf"}, prompt_ids=IDS, rewards=R)
     G = up_to_last([0.75, 0, 0, 2.0, 0, 0])  # row 2 has no valid token: its reward is dropped
     close(res.returns, G)
-    mean = (3 * 0.75 + 2 * 2.0) / 16
-    var = (3 * 0.75 ** 2 + 2 * 4.0) / 16 - mean ** 2
-    close(res.advantages, (G - mean) / math.sqrt(var))
+    close(res.advantages, G)
+    res = run("rloo", {"semantics": "openrlhf"}, prompt_ids=IDS, rewards=R * 10)
+    close(res.returns, up_to_last([7.5, 0, 0, 10.0, 0, 0]))  # the group of one's 20 is clamped to 10
 
 
 # -------------------------------------------------------------------------- reinforce++ baseline
 def test_reinforce_plus_plus_baseline_verl():
     x = rows([0.5, 0, -0.5, 2.0, 0, 0])  # a group of one keeps its score (mean 0)
     mean = (3 * 0.5 + 2 * 2.0) / 16
-    var = ((3 * 0.5 ** 2 + 2 * 4.0) - 16 * mean ** 2) / 15
+    # verl masked_var: biased variance times n / (n - 1), a float32 factor in verl (int64 mask sums)
+    var = ((3 * 0.5 ** 2 + 2 * 4.0) - 16 * mean ** 2) / 16 * float(np.float32(16) / np.float32(15))
     res = run("reinforce_plus_plus_baseline", None, prompt_ids=IDS, rewards=R)
     assert res.returns is None
     close(res.advantages, (x - mean) / math.sqrt(var + 1e-8) * MASK)
@@ -205,19 +210,39 @@ def test_remax():
 
 # ----------------------------------------------------------------------------------------- gpg
 def test_gpg():
-    """alpha = B / #nonzero = 6 / 5; group means 0.5, 0.5 and 0 for the group of one."""
-    close(run("gpg", None, prompt_ids=IDS, rewards=R).advantages, rows([0.6, 0, -0.6, 2.4, 0, 0]))
-    close(run("gpg", {"f_norm": 2.0}, prompt_ids=IDS, rewards=R).advantages, rows([0.3, 0, -0.3, 1.2, 0, 0]))
+    """alpha = B / #nonzero = 6 / 5 (float32 in verl: 1.2000000477); group means 0.5, 0.5 and 0 for the
+    group of one."""
+    alpha = float(np.float32(6) / np.float32(5))
+    close(run("gpg", None, prompt_ids=IDS, rewards=R).advantages, rows([alpha * x for x in (0.5, 0, -0.5, 2, 0, 0)]))
+    close(run("gpg", {"f_norm": 2.0}, prompt_ids=IDS, rewards=R).advantages,
+          rows([alpha * x / 2 for x in (0.5, 0, -0.5, 2, 0, 0)]))
 
 
 # ---------------------------------------------------------------------------- reinforce++ returns
-def test_reinforce_plus_plus_verl_holes_reset_the_return():
+def test_reinforce_plus_plus_verl_carries_the_return_across_holes():
+    """verl 0.9.1 (PR #7300): the hole at t = 2 keeps the running return as it is (its reward 3 is
+    dropped) and gets return 0: G3 = 4, G1 = 2 + .5 * 4 = 4, G0 = 1 + .5 * 4 = 3."""
     tok = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 0, 1]], dtype=F64)
     res = run("reinforce_plus_plus", {"semantics": "verl", "gamma": 0.5}, rewards=tok, mask=mask)
+    close(res.returns, [[3.0, 4.0, 0.0, 4.0]])
+    valid = torch.tensor([3.0, 4.0, 4.0], dtype=F64)
+    var = valid.var(unbiased=False) * float(np.float32(3) / np.float32(2))  # verl's float32 Bessel factor
+    close(res.advantages, (res.returns - valid.mean()) / torch.sqrt(var + 1e-8) * mask)
+
+
+def test_reinforce_plus_plus_verl_08_holes_reset_the_return():
+    """reset_returns_at_holes: verl 0.8 and earlier, where the hole cuts the return and keeps its own."""
+    tok = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 1]], dtype=F64)
+    res = run("reinforce_plus_plus", {"semantics": "verl", "gamma": 0.5, "reset_returns_at_holes": True},
+              rewards=tok, mask=mask)
     close(res.returns, [[2.0, 2.0, 5.0, 4.0]])  # G2 = 3 + .5 * 4; G1 = 2 (t = 2 is a hole); G0 = 1 + .5 * 2
     valid = torch.tensor([2.0, 2.0, 4.0], dtype=F64)
-    close(res.advantages, (res.returns - valid.mean()) / torch.sqrt(valid.var() + 1e-8) * mask)
+    var = valid.var(unbiased=False) * float(np.float32(3) / np.float32(2))
+    close(res.advantages, (res.returns - valid.mean()) / torch.sqrt(var + 1e-8) * mask)
+    with pytest.raises(InvalidInput, match="reset_returns_at_holes"):
+        run("reinforce_plus_plus", {"semantics": "openrlhf", "reset_returns_at_holes": True}, rewards=tok, mask=mask)
 
 
 def test_reinforce_plus_plus_openrlhf():
@@ -254,7 +279,8 @@ def test_verl_returns_kernel_matches_loop(gamma, T):
     m = (torch.rand(5, T, generator=gen) < 0.7).to(F64)
     m[0] = 0
     m[1] = 1
-    close(verl_returns(r, m, gamma), verl_returns_loop(r, m, gamma), tol=1e-10)
+    for reset in (False, True):  # verl 0.9.1 (carry across holes) and verl 0.8 (reset)
+        close(verl_returns(r, m, gamma, reset), verl_returns_loop(r, m, gamma, reset), tol=1e-10)
 
 
 # ---------------------------------------------------------------------------------- gae (verl)
@@ -265,7 +291,8 @@ def test_gae_verl_keeps_masked_positions_and_nemo_zeroes_them():
     verl = run("gae", {"semantics": "verl", "gae_lambda": 0.95}, rewards=tok, values=vals)
     nemo = run("gae", {"gae_lambda": 0.95}, rewards=tok, values=vals)
     close(verl.returns, nemo.returns)
-    close(verl.advantages * MASK, nemo.advantages)
+    # verl's Bessel factor n / (n - 1) is float32 (its int64 mask sums); NeMo's is exact
+    close(verl.advantages * MASK, nemo.advantages, tol=1e-7)
     assert (verl.advantages * (1 - MASK)).abs().sum() > 0  # whitened carry at masked positions
 
 
@@ -313,7 +340,8 @@ def test_otb_hand_computed_with_zero_tail():
     res = run("optimal_token_baseline", {"handle_zero_tail": True, "epsilon": 0.0}, **t)
     close(res.returns, [[1, 1, 1], [0, 0, 0]])
     close(res.advantages, [[0.5, 0.5, 1.0], [-0.5, -0.5, 0.0]])
-    res = run("optimal_token_baseline", {"epsilon": 0.0}, **t)
+    close(run("optimal_token_baseline", {"epsilon": 0.0}, **t).advantages, res.advantages)  # true by default (verl)
+    res = run("optimal_token_baseline", {"handle_zero_tail": False, "epsilon": 0.0}, **t)
     close(res.advantages, [[0.5, 0.5, 0.0], [-0.5, -0.5, 0.0]])  # at t = 2 only row 0 is valid: B = G
 
 
@@ -441,3 +469,37 @@ def test_config_dict_takes_enum_short_names(client):
     with pytest.raises(ValueError, match="config.scale_rewards"):
         client.compute("grpo", {"semantics": "trl", "scale_rewards": "per_token"}, prompt_ids=IDS.numpy(),
                        rewards=R.numpy().astype(np.float32), mask=MASK.numpy().astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------- gdpo (verl)
+def test_gdpo_verl_hand_computed():
+    """verl 0.9.1 compute_gdpo_outcome_advantage: per-component verl GRPO (a group of one: mean 0 and std 1,
+    1 + epsilon in float32), summed, times the mask, then whitened over the 5 valid tokens (row 0 counts
+    twice, row 3 is empty) with verl's float32 Bessel factor 5 / 4."""
+    ids = torch.tensor([0, 0, 1, 2])
+    a = torch.tensor([1.0, 0.0, 2.0, 3.0], dtype=F64)
+    b = torch.tensor([1.0, 1.0, 0.0, 5.0], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]], dtype=F64)
+    one = float(np.float32(1.0) + np.float32(1e-6))
+    s = 0.5 / (math.sqrt(0.5) + 1e-6)
+    total = torch.tensor([s + 0.0, -s + 0.0, 2.0 / one + 0.0, 3.0 / one + 5.0 / one], dtype=F64)
+    x = total[:, None] * mask
+    n = 5
+    mean = float(x.sum()) / n
+    var = float(((x - mean) ** 2 * mask).sum()) / n * float(np.float32(5) / np.float32(4))
+    want = (x - mean) / math.sqrt(var + 1e-8) * mask
+    res = run("gdpo", {"semantics": "verl"}, prompt_ids=ids, mask=mask, **{"reward/a": a, "reward/b": b})
+    close(res.advantages, want)
+    assert res.returns is None
+    # one component is enough under verl (its fallback: the summed token_level_rewards); nemo_rl needs two
+    one_comp = run("gdpo", {"semantics": "verl", "normalize_rewards": False}, prompt_ids=ids, mask=mask,
+                   **{"reward/score": a})
+    x1 = (a - torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64))[:, None] * mask
+    m1 = float(x1.sum()) / n
+    v1 = float(((x1 - m1) ** 2 * mask).sum()) / n * float(np.float32(5) / np.float32(4))
+    close(one_comp.advantages, (x1 - m1) / math.sqrt(v1 + 1e-8) * mask)
+    with pytest.raises(InvalidInput, match="reward"):
+        run("gdpo", None, prompt_ids=ids, mask=mask, **{"reward/score": a})
+    with pytest.raises(InvalidInput, match="use_leave_one_out_baseline"):
+        run("gdpo", {"semantics": "verl", "use_leave_one_out_baseline": True}, prompt_ids=ids, mask=mask,
+            **{"reward/a": a, "reward/b": b})

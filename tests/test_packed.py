@@ -97,9 +97,15 @@ def config_variants(info) -> list[dict | None]:
     """Defaults; every bool switched on (every optional path: KL in reward, leave-one-out, ...); and each
     other value of a `semantics` field (values an estimator does not offer are skipped by the caller)."""
     variants: list[dict | None] = [None]
-    bools = {f.name: True for f in info.config_fields if f.type == "bool"}
+    # a bool that applies under some semantics only (listed "false (verl); not applicable otherwise") is
+    # switched on with the first semantics it applies to, the others all together
+    bools = {f.name: True for f in info.config_fields if f.type == "bool" and "not applicable" not in f.default_value}
     if bools:
         variants.append(bools)
+    for f in info.config_fields:
+        if f.type == "bool" and "not applicable" in f.default_value:
+            variants.append({"semantics": f.default_value.split("(")[1].split(")")[0].split(",")[0].strip(),
+                             f.name: True})
     for field in info.config_fields:
         if field.type == "Semantics":
             names = [n for n in wire.enum_names(pb.Semantics.DESCRIPTOR).values() if n]

@@ -19,7 +19,7 @@ A verl user swaps one import and keeps every call::
 The returned function accepts verl's keyword names (``token_level_rewards``, ``response_mask``,
 ``index``, ``values``, ``gamma``, ``lam``, ``epsilon``, ``norm_adv_by_std_in_grpo``,
 ``reward_baselines``, ``old_log_probs``, ``sum_pi_squared``, ``rollout_is_weights``,
-``handle_zero_tail``, ``f_norm``, ``alpha``, ``config``) and, positionally, each verl function's own
+``handle_zero_tail``, ``f_norm``, ``alpha``, ``config``, ``non_tensor_batch``, ``batch``) and, positionally, each verl function's own
 argument order. Unknown keywords are ignored, as verl's ``**kwargs`` does. Each option is read where
 verl's function reads it: ``grpo_passk`` reads ``norm_adv_by_std_in_grpo`` and ``reinforce_plus_plus``
 reads ``gamma`` from ``config`` (a dict, an OmegaConf ``DictConfig``, verl's ``AlgoConfig`` or any object
@@ -36,16 +36,27 @@ become one group). ``rloo_vectorized`` groups with ``np.unique`` in verl, i.e. b
 and multiplies by (group size > 1): a group of one gets 0 there, where verl's ``rloo`` (and the
 service's ``rloo``) keeps the sample's score; this function zeroes those rows for ``rloo_vectorized``.
 
-Not reproduced: verl's ``grpo_vectorized`` computes the group statistics in float32 and floors the group
-variance at ``epsilon`` (std >= sqrt(epsilon)); the service computes them exactly (float64) with
-``grpo``'s verl semantics, so a group whose reward variance is below ``epsilon`` (but not 0) is divided
-by its true std + epsilon rather than sqrt(epsilon) + epsilon.
+Not reproduced bit for bit: verl 0.9.1's ``grpo_vectorized`` computes the group mean and std in float32
+whatever the input dtype (``group_mean_std`` casts; it is called with ``eps=0.0``, so no variance floor);
+the service computes them in float64 with ``grpo``'s verl semantics, so float64 results equal verl's
+``grpo`` and agree with ``grpo_vectorized`` to float32 precision.
 
-Names: verl's registry names ``gae``, ``grpo``, ``grpo_vectorized``, ``grpo_passk``,
-``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``rloo``, ``rloo_vectorized``,
-``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` (or verl's
-``AdvantageEstimator`` enum members). Shared service estimators (gae, grpo, reinforce_plus_plus, rloo,
-...) run with ``semantics = verl``.
+``gdpo`` (verl PR #5503) runs the service's ``gdpo`` with ``semantics = verl``. As verl's function: with
+``config``, ``non_tensor_batch`` and ``batch`` all given (verl's trainer passes them), one reward
+component per key of ``config.gdpo_reward_keys``, read from ``non_tensor_batch[key]`` as float32, weighted
+by ``config.gdpo_reward_weights`` (float32; default all 1); otherwise the single component is
+``token_level_rewards`` summed over T. ``norm_adv_by_std_in_grpo`` and ``epsilon`` are read from the
+keywords (verl's trainer passes neither: true, 1e-6). A missing or empty ``gdpo_reward_keys``, or a key
+absent from ``non_tensor_batch``, raises ``ValueError`` (verl asserts). The result is in
+``token_level_rewards``' dtype, as for every name (verl's own is float32 when the components come from
+``non_tensor_batch``).
+
+Names: the pinned verl's (0.9.1) registry names ``gae``, ``grpo``, ``grpo_vectorized``, ``grpo_passk``,
+``gdpo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``rloo``,
+``rloo_vectorized``, ``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` (or
+verl's ``AdvantageEstimator`` enum members; tests/test_diff_verl.py fails when the registry has a name
+this module lacks). Shared service estimators (gae, grpo, gdpo, reinforce_plus_plus, rloo, ...) run with
+``semantics = verl``.
 """
 from __future__ import annotations
 
@@ -100,6 +111,8 @@ ESTIMATORS: dict[str, _VerlEstimator] = {
     "tir_optimal_token_baseline": _VerlEstimator(
         "tir_optimal_token_baseline", _OTB,
         _GROUPED + ("old_log_probs", "sum_pi_squared", "rollout_is_weights"), False),
+    # inputs: the components are built by _gdpo_components (verl reads them from non_tensor_batch)
+    "gdpo": _VerlEstimator("gdpo", _GRPO + ("non_tensor_batch", "batch"), ("response_mask", "index"), True),
 }
 
 #: verl keyword -> service input name
@@ -218,11 +231,46 @@ def _service_config(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
         cfg.update(gamma=float(1.0 if gamma is None else gamma))
     elif name == "gpg":  # alpha is recomputed by verl as B / max(#nonzero scores, 1): not forwarded
         cfg.update(f_norm=float(1.0 if args.get("f_norm") is None else args["f_norm"]))
+    elif name == "gdpo":  # verl's gdpo reads the flag from the keyword (its trainer never passes it)
+        norm = args.get("norm_adv_by_std_in_grpo")
+        cfg.update(normalize_rewards=bool(True if norm is None else norm),
+                   epsilon=float(1e-6 if args.get("epsilon") is None else args["epsilon"]))
     elif name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         if args.get("handle_zero_tail") is not None:
             cfg.update(handle_zero_tail=bool(args["handle_zero_tail"]))
         cfg.update(epsilon=float(1e-8 if args.get("epsilon") is None else args["epsilon"]))
     return cfg
+
+
+def _gdpo_components(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[float] | None]:
+    """verl gdpo's reward components and weights: ``({"reward/<k>_<key>": [B] float32}, weights)``.
+
+    As verl's ``compute_gdpo_outcome_advantage``: with ``config``, ``non_tensor_batch`` and ``batch`` all
+    given, one component per key of ``config.gdpo_reward_keys`` (required, non-empty), read from
+    ``non_tensor_batch[key]`` and rounded to float32 as verl does, with ``config.gdpo_reward_weights``
+    (rounded to float32, verl's weight tensor) or all 1; ``batch`` only places verl's scores on the
+    response's last token, which the per-row sum ignores. Otherwise the one component is
+    ``token_level_rewards`` summed over T. Raises ``ValueError`` where verl's assertions fail (no keys, a
+    key missing from ``non_tensor_batch``).
+    """
+    config, non_tensor, raw = args.get("config"), args.get("non_tensor_batch"), args.get("batch")
+    if config is None or non_tensor is None or raw is None:
+        rewards = args["token_level_rewards"]
+        return {"reward/score": rewards.sum(-1) if hasattr(rewards, "sum") else np.asarray(rewards).sum(-1)}, None
+    keys = config_get(config, "gdpo_reward_keys")
+    if not keys:
+        raise ValueError("gdpo needs config.gdpo_reward_keys: the reward component keys returned by compute_score "
+                         "(e.g. ['format_reward', 'accuracy_reward']), as verl's algorithm.gdpo_reward_keys")
+    components = {}
+    for k, key in enumerate(keys):
+        if key not in non_tensor:
+            raise ValueError(f"GDPO reward key {key!r} not found in non_tensor_batch; available keys: "
+                             f"{list(non_tensor.keys())}")
+        components[f"reward/{k:04d}_{key}"] = np.asarray(non_tensor[key], dtype=np.float32)  # sorted = key order
+    weights = config_get(config, "gdpo_reward_weights")
+    if weights is not None:
+        weights = [float(w) for w in np.asarray(list(weights), dtype=np.float32)]
+    return components, weights
 
 
 def _with_semantics(service: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +314,11 @@ def get_adv_estimator_fn(name_or_enum: Any, target: Any = None) -> Callable[...,
             if value is None:
                 continue
             tensors[_INPUT_NAMES[key]] = group_labels(value, name) if key == "index" else value
+        if name == "gdpo":
+            components, weights = _gdpo_components(bound)
+            tensors.update(components)
+            if weights is not None:
+                cfg["reward_weights"] = weights
         result = client.compute(spec.service, cfg, output_dtype=_output_dtype(rewards), **tensors)
         device = getattr(mask, "device", None)
         advantages = result.advantages

@@ -50,8 +50,10 @@ def resolve_device(device: str) -> torch.device:
 class AdvantageCore:
     """Runs registered estimators on ``device`` (a ``torch.device`` or string, ``"auto"`` allowed)."""
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", max_batch_elements: int | None = None):
         self.device = resolve_device(device) if isinstance(device, str) else device
+        #: the server's --max-batch-elements: also bounds every size the packed layout implies (see unpack)
+        self.max_batch_elements = max_batch_elements
 
     # ------------------------------------------------------------------ entry points
     def compute(self, request: pb.ComputeAdvantageRequest) -> pb.AdvantageResult:
@@ -114,7 +116,7 @@ class AdvantageCore:
         config = config.resolved()  # semantics-dependent defaults; rejects fields the semantics does not use
         layout = None
         if cu_seqlens is not None:
-            tensors, layout = unpack(spec, cu_seqlens, tensors)
+            tensors, layout = unpack(spec, cu_seqlens, tensors, max_elements=self.max_batch_elements)
         batch = Batch(self.prepare(spec, config, tensors))
         if layout is None:  # packed results are gathered from the padded ones: nothing to write in place
             batch.output_provider = output_provider
@@ -163,7 +165,7 @@ class AdvantageCore:
             raise InvalidInput("inputs['mask']", f"must be a non-empty [B, T] tensor, got shape {list(mask.shape)}: {why}")
         dims = {"B": mask.shape[0], "T": mask.shape[1]}
         for key, t in tensors.items():
-            violations += _check(key, t, owners[key], dims)
+            violations += _check(key, t, owners[key], dims, cfg)
         if violations:
             raise InvalidInput(violations)
 
@@ -182,8 +184,10 @@ class AdvantageCore:
         return out
 
 
-def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int]) -> list[tuple[str, str]]:
-    """Violations of one tensor against its spec: dtype kind, symbolic shape, finiteness, 0/1 mask."""
+def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int], cfg: Any = None
+           ) -> list[tuple[str, str]]:
+    """Violations of one tensor against its spec: dtype kind, symbolic shape, finiteness (NaN allowed where
+    the spec's ``nan_allowed_when`` holds for ``cfg``), 0/1 mask."""
     field = f"inputs[{key!r}]"
     if t.dtype not in _KINDS[spec.kind]:
         allowed = sorted(str(d).replace("torch.", "") for d in _KINDS[spec.kind])
@@ -200,7 +204,13 @@ def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int]) -> 
             return [(field, "contains NaN or infinity; every input value must be finite")]
         return [(field, "holds values other than 0 and 1; send a 0/1 (or bool) mask")]
     if t.is_floating_point() and not validate.all_finite(t):
-        return [(field, "contains NaN or infinity; every input value must be finite")]
+        allowed = spec.nan_allowed_when
+        if allowed is not None and cfg is not None and allowed[0](cfg):
+            if bool(torch.isinf(t).any()):
+                return [(field, f"contains infinity; NaN (no value) is accepted with {allowed[1]}, infinity is not")]
+            return []
+        return [(field, "contains NaN or infinity; every input value must be finite"
+                        + (f" (NaN = no value is accepted with {allowed[1]})" if allowed is not None else ""))]
     return []
 
 
@@ -237,7 +247,8 @@ class PackedLayout:
         return AdvantageResult(gather(result.advantages), gather(result.returns), dict(result.metrics))
 
 
-def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], PackedLayout]:
+def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any], max_elements: int | None = None
+           ) -> tuple[dict[str, torch.Tensor], PackedLayout]:
     """Packed inputs -> padded ``[B, T_max]`` inputs, generically from the estimator's ``InputSpec``s.
 
     Every input whose declared shapes include ``T`` is expected flat ``[N]`` (``N = cu_seqlens[B]``)
@@ -263,6 +274,13 @@ def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any]) -> tupl
                                          f"cu_seqlens[{row}] = {int(cu[row])}")
     B, N = cu.numel() - 1, int(cu[-1])
     T = max(int(lengths.max()), 1)
+    # Every size this request implies is checked before anything is allocated: the flat [N] inputs and
+    # results (N = cu_seqlens[B], e.g. the all-ones mask made when none is sent) and the padded [B, T]
+    # inputs and results (N <= B x T, so one check of B x T covers both).
+    if max_elements is not None and B * T > max_elements:
+        raise ResourceLimit(f"cu_seqlens: {B} rows padded to the longest row ({T}) need {B * T} elements "
+                            f"(cu_seqlens[-1] = N = {N} tokens), more than the server's --max-batch-elements="
+                            f"{max_elements}; split the batch into smaller requests")
     if B * T > MAX_PADDED_ELEMENTS:
         raise ResourceLimit(f"cu_seqlens: {B} rows padded to the longest row ({T}) need {B * T} elements, more "
                             f"than the server's {MAX_PADDED_ELEMENTS}; split the batch or send it padded")

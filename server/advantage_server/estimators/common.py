@@ -124,13 +124,33 @@ def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
 
 
 # --------------------------------------------------------------------------- rewards
-def outcome_scores(rewards: torch.Tensor) -> torch.Tensor:
-    """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``."""
+def outcome_scores(rewards: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``.
+
+    With ``mask`` a ``[B, T]`` input is summed over the mask = 1 positions only (``sum_rewards_over_mask``,
+    verl PR #6310); a ``[B]`` input is unchanged.
+    """
+    if mask is not None and rewards.dim() == 2:
+        return (rewards.to(torch.float64) * mask.to(torch.float64)).sum(-1)
     if jit.applies(rewards):
         a = rewards.detach().numpy()
         return torch.from_numpy(a.sum(-1, dtype=np.float64) if a.ndim == 2 else a.astype(np.float64))
     r = rewards.to(torch.float64)
     return r.sum(-1) if r.dim() == 2 else r
+
+
+def sum_over_mask_field(per_semantics: dict[str, bool] | None = None) -> Any:
+    """The ``sum_rewards_over_mask`` config field (off by default: verl sums every position)."""
+    meta: dict[str, Any] = {
+        "doc": "Token-level rewards [B, T]: the outcome score of a row is the sum over its mask = 1 positions "
+               "only, so a reward written on a padded or masked position (e.g. at index -1 of an empty "
+               "response) is ignored (verl PR #6310). Off (default): the sum over all T positions, as verl "
+               "computes it. [B] rewards are unaffected."}
+    if per_semantics is None:
+        return field(default=False, metadata=meta)
+    which = ", ".join(per_semantics)
+    return field(default=None, metadata={**meta, "per_semantics": per_semantics,
+                                         "default_text": f"false ({which}); not applicable otherwise"})
 
 
 def place_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -176,18 +196,28 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, count_floor: float) -> t
 
 
 def whiten_unbiased(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl ``masked_whiten``: ``(x - mu) * rsqrt(var + 1e-8)`` at every position, mu and the unbiased
-    variance over the positions where mask = 1 (float64).
+    """verl ``masked_whiten``: ``(x - mu) * rsqrt(var + 1e-8)`` at every position (float64 sums), with
+    verl's own scalars over the n positions where mask = 1: ``mu = sum(x m) / (n + 1e-8)`` (``masked_mean``)
+    and ``var = sum((x - mu)^2 m) / (n + 1e-8) * (n / (n - 1))`` (``masked_var``, unbiased), each scalar in
+    the dtype torch gives verl for its int64 response mask (``compute_response_mask``): ``n + 1e-8`` and
+    ``n / (n - 1)`` are float32, so ``n + 1e-8`` is n and the Bessel factor is rounded to float32 (the
+    server sees masks as floats, so this is applied whatever dtype the caller's mask had; verl with a
+    float64 mask would divide by n + 1e-8 in float64, a relative difference of 1e-8 / n).
 
-    Where verl divides by zero the result stays finite: with no valid position mu = var = 0, with one
-    valid position var = 0.
+    Where verl raises (``masked_var``: n = 0 or 1) the result stays finite: var = 0, so with no valid
+    position mu = 0, and with one the valid position's advantage is 0.
     """
     m = mask.to(torch.float64)
     xd = x.to(torch.float64)
-    n = m.sum()
-    mean = (xd * m).sum() / n.clamp(min=1)
-    var = ((xd - mean).square() * m).sum() / (n - 1).clamp(min=1)
+    msum = m.sum().round().to(torch.int64)             # verl's int64 mask.sum()
+    n = msum.to(torch.float64)
+    denom = (msum + 1e-8).to(torch.float64)            # verl's masked_mean denominator (float32: n)
+    mean = (xd * m).sum() / denom.clamp(min=1.0) if bool(n < 1) else (xd * m).sum() / denom
+    bessel = (msum / (msum - 1)).to(torch.float64) if bool(n > 1) else torch.ones((), dtype=torch.float64)
+    var = ((xd - mean).square() * m).sum() / denom * bessel
     var = torch.where(n > 1, var, torch.zeros_like(var))
+    if bool(n == 1):  # the one valid position gets exactly 0
+        mean = (xd * m).sum()
     return ((xd - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
 
 
@@ -823,6 +853,61 @@ def group_relative(group: torch.Tensor, rewards: torch.Tensor, leave_one_out: bo
     return adv
 
 
+# --------------------------------------------------------------------------- rows left out of their group
+EXCLUDE_EMPTY_DOC = (
+    "Leave a row whose mask is all 0 (a rejected or empty response) out of its prompt group: the group's "
+    "baseline, std (and leave-one-out statistics) are over its other rows, and the empty row's own "
+    "advantage is 0 at every position. A group whose rows are all empty gives 0 everywhere; a group left "
+    "with one row is a group of one (the semantics' convention for it). Off (default): empty rows count as "
+    "members, as the reference computes (verl PR #6452, OpenRLHF PR #1239).")
+
+
+def exclude_empty_field(per_semantics: dict[str, bool] | None = None, extra: str = "") -> Any:
+    """The ``exclude_empty_responses`` config field of a group estimator (off by default)."""
+    meta: dict[str, Any] = {"doc": EXCLUDE_EMPTY_DOC + extra}
+    if per_semantics is None:
+        return field(default=False, metadata=meta)
+    which = ", ".join(per_semantics)
+    return field(default=None, metadata={**meta, "per_semantics": per_semantics,
+                                         "default_text": f"false ({which}); not applicable otherwise"})
+
+
+def nonempty_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the rows with at least one mask = 1 position."""
+    return mask.bool().any(-1) if mask.dtype != torch.bool else mask.any(-1)
+
+
+def exclude_rows(group: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[B]`` group index in ``0..G'-1`` in which every row with ``keep`` false is a group of its own.
+
+    Every group statistic computed on the result (:func:`group_baseline_and_std` and its numba, uniform and
+    torch kernels, :func:`group_sizes`, :func:`group_sum`, scatter reductions) is then over the kept rows
+    of each prompt only; what a left-out row gets is its group-of-one value, which callers overwrite.
+    """
+    B = group.shape[0]
+    rows = torch.arange(B, dtype=torch.int64, device=group.device)
+    return group_index(torch.where(keep, group.to(torch.int64), B + rows))
+
+
+def groups_of(cfg: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(group index, kept rows)`` of a batch: ``prompt_ids`` as is and None, or, when
+    ``cfg.exclude_empty_responses``, with each empty row (mask all 0) on its own and the ``[B]`` bool of
+    the non-empty rows."""
+    group = batch["prompt_ids"]
+    if not getattr(cfg, "exclude_empty_responses", False):
+        return group, None
+    keep = nonempty_rows(batch["mask"])
+    return exclude_rows(group, keep), keep
+
+
+def zero_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (``[B]`` or ``[B, T]``) with the rows where ``keep`` is false set to 0 (unchanged for None)."""
+    if keep is None:
+        return x
+    k = keep if x.dim() == 1 else keep[:, None]
+    return torch.where(k, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def group_sizes(group: torch.Tensor) -> torch.Tensor:
     """``[B]`` float64: the size of each sample's group."""
     ones = torch.ones(group.shape[0], dtype=torch.float64, device=group.device)
@@ -843,6 +928,15 @@ def verl_group_stats(group: torch.Tensor, scores: torch.Tensor) -> tuple[torch.T
     return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
 
 
+def verl_std_plus_eps(group: torch.Tensor, std: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``std + epsilon`` float64 ``[B]`` as verl's ``compute_grpo_outcome_advantage`` computes it: a group
+    of one has ``std = torch.tensor(1.0)``, a float32 scalar, so there ``1 + epsilon`` is rounded to
+    float32 (1 + 1e-6 -> 1.00000095...) whatever the rewards' dtype. ``std``: from :func:`verl_group_stats`."""
+    one_plus_eps = float(torch.tensor(1.0) + epsilon)
+    single = group_sizes(group) <= 1
+    return torch.where(single, torch.full_like(std, one_plus_eps), std + epsilon)
+
+
 def verl_group_stats_loop(group: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Loop twin of :func:`verl_group_stats` (test oracle), one group at a time like verl's dict loop."""
     s = scores.to(torch.float64).cpu().tolist()
@@ -860,18 +954,26 @@ def verl_group_stats_loop(group: torch.Tensor, scores: torch.Tensor) -> tuple[to
     return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
 
 
-def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """OpenRLHF's path from a shaped scalar reward to (advantages, returns), float64 ``[B, T]`` each.
+#: OpenRLHF's ``--reward.clip_range`` default (-10, 10): ``compute_reward`` clamps each shaped reward to it
+OPENRLHF_REWARD_CLIP = 10.0
 
-    The shaped reward sits on the row's last mask = 1 position (``compute_reward``), minus the masked KL
-    penalty when the config folds KL into the reward; returns G = reverse cumulative sum of the token
-    rewards times mask (``get_cumulative_returns`` with gamma 1, forced by OpenRLHF for the group
-    estimators); advantages = G whitened over the mask = 1 tokens (biased variance, ``max(var, 1e-8)``),
-    at every position.
+
+def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch,
+                     whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenRLHF's path from a shaped scalar reward ``[B]`` to (advantages, returns), float64 ``[B, T]`` each.
+
+    The shaped reward, clamped to +-10 (``compute_reward`` with the default ``--reward.clip_range``), sits
+    on the row's last mask = 1 position, minus the masked KL penalty when the config folds KL into the
+    reward; returns G = reverse cumulative sum of the token rewards times mask (``get_cumulative_returns``
+    with gamma 1, forced by OpenRLHF for the group estimators); advantages = G whitened over the mask = 1
+    tokens (biased variance, ``max(var, 1e-8)``), at every position (``reinforce_baseline``), or G itself
+    with ``whiten=False`` (``rloo``, ``group_norm``, ``dr_grpo``: OpenRLHF 0.11.2 whitens only ``gae``,
+    ``reinforce`` and ``reinforce_baseline``).
     """
-    tokens = apply_kl(place_rewards(shaped.to(torch.float64), mask), cfg, batch, mask=mask)
+    clipped = shaped.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
+    tokens = apply_kl(place_rewards(clipped, mask), cfg, batch, mask=mask)
     returns = reverse_cumsum(tokens * mask.to(torch.float64))
-    return whiten_clamped(returns, mask), returns
+    return (whiten_clamped(returns, mask) if whiten else returns), returns
 
 
 # --------------------------------------------------------------------------- per-row outputs

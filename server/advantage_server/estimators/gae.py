@@ -30,7 +30,9 @@ advantages + values, the whitening applied at every position and masked position
 keep the next valid position's advantage, whitened). Under verl ``gae_lambda`` defaults to 1.0 (verl's
 ``algorithm.lam``) and the NeMo-only fields ``gae_lambda_value``, ``gae_lambda_policy`` and
 ``length_adaptive_alpha`` are rejected. Where verl divides by zero (one valid token, or none) the
-whitening uses variance 0 (and mean 0 with none), so the result stays finite.
+whitening uses variance 0 (and mean 0 with none), so the result stays finite. Under verl the unbiased
+correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes it from an integer mask
+(:func:`~advantage_server.estimators.common.whiten_unbiased`).
 
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
@@ -50,7 +52,9 @@ import numpy as np
 import torch
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import KL_INPUTS, MASK, KLInRewardConfig, apply_kl, masked_moments
+from advantage_server.estimators.common import (
+    KL_INPUTS, MASK, KLInRewardConfig, apply_kl, masked_moments, whiten_unbiased,
+)
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 _CHUNK = 64
@@ -367,7 +371,11 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
         f64 = torch.float64
         mean, var = torch.tensor(mean64, dtype=f64).to(dt), torch.tensor(var64, dtype=f64).to(dt)
         nt = torch.tensor(n, dtype=f64).to(dt)
-        var = torch.where(nt > 1, var * nt / (nt - 1).clamp(min=1), var)
+        if cfg.semantics == "verl":  # verl's Bessel factor from its int64 mask: float32 n / (n - 1)
+            n32 = torch.tensor(n, dtype=torch.float32)
+            var = torch.where(nt > 1, var * (n32 / (n32 - 1).clamp(min=1)).to(dt), var)
+        else:
+            var = torch.where(nt > 1, var * nt / (nt - 1).clamp(min=1), var)
         scale = torch.rsqrt(var + 1e-8)
         jit.parallel_rows(_whiten_rows, adv.shape[0], adv.shape[1], adv.numpy(), m, stats, float(mean),
                           float(scale), zero_masked, fin)
@@ -442,7 +450,9 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     else:
         advantages = gae_kernel(rewards, values, mask, cfg.gae_gamma, lam_policy, bootstrap)
     returns = adv_value + values
-    if cfg.normalize_advantages:
+    if cfg.normalize_advantages and cfg.semantics == "verl":
+        advantages = whiten_unbiased(advantages, mask)  # verl masked_whiten's own scalars (float32 Bessel factor)
+    elif cfg.normalize_advantages:
         mean, var = masked_moments(advantages, mask, count_floor=1.0)
         n = mask.sum()
         var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)  # unbiased, as NeMo RL; one token: 0

@@ -5,7 +5,8 @@ Inputs: ``prompt_ids`` [B] (or [B, L]), ``rewards`` [B] or [B, T] (summed over a
 [B, T]. Output: advantages [B, T]; no returns (verl returns the advantages twice), no metrics.
 
 Math:
-    alpha   = B / max(#{i : s_i != 0}, 1)     (verl recomputes it from the batch, ignoring its keyword)
+    alpha   = B / max(#{i : s_i != 0}, 1)     (verl recomputes it from the batch, ignoring its keyword;
+                                               rounded to float32 as verl's int / int64-tensor division is)
     A_i     = alpha * (s_i - mean_g) / f_norm  a group of one has mean 0
     A_{i,t} = A_i * mask_{i,t}
 Default f_norm = 1.0 (must be > 0). Group means in float64, exact for tied groups.
@@ -17,13 +18,19 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.errors import InvalidInput
-from advantage_server.estimators.common import MASK, OUTCOME_REWARDS, PROMPT_IDS, outcome_scores, verl_group_stats
+from advantage_server.estimators.common import (
+    MASK, OUTCOME_REWARDS, PROMPT_IDS, exclude_empty_field, groups_of, outcome_scores, sum_over_mask_field,
+    verl_group_stats,
+)
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
 @dataclass(frozen=True)
 class GPGConfig(EstimatorConfig):
     f_norm: float = field(default=1.0, metadata={"doc": "Divisor of the advantage; must be > 0.", "range": (0.0, None)})
+    exclude_empty_responses: bool = exclude_empty_field(
+        extra=" Also left out of alpha: B and the count of non-zero scores are over the non-empty rows.")
+    sum_rewards_over_mask: bool = sum_over_mask_field()
 
     def validate(self) -> None:
         super().validate()
@@ -31,10 +38,14 @@ class GPGConfig(EstimatorConfig):
             raise InvalidInput("config.f_norm", f"must be > 0, got {self.f_norm}")
 
 
-def gpg_scalars(group: torch.Tensor, scores: torch.Tensor, f_norm: float) -> torch.Tensor:
-    """Per-sample GPG advantage, float64 ``[B]``."""
+def gpg_scalars(group: torch.Tensor, scores: torch.Tensor, f_norm: float,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample GPG advantage, float64 ``[B]``; ``keep``: the rows alpha counts (None: all)."""
     s = scores.to(torch.float64)
-    alpha = s.shape[0] / (s != 0).sum().clamp(min=1).to(torch.float64)
+    counted = s if keep is None else s[keep]
+    # verl divides the int B by an int64 count tensor: torch's true division gives float32, so alpha is
+    # rounded to float32 (4 / 3 -> 1.3333334) whatever the rewards' dtype
+    alpha = (counted.shape[0] / (counted != 0).sum().clamp(min=1).cpu()).to(torch.float64).to(counted.device)
     mean, _ = verl_group_stats(group, s)
     return alpha * (s - mean) / f_norm
 
@@ -47,5 +58,6 @@ def gpg(cfg: GPGConfig, batch: Batch) -> AdvantageResult:
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]. Returns advantages [B, T] (0 where mask = 0).
     """
     rewards, mask = batch["rewards"], batch["mask"]
-    adv = gpg_scalars(batch["prompt_ids"], outcome_scores(rewards), cfg.f_norm)
+    group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own (A = 0 there)
+    adv = gpg_scalars(group, outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None), cfg.f_norm, keep)
     return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(rewards.dtype))

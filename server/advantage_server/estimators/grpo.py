@@ -19,15 +19,19 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     mean 0 and std 1 (so A = r / (1 + eps)). A_{i,t} = A_i * mask_{i,t}. eps = 1e-6.
     verl's ``grpo_vectorized`` floors the group variance at eps (std >= sqrt(eps)): it differs only for
     groups whose sample variance is below eps without being 0; this estimator follows verl's ``grpo``.
-``semantics = openrlhf`` (OpenRLHF ``group_norm``; ``dr_grpo`` with ``normalize_rewards = false``)
-    A_i = (r_i - mean_g) / (std_g + eps), eps = 1e-9, std = sample std of s. OpenRLHF puts A_i on the
-    row's last mask = 1 token and takes the cumulative return (gamma 1): A_{i,t} = A_i for t up to the
-    row's last mask = 1 position, 0 after it (all 0 for a row with no valid token). A group of one
-    gets 0 (OpenRLHF divides 0 by a NaN std). OpenRLHF's KL-in-reward is not applied here.
-``semantics = trl`` (TRL ``GRPOTrainer``)
+``semantics = openrlhf`` (OpenRLHF 0.11.2 ``group_norm``; ``dr_grpo`` with ``normalize_rewards = false``)
+    A_i = (r_i - mean_g) / (std_g + eps), eps = 1e-9, std = sample std of s, clamped to +-10
+    (OpenRLHF's default ``--reward.clip_range``; group_norm reaches it only from 102 samples a prompt).
+    OpenRLHF puts A_i on the row's last mask = 1 token and takes the cumulative return (gamma 1):
+    A_{i,t} = A_i for t up to the row's last mask = 1 position, 0 after it (all 0 for a row with no
+    valid token). A group of one gets 0 (OpenRLHF divides 0 by a NaN std). OpenRLHF's KL-in-reward is
+    not applied here.
+``semantics = trl`` (TRL 1.16.0 ``GRPOTrainer``, ``multi_objective_aggregation = sum_then_normalize``)
     A_i = (r_i - mean_g) / (std_i + eps), eps = 1e-4 (TRL's constant), std by ``scale_rewards``:
     ``group`` (default) the group's sample std of s (0 for a group of one), ``batch`` the sample std of
-    all B values of s (0 for B = 1), ``none`` no division. Broadcast over every column.
+    all B values of s (0 for B = 1), ``none`` no division. Broadcast over every column. TRL's
+    unscorable completions (every reward function returned None; left out of the group statistics,
+    advantage 0) are rows with an all-zero mask under ``exclude_empty_responses = true``.
 
 Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
 float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
@@ -43,8 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows,
-    last_valid_index, outcome_scores, verl_group_stats,
+    MASK, OPENRLHF_REWARD_CLIP, OUTCOME_REWARDS, PROMPT_IDS,
+    broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows,
+    exclude_empty_field, groups_of, last_valid_index, outcome_scores, sum_over_mask_field, verl_group_stats,
+    verl_std_plus_eps,
+    zero_rows,
 )
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
@@ -73,6 +80,9 @@ class GRPOConfig(EstimatorConfig):
         "doc": "TRL scale_rewards: divide by the group std (group), the batch std (batch) or not at all (none).",
         "enum": "ScaleRewards", "choices": ("group", "batch", "none"),
         "per_semantics": {"trl": "group"}, "default_text": "group (trl); not applicable otherwise"})
+    exclude_empty_responses: bool = exclude_empty_field(
+        extra=" trl with scale_rewards = batch: the batch std is over the non-empty rows too.")
+    sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
 
 
 @register("grpo", config=GRPOConfig,
@@ -88,7 +98,8 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T], optional std_rewards [B].
     Returns advantages [B, T]; no returns, no metrics.
     """
-    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    rewards, mask = batch["rewards"], batch["mask"]
+    group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own
     std_rewards = batch.get("std_rewards")
     dtype = rewards.dtype
     if cfg.semantics == "nemo_rl" and std_rewards is None and rewards.dim() == 1:
@@ -97,18 +108,18 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
                                   cfg.epsilon, batch.T, dtype, batch)
         if out is not None:
             return AdvantageResult(out)
-    scores = outcome_scores(rewards)
+    scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
     if cfg.semantics == "nemo_rl":
         adv = group_relative(group, scores, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
                              cfg.epsilon, std_rewards)
-        return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype, batch))
+        return AdvantageResult(broadcast_rows(zero_rows(adv, keep), batch.B, batch.T, dtype, batch))
     if cfg.semantics == "verl":
         mean, std = verl_group_stats(group, scores)
         if std_rewards is not None:
             _, std = verl_group_stats(group, std_rewards)
         adv = scores - mean
         if cfg.normalize_rewards:
-            adv = adv / (std + cfg.epsilon)
+            adv = adv / verl_std_plus_eps(group, std, cfg.epsilon)
         return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(dtype))
     mean, std = group_baseline_and_std(group, scores, leave_one_out=False)  # group of one: mean = r, std = 0
     if std_rewards is not None:
@@ -117,13 +128,15 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     if cfg.semantics == "openrlhf":
         if cfg.normalize_rewards:
             adv = adv / (std + cfg.epsilon)
+        adv = adv.clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)  # compute_reward's default clip_range
         upto = torch.arange(batch.T, device=mask.device)[None, :] <= last_valid_index(mask)[:, None]
         return AdvantageResult(torch.where(upto, adv[:, None], 0.0).to(dtype))
     # trl
     if cfg.scale_rewards == "batch":
         s = (std_rewards if std_rewards is not None else scores).to(torch.float64)
+        s = s if keep is None else s[keep]
         std = s.std() if s.numel() > 1 else torch.zeros((), dtype=torch.float64, device=s.device)
         std = std.expand_as(adv)
     if cfg.normalize_rewards and cfg.scale_rewards != "none":
         adv = adv / (std + cfg.epsilon)
-    return AdvantageResult(broadcast_rows(adv, batch.B, batch.T, dtype, batch))
+    return AdvantageResult(broadcast_rows(zero_rows(adv, keep), batch.B, batch.T, dtype, batch))

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, group_baseline_and_std, group_sizes, outcome_scores,
+    MASK, OUTCOME_REWARDS, PROMPT_IDS, exclude_empty_field, group_baseline_and_std, group_sizes, groups_of,
+    outcome_scores, sum_over_mask_field,
 )
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
@@ -35,6 +36,8 @@ class GRPOPassKConfig(EstimatorConfig):
     normalize_rewards: bool = field(default=True, metadata={
         "doc": "Divide the winner's margin by the group's sample std + epsilon (verl norm_adv_by_std_in_grpo)."})
     epsilon: float = field(default=1e-6, metadata={"doc": "Added to the std before dividing.", "range": (0.0, None)})
+    exclude_empty_responses: bool = exclude_empty_field()
+    sum_rewards_over_mask: bool = sum_over_mask_field()
 
 
 def grpo_passk_scalars(group: torch.Tensor, scores: torch.Tensor, normalize: bool, epsilon: float) -> torch.Tensor:
@@ -85,5 +88,7 @@ def grpo_passk(cfg: GRPOPassKConfig, batch: Batch) -> AdvantageResult:
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]. Returns advantages [B, T] (0 where mask = 0).
     """
     rewards, mask = batch["rewards"], batch["mask"]
-    adv = grpo_passk_scalars(batch["prompt_ids"], outcome_scores(rewards), cfg.normalize_rewards, cfg.epsilon)
+    group, _ = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own (A = 0 there)
+    scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+    adv = grpo_passk_scalars(group, scores, cfg.normalize_rewards, cfg.epsilon)
     return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(rewards.dtype))

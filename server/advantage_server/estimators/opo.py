@@ -19,14 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, group_baseline_and_std, group_sizes, group_sum, outcome_scores,
+    MASK, OUTCOME_REWARDS, PROMPT_IDS, exclude_empty_field, group_baseline_and_std, group_sizes, group_sum,
+    groups_of, outcome_scores, sum_over_mask_field,
 )
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
 @dataclass(frozen=True)
 class OPOConfig(EstimatorConfig):
-    pass
+    exclude_empty_responses: bool = exclude_empty_field()
+    sum_rewards_over_mask: bool = sum_over_mask_field()
 
 
 def opo_baseline(group: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,7 @@ def opo(cfg: OPOConfig, batch: Batch) -> AdvantageResult:
     """
     rewards, mask = batch["rewards"], batch["mask"]
     m = mask.to(torch.float64)
-    scores = outcome_scores(rewards)
-    adv = scores - opo_baseline(batch["prompt_ids"], scores, m.sum(-1))
+    scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+    group, _ = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own (A = 0 there)
+    adv = scores - opo_baseline(group, scores, m.sum(-1))
     return AdvantageResult((adv[:, None] * m).to(rewards.dtype))

@@ -16,9 +16,10 @@ Math, per row i and position t (m = mask):
     B_{g,t} = sum_{i in g} G_{i,t} W_{i,t} m_{i,t} / (sum_{i in g} W_{i,t} m_{i,t} + epsilon)
     A_{i,t} = (G_{i,t} - B_{g(i),t}) m_{i,t}
 The baseline is aligned on absolute position t. A group of one has B = 0 (A = G on its valid tokens);
-rows with no valid token still count as group members. ``handle_zero_tail`` (default false): when a
-group's longest row (by sum of mask) is unique, its baseline is 0 from position ``second-longest
-length`` on (verl compares that length with the absolute position). Defaults: epsilon = 1e-8.
+rows with no valid token still count as group members. ``handle_zero_tail`` (default true, as verl
+0.9.1's function, whose trainer never passes it): when a group's longest row (by sum of mask) is
+unique, its baseline is 0 from position ``second-longest length`` on (verl compares that length with
+the absolute position). Defaults: epsilon = 1e-8.
 Where sum W m + epsilon is exactly 0 (only possible with inputs outside their real range, W >= 0)
 the baseline is 0 instead of verl's division by zero.
 
@@ -34,15 +35,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advantage_server.estimators.common import MASK, PROMPT_IDS, TOKEN_REWARDS, place_rewards, reverse_cumsum
+from advantage_server.estimators.common import (
+    MASK, PROMPT_IDS, TOKEN_REWARDS, exclude_empty_field, place_rewards, reverse_cumsum,
+)
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 
 @dataclass(frozen=True)
 class OptimalTokenBaselineConfig(EstimatorConfig):
-    handle_zero_tail: bool = field(default=False, metadata={
-        "doc": "Zero the baseline of a group's unique longest row from the second-longest row's length on."})
+    handle_zero_tail: bool = field(default=True, metadata={
+        "doc": "Zero the baseline of a group's unique longest row from the second-longest row's length on "
+               "(verl 0.9.1's default)."})
     epsilon: float = field(default=1e-8, metadata={"doc": "Added to the baseline's denominator.", "range": (0.0, None)})
+    exclude_empty_responses: bool = exclude_empty_field(
+        extra=" Here: the empty row is not a group member (the sums are over valid tokens already, so "
+              "what changes is the group size: a row whose peers are all empty gets baseline 0); with "
+              "handle_zero_tail = true that row's baseline is 0 anyway. tir_optimal_token_baseline always "
+              "leaves such rows out.")
 
 
 OTB_INPUTS = [
@@ -143,6 +152,8 @@ def optimal_token_baseline(cfg: OptimalTokenBaselineConfig, batch: Batch) -> Adv
     group = batch["prompt_ids"]
     G, W, m = otb_terms(batch)
     everyone = torch.ones(G.shape[0], dtype=torch.bool, device=G.device)
+    if cfg.exclude_empty_responses:  # empty rows are not members: group sizes and zero tails without them
+        everyone = m.sum(-1) > 0
     base = group_baseline(group, G, W, m, everyone, cfg.epsilon)
     if cfg.handle_zero_tail:
         base = zero_tail(base, group, m.sum(-1), everyone)

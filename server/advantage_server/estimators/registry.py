@@ -131,6 +131,9 @@ class InputSpec:
     required:      always required.
     required_when: ``(predicate(cfg), text)``: required only when the predicate holds.
     fix:           what the user should do when it is missing (shown in the error).
+    nan_allowed_when: ``(predicate(cfg), text)``: NaN values are accepted (they mean "no value for this
+                   sample") when the predicate holds; infinity is still rejected. Otherwise every value
+                   must be finite.
     """
 
     name: str
@@ -140,6 +143,7 @@ class InputSpec:
     required: bool = True
     required_when: tuple[Callable[[Any], bool], str] | None = None
     fix: str = ""
+    nan_allowed_when: tuple[Callable[[Any], bool], str] | None = None
 
     @property
     def is_pattern(self) -> bool:

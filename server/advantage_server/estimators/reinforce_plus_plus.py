@@ -13,21 +13,30 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
     The whitening is applied at every position, masked ones included (as NeMo RL does). With no valid
     token at all, mu = var = 0 (NeMo raw_reward's count floor of 1), so A = a * 1e4: finite where the
     reference divides by zero.
-``semantics = verl`` (verl ``compute_reinforce_plus_plus_outcome_advantage``). Returns G.
+``semantics = verl`` (verl 0.9.1 ``compute_reinforce_plus_plus_outcome_advantage``). Returns G.
     r_t      = token reward ([B] placed on the row's last mask = 1 position) - penalty * KL_t * mask_t
-    G_t      = r_t + gamma * mask_{t+1} * G_{t+1}     (a mask = 0 position cuts the return: holes reset it)
-    A        = (G - mu) * rsqrt(var + 1e-8) * mask   mu, unbiased var over the mask = 1 tokens
-    Returns G at every position (verl does not mask them). One valid token: var = 0; none: mu = var = 0.
-``semantics = openrlhf`` (OpenRLHF ``reinforce``). Returns G.
-    r_t      = (token reward - penalty * KL_t) * mask_t
+    G_t      = (r_t + gamma * G_{n(t)}) * mask_t      n(t): the next mask = 1 position after t (G = 0 past
+               the row's last one). The running return is carried across mask = 0 spans (tool-output holes)
+               undiscounted, rewards on mask = 0 positions are dropped, and the returns are 0 there
+               (verl PR #7300, in verl 0.9).
+    A        = (G - mu) * rsqrt(var + 1e-8) * mask   mu, unbiased var over the n mask = 1 tokens (verl
+               masked_whiten). One valid token: var = 0 (A = 0); none: mu = var = 0 (verl raises there).
+    ``reset_returns_at_holes = true`` (verl 0.8 and earlier): G_t = r_t + gamma * mask_{t+1} * G_{t+1}
+    at every position, i.e. a mask = 0 position cuts the return (holes reset it) and the returns are not
+    masked.
+``semantics = openrlhf`` (OpenRLHF 0.11.2 ``reinforce``). Returns G.
+    r_t      = (token reward - penalty * KL_t) * mask_t, the token reward clamped to +-10 (OpenRLHF's
+               default ``--reward.clip_range``; a [B] reward on the row's last mask = 1 position)
     G_t      = sum_{k >= t} gamma^(k - t) r_k        (no resets)
     A        = (G - mu) / sqrt(max(var, 1e-8))       mu, biased var over the mask = 1 tokens, every position
 ``gamma`` (verl, openrlhf) defaults to 1.0; ``minus_baseline`` applies to nemo_rl only.
 
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
-float64 temporaries; :func:`~advantage_server.estimators.common.whiten_rows_clamped`). The verl recursion is the discounted reverse cumulative sum S of the token rewards minus, at
-each t, S at the next mask = 0 position after t discounted back to t (float64, no per-step loop);
-:func:`verl_returns_loop` is the per-step loop twin (test oracle).
+float64 temporaries; :func:`~advantage_server.estimators.common.whiten_rows_clamped`). The verl 0.9
+recursion packs each row's mask = 1 rewards to the left, takes their discounted reverse cumulative sum
+and gathers it back (float64, no per-step loop); the verl 0.8 one is the discounted reverse cumulative
+sum S of the token rewards minus, at each t, S at the next mask = 0 position after t discounted back to t.
+:func:`verl_returns_loop` is the per-step loop twin of both (test oracle).
 """
 from __future__ import annotations
 
@@ -38,7 +47,8 @@ import torch
 
 from advantage_server.estimators import jit
 from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, PROMPT_IDS, KLInRewardConfig, apply_kl, broadcast_rows, group_relative, outcome_scores,
+    KL_INPUTS, MASK, PROMPT_IDS, KLInRewardConfig, apply_kl, broadcast_rows, exclude_empty_field, exclude_rows,
+    group_relative, nonempty_rows, OPENRLHF_REWARD_CLIP, outcome_scores, zero_rows,
     place_rewards, whiten_clamped, whiten_rows_clamped, whiten_unbiased,
 )
 from advantage_server.estimators.gae import discounted_reverse_cumsum
@@ -57,6 +67,13 @@ class ReinforcePlusPlusConfig(KLInRewardConfig):
     gamma: float | None = field(default=None, metadata={
         "doc": "Discount of the returns.", "range": (0.0, 1.0),
         "per_semantics": {"verl": 1.0, "openrlhf": 1.0}, "default_text": "1.0 (verl, openrlhf); not applicable to nemo_rl"})
+    reset_returns_at_holes: bool | None = field(default=None, metadata={
+        "doc": "verl 0.8 and earlier: a mask = 0 position inside the response resets the running return, and the "
+               "returns there are not zeroed. verl 0.9.1 (the default) carries the return across mask = 0 spans.",
+        "per_semantics": {"verl": False}, "default_text": "false (verl); not applicable otherwise"})
+    exclude_empty_responses: bool | None = exclude_empty_field(
+        {"nemo_rl": False}, extra=" nemo_rl: the row is left out of the minus_baseline group mean and its "
+                                  "whitened advantage is 0.")
 
 
 _PROMPT_IDS = replace(PROMPT_IDS, required=False,
@@ -70,16 +87,31 @@ _REWARDS = InputSpec(
 )
 
 
-def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + gamma * mask_{t+1} * G_{t+1}`` (G_T = 0), float64 ``[B, T]``, without a per-step loop.
+def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
+                 reset_at_holes: bool = False) -> torch.Tensor:
+    """verl's REINFORCE++ returns, float64 ``[B, T]``, without a per-step loop.
 
-    G_t = S_t - gamma^(z - t) S_z with S the discounted reverse cumulative sum of r and z the first
+    token_rewards: ``[B, T]`` float; mask: ``[B, T]`` 0/1; gamma in [0, 1].
+    verl 0.9.1 (default): ``G_t = (r_t + gamma * G_{n(t)}) * mask_t`` with n(t) the next mask = 1 position
+    after t: the row's mask = 1 rewards are packed to the left, their discounted reverse cumulative sum
+    taken, and gathered back to their positions (0 where mask = 0).
+    ``reset_at_holes`` (verl 0.8): ``G_t = r_t + gamma * mask_{t+1} * G_{t+1}`` (G_T = 0) at every position,
+    computed as S_t - gamma^(z - t) S_z with S the discounted reverse cumulative sum of r and z the first
     position after t where mask = 0 (T if none, S_T = 0).
     """
     r = token_rewards.to(torch.float64)
     B, T = r.shape
-    S = torch.nn.functional.pad(discounted_reverse_cumsum(r, torch.full((B,), gamma, dtype=torch.float64,
-                                                                         device=r.device)), (0, 1))
+    g = torch.full((B,), gamma, dtype=torch.float64, device=r.device)
+    if not reset_at_holes:
+        valid = mask.bool()
+        before = torch.cumsum(valid, 1) - valid.long()                    # mask = 1 positions before t
+        slot = torch.where(valid, before, torch.full_like(before, T))      # holes go to a trash slot T
+        packed = torch.zeros(B, T + 1, dtype=torch.float64, device=r.device)
+        packed.scatter_(1, slot, torch.where(valid, r, torch.zeros((), dtype=torch.float64, device=r.device)))
+        G = discounted_reverse_cumsum(packed[:, :T], g)
+        return torch.where(valid, G.gather(1, before.clamp(max=T - 1)), torch.zeros((), dtype=torch.float64,
+                                                                                     device=r.device))
+    S = torch.nn.functional.pad(discounted_reverse_cumsum(r, g), (0, 1))
     pos = torch.arange(T + 1, device=r.device)
     zero_at = torch.where(torch.nn.functional.pad(mask.bool(), (0, 1), value=False), T, pos[None, :].expand(B, T + 1))
     zero_at[:, T] = T
@@ -89,16 +121,21 @@ def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return S[:, :T] - decay * S.gather(1, z)
 
 
-def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
+                      reset_at_holes: bool = False) -> torch.Tensor:
     """Per-step loop twin of :func:`verl_returns` (test oracle), backwards over t as verl does."""
     r = token_rewards.to(torch.float64)
     m = mask.to(torch.float64)
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=torch.float64)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
-        out[:, t] = running
-        running = running * m[:, t]
+        new = r[:, t] + gamma * running
+        if reset_at_holes:  # verl 0.8: the return at a hole is kept, and the hole cuts it
+            out[:, t] = new
+            running = new * m[:, t]
+        else:  # verl 0.9: a hole keeps the running return as it is and gets 0
+            out[:, t] = new * m[:, t]
+            running = torch.where(m[:, t] != 0, new, running)
     return out
 
 
@@ -119,21 +156,26 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
     dtype = rewards.dtype
     if cfg.semantics == "nemo_rl":
         scores = outcome_scores(rewards)
+        keep = nonempty_rows(mask) if cfg.exclude_empty_responses else None  # empty rows: out of groups, A = 0
         if cfg.minus_baseline:
-            a = group_relative(batch["prompt_ids"], scores, leave_one_out=False, normalize=False)
+            group = batch["prompt_ids"] if keep is None else exclude_rows(batch["prompt_ids"], keep)
+            a = group_relative(group, scores, leave_one_out=False, normalize=False)
         else:
             a = scores
         kl_active = cfg.use_kl_in_reward and cfg.reference_policy_kl_penalty != 0
         if not kl_active and jit.applies(a, mask):
             # CPU: A is constant along each row, so its masked whitening needs only per-row valid counts
             w = whiten_rows_clamped(jit.numpy_as(a, dtype).astype(np.float64), mask)
-            return AdvantageResult(broadcast_rows(torch.from_numpy(w), batch.B, batch.T, dtype, batch))
+            w = zero_rows(torch.from_numpy(w), keep)
+            return AdvantageResult(broadcast_rows(w, batch.B, batch.T, dtype, batch))
         a = a.to(dtype)
         adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
-        return AdvantageResult(whiten_clamped(adv, mask))
+        return AdvantageResult(zero_rows(whiten_clamped(adv, mask), keep))
+    if cfg.semantics == "openrlhf":
+        rewards = rewards.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
     tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)
     if cfg.semantics == "verl":
-        returns = verl_returns(tokens, mask, cfg.gamma)
+        returns = verl_returns(tokens, mask, cfg.gamma, reset_at_holes=bool(cfg.reset_returns_at_holes))
         adv = whiten_unbiased(returns, mask) * mask
     else:  # openrlhf
         g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=mask.device)

@@ -10,9 +10,10 @@ Inputs: ``prompt_ids`` [B] (or [B, L]), ``rewards`` [B] or [B, T], ``mask`` [B, 
     A_{i,t} = whiten(a_i * mask_{i,t}) * mask_{i,t}, whiten = (x - mu) * rsqrt(var + 1e-8) with mu and
               the unbiased variance over the mask = 1 tokens (one valid token: var = 0; none: mu = var = 0,
               where verl divides by zero).
-``semantics = openrlhf`` (OpenRLHF ``reinforce_baseline``). Returns G.
+``semantics = openrlhf`` (OpenRLHF 0.11.2 ``reinforce_baseline``). Returns G.
     a_i     = r_i - mean_g(r)        ([B, T] rewards summed over T; a group of one gets 0)
-    r_t     = a_i on the row's last mask = 1 position, minus penalty * KL_t * mask_t
+    r_t     = clamp(a_i, +-10) on the row's last mask = 1 position (OpenRLHF's default
+              ``--reward.clip_range``), minus penalty * KL_t * mask_t
     G_t     = sum_{k >= t} r_k mask_k                            (gamma 1, as OpenRLHF forces)
     A       = (G - mu) / sqrt(max(var, 1e-8)), mu and biased var over the mask = 1 tokens, every position.
 
@@ -27,7 +28,8 @@ import torch
 
 from advantage_server.estimators.common import (
     KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, kl_total,
-    openrlhf_outcome, outcome_scores, verl_group_stats, whiten_unbiased,
+    exclude_empty_field, groups_of, openrlhf_outcome, outcome_scores, sum_over_mask_field, verl_group_stats,
+    whiten_unbiased, zero_rows,
 )
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
@@ -38,6 +40,8 @@ class ReinforcePlusPlusBaselineConfig(KLInRewardConfig):
         ("verl", "openrlhf"),
         "Reference reproduced: verl (compute_reinforce_plus_plus_baseline_outcome_advantage), openrlhf "
         "(reinforce_baseline).")
+    exclude_empty_responses: bool = exclude_empty_field()
+    sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
 
 
 def rppb_scalars(group: torch.Tensor, scores: torch.Tensor, semantics: str) -> torch.Tensor:
@@ -77,11 +81,14 @@ def reinforce_plus_plus_baseline(cfg: ReinforcePlusPlusBaselineConfig, batch: Ba
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]; logprobs and reference_logprobs [B, T] when
     use_kl_in_reward. Returns advantages [B, T]; returns [B, T] under openrlhf semantics; no metrics.
     """
-    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    rewards, mask = batch["rewards"], batch["mask"]
+    group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own
     dtype = rewards.dtype
     if cfg.semantics == "verl":
-        a = rppb_scalars(group, outcome_scores(rewards) - kl_total(cfg, batch, mask), "verl")
+        scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+        a = rppb_scalars(group, scores - kl_total(cfg, batch, mask), "verl")
         m = mask.to(torch.float64)
         return AdvantageResult((whiten_unbiased(a[:, None] * m, mask) * m).to(dtype))
-    adv, returns = openrlhf_outcome(rppb_scalars(group, outcome_scores(rewards), "openrlhf"), mask, cfg, batch)
-    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
+    adv, returns = openrlhf_outcome(zero_rows(rppb_scalars(group, outcome_scores(rewards), "openrlhf"), keep), mask,
+                                    cfg, batch)
+    return AdvantageResult(zero_rows(adv, keep).to(dtype), returns=returns.to(dtype))

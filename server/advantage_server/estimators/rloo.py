@@ -12,10 +12,11 @@ advantages twice).
     s_i = r_i - penalty * sum_t KL_t mask_t; a group of one keeps a = s (baseline 0);
     A_{i,t} = a_i * mask_{i,t}.
     verl's ``rloo_vectorized`` computes the same numbers except for a group of one, which it gives 0.
-``semantics = openrlhf`` (OpenRLHF ``rloo``). Returns G.
+``semantics = openrlhf`` (OpenRLHF 0.11.2 ``rloo``). Returns G.
     s_i = r_i; a group of one keeps a = s (baseline 0; OpenRLHF divides by n - 1 = 0 there);
-    a_i on the row's last mask = 1 position minus penalty * KL_t * mask_t, G = reverse cumulative sum
-    (gamma 1), A = (G - mu) / sqrt(max(var, 1e-8)) over the mask = 1 tokens (biased var), every position.
+    a_i clamped to +-10 (OpenRLHF's default ``--reward.clip_range``) on the row's last mask = 1 position
+    minus penalty * KL_t * mask_t, G = reverse cumulative sum (gamma 1), A = G (OpenRLHF 0.11.2 does not
+    whiten rloo advantages; releases that did are not reproduced).
 
 Numerics: the leave-one-out mean is computed in float64 by removal from the group mean
 (:func:`~advantage_server.estimators.common.group_baseline_and_std`), exact when the others are tied.
@@ -29,7 +30,7 @@ import torch
 
 from advantage_server.estimators.common import (
     KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, group_sizes, kl_total,
-    openrlhf_outcome, outcome_scores,
+    exclude_empty_field, groups_of, openrlhf_outcome, outcome_scores, sum_over_mask_field, zero_rows,
 )
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
@@ -38,6 +39,8 @@ from advantage_server.estimators.registry import AdvantageResult, Batch, registe
 class RLOOConfig(KLInRewardConfig):
     semantics: str | None = semantics_field(
         ("verl", "openrlhf"), "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo).")
+    exclude_empty_responses: bool = exclude_empty_field()
+    sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
 
 
 def rloo_scalars(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -72,10 +75,13 @@ def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T]; logprobs and reference_logprobs [B, T] when
     use_kl_in_reward. Returns advantages [B, T]; returns [B, T] under openrlhf semantics; no metrics.
     """
-    rewards, mask, group = batch["rewards"], batch["mask"], batch["prompt_ids"]
+    rewards, mask = batch["rewards"], batch["mask"]
+    group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own
     dtype = rewards.dtype
     if cfg.semantics == "verl":
-        a = rloo_scalars(group, outcome_scores(rewards) - kl_total(cfg, batch, mask))
+        scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+        a = rloo_scalars(group, scores - kl_total(cfg, batch, mask))
         return AdvantageResult((a[:, None] * mask.to(torch.float64)).to(dtype))
-    adv, returns = openrlhf_outcome(rloo_scalars(group, outcome_scores(rewards)), mask, cfg, batch)
-    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
+    adv, returns = openrlhf_outcome(zero_rows(rloo_scalars(group, outcome_scores(rewards)), keep), mask, cfg, batch,
+                                    whiten=False)
+    return AdvantageResult(zero_rows(adv, keep).to(dtype), returns=returns.to(dtype))

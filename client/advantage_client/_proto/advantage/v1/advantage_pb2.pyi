@@ -262,12 +262,15 @@ class GRPOConfig(_message.Message):
                 (r - mean) / (std + epsilon); a group of one has mean 0, std 1;
                 0 where mask = 0.
       openrlhf  OpenRLHF group_norm ((r - mean) / (std + epsilon), epsilon 1e-9)
-                and dr_grpo (normalize_rewards = false): the value sits on every
+                and dr_grpo (normalize_rewards = false), clamped to +-10
+                (OpenRLHF's default --reward.clip_range): the value sits on every
                 position up to the row's last mask = 1 position (its cumulative
                 return, gamma 1), 0 after it; a group of one gets 0. OpenRLHF's
                 KL-in-reward is not applied (use a KL loss).
       trl       TRL GRPOTrainer: (r - group mean) / (std + epsilon) with the std
-                chosen by scale_rewards; broadcast over every column.
+                chosen by scale_rewards; broadcast over every column. A
+                completion TRL cannot score (every reward function returned
+                None): send an all-zero mask row with exclude_empty_responses.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -277,6 +280,8 @@ class GRPOConfig(_message.Message):
     SEMANTICS_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     SCALE_REWARDS_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """Divide by the std + epsilon. Default true. nemo_rl: groups whose std is 0
     are left unscaled.
@@ -294,6 +299,21 @@ class GRPOConfig(_message.Message):
     """
     scale_rewards: Global___ScaleRewards.ValueType
     """trl only (INVALID_ARGUMENT otherwise): group (default), batch or none."""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    trl with scale_rewards = batch: the batch std is over the non-empty rows.
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
         *,
@@ -302,21 +322,31 @@ class GRPOConfig(_message.Message):
         semantics: Global___Semantics.ValueType = ...,
         epsilon: _builtins.float | None = ...,
         scale_rewards: Global___ScaleRewards.ValueType = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "normalize_rewards", b"normalize_rewards", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "normalize_rewards", b"normalize_rewards", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["use_leave_one_out_baseline"]  # noqa: Y015
     _WhichOneofArgType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["_use_leave_one_out_baseline", b"_use_leave_one_out_baseline"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_leave_one_out_baseline) -> _WhichOneofReturnType__use_leave_one_out_baseline | None: ...
 
@@ -338,10 +368,43 @@ class GDPOConfig(_message.Message):
     NORMALIZE_REWARDS_FIELD_NUMBER: _builtins.int
     USE_LEAVE_ONE_OUT_BASELINE_FIELD_NUMBER: _builtins.int
     REWARD_WEIGHTS_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    ALLOW_MISSING_REWARDS_FIELD_NUMBER: _builtins.int
+    SEMANTICS_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """default true"""
     use_leave_one_out_baseline: _builtins.bool
-    """default true"""
+    """default true (nemo_rl only)"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    GDPO: the empty rows are also left out of the batch standardisation.
+    """
+    allow_missing_rewards: _builtins.bool
+    """NaN in a reward/<name> input means "no score for this sample" (ms-swift
+    issue #8123): each component's group baseline and std are over the samples
+    that have it, and a sample without it contributes 0 to the weighted sum
+    (a sample missing every component sums to 0 and is still standardised
+    with the batch). Default false: NaN is INVALID_ARGUMENT. Infinity is
+    always rejected.
+    """
+    semantics: Global___Semantics.ValueType
+    """nemo_rl (default) or verl. verl (compute_gdpo_outcome_advantage, verl PR
+    #5503): one or more components; each gets verl's GRPO ((r - mean) /
+    (std + epsilon), sample std; a group of one has mean 0, std 1; r - mean
+    when normalize_rewards = false), the weighted sum is taken under the mask
+    and whitened over the mask = 1 tokens (verl masked_whiten: unbiased
+    variance, rsqrt(var + 1e-8); var = 0 where verl raises, i.e. fewer than
+    two valid tokens), 0 where mask = 0. use_leave_one_out_baseline,
+    allow_missing_rewards and exclude_empty_responses do not apply to verl.
+    """
+    epsilon: _builtins.float
+    """verl only: added to each component's group std. Default 1e-6."""
     @_builtins.property
     def reward_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """One weight per component, in sorted component-name order. Empty = all 1.0."""
@@ -352,15 +415,31 @@ class GDPOConfig(_message.Message):
         normalize_rewards: _builtins.bool | None = ...,
         use_leave_one_out_baseline: _builtins.bool | None = ...,
         reward_weights: _abc.Iterable[_builtins.float] | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        allow_missing_rewards: _builtins.bool | None = ...,
+        semantics: Global___Semantics.ValueType = ...,
+        epsilon: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "normalize_rewards", b"normalize_rewards", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_allow_missing_rewards", b"_allow_missing_rewards", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "allow_missing_rewards", b"allow_missing_rewards", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "normalize_rewards", b"normalize_rewards", "reward_weights", b"reward_weights", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_allow_missing_rewards", b"_allow_missing_rewards", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "allow_missing_rewards", b"allow_missing_rewards", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "reward_weights", b"reward_weights", "semantics", b"semantics", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__allow_missing_rewards: _TypeAlias = _typing.Literal["allow_missing_rewards"]  # noqa: Y015
+    _WhichOneofArgType__allow_missing_rewards: _TypeAlias = _typing.Literal["_allow_missing_rewards", b"_allow_missing_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
+    _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
     _WhichOneofReturnType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["use_leave_one_out_baseline"]  # noqa: Y015
     _WhichOneofArgType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["_use_leave_one_out_baseline", b"_use_leave_one_out_baseline"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__allow_missing_rewards) -> _WhichOneofReturnType__allow_missing_rewards | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
     @_typing.overload
@@ -380,13 +459,18 @@ class ReinforcePlusPlusConfig(_message.Message):
                 tokens (applied at every position). No returns.
       verl      verl compute_reinforce_plus_plus_outcome_advantage: token
                 rewards ([B] placed on the last mask = 1 position) minus the
-                masked KL penalty; returns G_t = r_t + gamma * G_{t+1}, cut at
-                every mask = 0 position (holes reset the return); advantages =
-                returns whitened over the mask (unbiased variance), 0 where
-                mask = 0. Returns: G at every position (not masked).
-      openrlhf  OpenRLHF `reinforce`: token rewards times mask minus the masked
-                KL penalty; returns G_t = sum_{k >= t} gamma^(k - t) r_k (no
-                resets); advantages = (G - mean) / sqrt(max(var, 1e-8)) over
+                masked KL penalty; returns G_t = (r_t + gamma * G_{n(t)}) *
+                mask_t with n(t) the next mask = 1 position: the return is
+                carried across mask = 0 spans (tool-output holes) and is 0
+                there (verl 0.9, PR #7300); advantages = returns whitened over
+                the mask (verl masked_whiten, unbiased variance), 0 where
+                mask = 0. reset_returns_at_holes = true: verl 0.8's recursion
+                G_t = r_t + gamma * mask_{t+1} * G_{t+1} (a hole resets the
+                return; returns not masked).
+      openrlhf  OpenRLHF `reinforce`: token rewards (clamped to +-10,
+                OpenRLHF's default --reward.clip_range) times mask minus the
+                masked KL penalty; returns G_t = sum_{k >= t} gamma^(k - t) r_k
+                (no resets); advantages = (G - mean) / sqrt(max(var, 1e-8)) over
                 the mask = 1 tokens (biased variance), at every position.
                 Returns: G.
     """
@@ -401,6 +485,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     SEMANTICS_FIELD_NUMBER: _builtins.int
     GAMMA_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    RESET_RETURNS_AT_HOLES_FIELD_NUMBER: _builtins.int
     minus_baseline: _builtins.bool
     """Subtract the per-prompt mean reward. Default true for nemo_rl; not
     applicable to verl and openrlhf (use reinforce_plus_plus_baseline).
@@ -421,6 +507,20 @@ class ReinforcePlusPlusConfig(_message.Message):
     """Discount of the returns, in [0, 1]. Default 1.0 for verl and openrlhf;
     not applicable to nemo_rl.
     """
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239). nemo_rl only (the minus_baseline group mean; the whitened
+    advantage of the empty row is 0); INVALID_ARGUMENT otherwise.
+    """
+    reset_returns_at_holes: _builtins.bool
+    """verl only (INVALID_ARGUMENT otherwise): reproduce verl 0.8 and earlier,
+    where a mask = 0 position inside the response resets the running return.
+    Default false (verl 0.9.1 carries it across).
+    """
     def __init__(
         self,
         *,
@@ -432,11 +532,15 @@ class ReinforcePlusPlusConfig(_message.Message):
         kl_output_clamp_value: _builtins.float | None = ...,
         semantics: Global___Semantics.ValueType = ...,
         gamma: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        reset_returns_at_holes: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__gamma: _TypeAlias = _typing.Literal["gamma"]  # noqa: Y015
     _WhichOneofArgType__gamma: _TypeAlias = _typing.Literal["_gamma", b"_gamma"]  # noqa: Y015
     _WhichOneofReturnType__kl_input_clamp_value: _TypeAlias = _typing.Literal["kl_input_clamp_value"]  # noqa: Y015
@@ -447,8 +551,12 @@ class ReinforcePlusPlusConfig(_message.Message):
     _WhichOneofArgType__minus_baseline: _TypeAlias = _typing.Literal["_minus_baseline", b"_minus_baseline"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reset_returns_at_holes: _TypeAlias = _typing.Literal["reset_returns_at_holes"]  # noqa: Y015
+    _WhichOneofArgType__reset_returns_at_holes: _TypeAlias = _typing.Literal["_reset_returns_at_holes", b"_reset_returns_at_holes"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gamma) -> _WhichOneofReturnType__gamma | None: ...
     @_typing.overload
@@ -459,6 +567,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__minus_baseline) -> _WhichOneofReturnType__minus_baseline | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reset_returns_at_holes) -> _WhichOneofReturnType__reset_returns_at_holes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
 
@@ -654,28 +764,54 @@ class GRPOPassKConfig(_message.Message):
 
     NORMALIZE_REWARDS_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """default true (verl norm_adv_by_std_in_grpo)"""
     epsilon: _builtins.float
     """default 1e-6"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
         *,
         normalize_rewards: _builtins.bool | None = ...,
         epsilon: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_normalize_rewards", b"_normalize_rewards", "epsilon", b"epsilon", "normalize_rewards", b"normalize_rewards"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_normalize_rewards", b"_normalize_rewards", "epsilon", b"epsilon", "normalize_rewards", b"normalize_rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
 
 Global___GRPOPassKConfig: _TypeAlias = GRPOPassKConfig  # noqa: Y015
 
@@ -691,8 +827,9 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
                 the mask = 1 tokens (unbiased variance), 0 where mask = 0. No
                 returns.
       openrlhf  OpenRLHF `reinforce_baseline`: a = r - group mean (a group of
-                one gets 0) on the last mask = 1 position, minus the masked KL
-                penalty; returns G = reverse cumulative sum (gamma 1);
+                one gets 0), clamped to +-10 (OpenRLHF's default
+                --reward.clip_range), on the last mask = 1 position, minus the
+                masked KL penalty; returns G = reverse cumulative sum (gamma 1);
                 advantages = (G - mean) / sqrt(max(var, 1e-8)) over the mask
                 (biased variance), at every position. Returns: G.
     """
@@ -705,6 +842,8 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     REFERENCE_POLICY_KL_TYPE_FIELD_NUMBER: _builtins.int
     KL_INPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
     """verl (default) or openrlhf"""
     use_kl_in_reward: _builtins.bool
@@ -717,6 +856,20 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     """default 20"""
     kl_output_clamp_value: _builtins.float
     """default 10"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
         *,
@@ -726,25 +879,35 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
         reference_policy_kl_type: Global___KLType.ValueType = ...,
         kl_input_clamp_value: _builtins.float | None = ...,
         kl_output_clamp_value: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__kl_input_clamp_value: _TypeAlias = _typing.Literal["kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_input_clamp_value) -> _WhichOneofReturnType__kl_input_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
 
@@ -761,11 +924,11 @@ class RLOOConfig(_message.Message):
                 keeps s); a on every mask = 1 position, 0 elsewhere. No returns.
                 (verl's rloo_vectorized gives a group of one 0 instead.)
       openrlhf  OpenRLHF `rloo`: a = r - mean of the others (a group of one:
-                baseline 0, where OpenRLHF divides by zero) on the last
-                mask = 1 position, minus the masked KL penalty; returns G =
-                reverse cumulative sum (gamma 1); advantages = (G - mean) /
-                sqrt(max(var, 1e-8)) over the mask, at every position.
-                Returns: G.
+                baseline 0, where OpenRLHF divides by zero), clamped to +-10
+                (OpenRLHF's default --reward.clip_range), on the last mask = 1
+                position, minus the masked KL penalty; returns G = reverse
+                cumulative sum (gamma 1); advantages = G (OpenRLHF 0.11.2 does
+                not whiten rloo). Returns: G.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -776,6 +939,8 @@ class RLOOConfig(_message.Message):
     REFERENCE_POLICY_KL_TYPE_FIELD_NUMBER: _builtins.int
     KL_INPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
     """verl (default) or openrlhf"""
     use_kl_in_reward: _builtins.bool
@@ -788,6 +953,20 @@ class RLOOConfig(_message.Message):
     """default 20"""
     kl_output_clamp_value: _builtins.float
     """default 10"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
         *,
@@ -797,25 +976,35 @@ class RLOOConfig(_message.Message):
         reference_policy_kl_type: Global___KLType.ValueType = ...,
         kl_input_clamp_value: _builtins.float | None = ...,
         kl_output_clamp_value: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__kl_input_clamp_value: _TypeAlias = _typing.Literal["kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_input_clamp_value) -> _WhichOneofReturnType__kl_input_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
 
@@ -832,14 +1021,40 @@ class OPOConfig(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
+        *,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
 
 Global___OPOConfig: _TypeAlias = OPOConfig  # noqa: Y015
 
@@ -877,20 +1092,49 @@ class GPGConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     F_NORM_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     f_norm: _builtins.float
     """default 1.0; must be > 0"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    GPG: also left out of alpha (B and the non-zero count over the
+    non-empty rows).
+    """
+    sum_rewards_over_mask: _builtins.bool
+    """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
+    positions only, so a reward on a padded or masked position (e.g. index -1
+    of an empty response) is ignored (verl PR #6310). Default false (verl sums
+    all T positions); [B] rewards are unaffected.
+    """
     def __init__(
         self,
         *,
         f_norm: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_f_norm", b"_f_norm", "f_norm", b"f_norm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_f_norm", b"_f_norm", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "f_norm", b"f_norm", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_f_norm", b"_f_norm", "f_norm", b"f_norm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_f_norm", b"_f_norm", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "f_norm", b"f_norm", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__f_norm: _TypeAlias = _typing.Literal["f_norm"]  # noqa: Y015
     _WhichOneofArgType__f_norm: _TypeAlias = _typing.Literal["_f_norm", b"_f_norm"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__f_norm) -> _WhichOneofReturnType__f_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
 
 Global___GPGConfig: _TypeAlias = GPGConfig  # noqa: Y015
 
@@ -910,28 +1154,47 @@ class OptimalTokenBaselineConfig(_message.Message):
 
     HANDLE_ZERO_TAIL_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     handle_zero_tail: _builtins.bool
     """Zero the baseline of a group's unique longest row from the second-longest
-    row's length on. Default false.
+    row's length on. Default true (verl 0.9.1's function default; its trainer
+    never passes it).
     """
     epsilon: _builtins.float
     """default 1e-8"""
+    exclude_empty_responses: _builtins.bool
+    """Leave a row whose mask is all 0 (a rejected or empty response) out of its
+    prompt group: baseline and std are over the group's other rows, and the
+    empty row's advantage is 0 at every position. A group left with one row
+    is a group of one; a group of empty rows only gives 0. Default false (the
+    reference: empty rows are group members; verl PR #6452, OpenRLHF PR
+    #1239).
+    Here the empty row is not a group member; the sums are over valid tokens
+    already, so what changes is the group size: a row whose peers are all
+    empty gets baseline 0 (as handle_zero_tail = true gives it anyway).
+    TIROptimalTokenBaselineConfig always leaves such rows out.
+    """
     def __init__(
         self,
         *,
         handle_zero_tail: _builtins.bool | None = ...,
         epsilon: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_handle_zero_tail", b"_handle_zero_tail", "epsilon", b"epsilon", "handle_zero_tail", b"handle_zero_tail"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_handle_zero_tail", b"_handle_zero_tail", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "handle_zero_tail", b"handle_zero_tail"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_handle_zero_tail", b"_handle_zero_tail", "epsilon", b"epsilon", "handle_zero_tail", b"handle_zero_tail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_handle_zero_tail", b"_handle_zero_tail", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "handle_zero_tail", b"handle_zero_tail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__handle_zero_tail: _TypeAlias = _typing.Literal["handle_zero_tail"]  # noqa: Y015
     _WhichOneofArgType__handle_zero_tail: _TypeAlias = _typing.Literal["_handle_zero_tail", b"_handle_zero_tail"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__handle_zero_tail) -> _WhichOneofReturnType__handle_zero_tail | None: ...
 

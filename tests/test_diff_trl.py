@@ -1,0 +1,188 @@
+"""Differential tests: the service (over gRPC, ``grpo`` with ``semantics = "trl"``) against the released TRL
+(``tests/references/requirements.txt`` pins it; ``tests/references/trl_ref.py`` runs
+``GRPOTrainer._generate_and_score_completions`` in-process, the method that computes the advantages).
+
+Every ``scale_rewards`` mode (group, batch, none), at least 200 hypothesis batches each
+(``derandomize=True``): what TRL's API can express, i.e. ``num_generations`` n from 1 and prompt groups as
+contiguous blocks of n completions (B and T from 1; uneven group sizes cannot be expressed, TRL views the
+rewards as [-1, n]); rewards binary, tied, integer, real, large and near-tied,
+and ``None`` (an unscorable completion: TRL leaves it out of the group's mean and std and gives it 0);
+completion lengths from 0 and multi-turn tool masks with holes (TRL's advantages do not read them; the service
+gets the same ``completion_mask * tool_mask``); float32 and float64. The service also gets the rows in a
+shuffled order with the prompt ids to match (interleaved groups; integer ids or uid strings), and must give
+the same per-row answers. An unscorable completion is sent as TRL users send it to the service: any finite
+reward, an all-zero mask row and ``exclude_empty_responses = true``.
+
+Compared at every position (TRL's advantage is one value per completion, applied to every token; the service
+broadcasts it over every column).
+
+The rule: y64 is the released method run in float64 (``precise=True``: only the float32 ``rewards_per_func``
+that ``_calculate_rewards`` builds is float64 instead). The service's answer in the batch's dtype must equal
+y64 to ``16 u |y64|max + 16 s``, u the unit roundoff of the batch's dtype and s, per row, the largest change
+of y64 when every float64 reward moves by about its last bit (all by (1 + 3 u64), or alternately by (1 +- 2
+u64)): the reference's own sensitivity to the last bit of its input, large only where the answer is
+ill-conditioned (near-ties). Where TRL's float32 arithmetic agrees with y64 this is agreement with TRL as
+released; where it lost the answer (float64 rewards, near-ties), the service matches y64. TRL 1.16.0 returns
+finite advantages for every finite input (``nan_to_num``), so every batch is compared; any disagreement fails."""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from references import trl_ref
+from references.counts import TRIED
+
+N_EXAMPLES = 200
+SETTINGS = settings(max_examples=N_EXAMPLES, derandomize=True, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck))
+MODES = ("group", "batch", "none")
+U64 = float(np.finfo(np.float64).eps) / 2
+FLOAT32_LOST: dict[str, int] = {}
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 5))
+    groups = draw(st.integers(1, 4))
+    B = n * groups
+    T = draw(st.integers(1, 6))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    kind = draw(st.sampled_from(["binary", "tied", "integer", "real", "large", "near_tie"]))
+    if kind == "binary":
+        r = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=B, max_size=B))
+    elif kind == "tied":
+        r = [draw(st.floats(-5, 5, allow_nan=False, width=32))] * B
+    elif kind == "integer":
+        r = draw(st.lists(st.integers(-3, 3).map(float), min_size=B, max_size=B))
+    elif kind == "large":
+        r = draw(st.lists(st.floats(-1e4, 1e4, allow_nan=False), min_size=B, max_size=B))
+    elif kind == "near_tie":
+        base = draw(st.floats(-100, 100, allow_nan=False))
+        r = [base + k * 1e-6 for k in draw(st.lists(st.integers(-2, 2), min_size=B, max_size=B))]
+    else:
+        r = draw(st.lists(st.floats(-3, 3, allow_nan=False), min_size=B, max_size=B))
+    r = [float(torch.tensor(x, dtype=dtype)) for x in r]  # the values as the batch's dtype holds them
+    if draw(st.booleans()):
+        unscorable = draw(st.lists(st.booleans(), min_size=B, max_size=B))
+        r = [None if u else x for x, u in zip(r, unscorable)]
+    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    tool_masks = None
+    if draw(st.booleans()):
+        tool_masks = [draw(st.lists(st.integers(0, 1), min_size=k, max_size=k)) for k in lengths]
+    order = draw(st.permutations(list(range(B)))) if draw(st.booleans()) else list(range(B))
+    return dict(n=n, B=B, T=T, dtype=dtype, kind=kind, rewards=r, lengths=lengths, tool_masks=tool_masks,
+                order=order, uid_strings=draw(st.booleans()))
+
+
+def loss_mask(case) -> np.ndarray:
+    """TRL's ``completion_mask * tool_mask`` [B, T] (right padding to T)."""
+    m = np.zeros((case["B"], case["T"]), dtype=np.int64)
+    for i, k in enumerate(case["lengths"]):
+        m[i, :k] = 1 if case["tool_masks"] is None else case["tool_masks"][i]
+    return m
+
+
+def last_bit(i: int, pattern: int) -> float:
+    """The float64 factor moving reward i by about its last bit: pattern 0 all by (1 + 3 u64) (ties stay
+    ties), 1 and 2 by (1 +- 2 u64) alternating (opposite signs)."""
+    return 1 + 3 * U64 if pattern == 0 else 1 + 2 * U64 * (-1.0) ** (i + pattern)
+
+
+def reference(case, mode: str, precise: bool, perturb: int | None = None) -> torch.Tensor:
+    rewards = [None if x is None else x * (1.0 if perturb is None else last_bit(i, perturb))
+               for i, x in enumerate(case["rewards"])]
+    return trl_ref.compute(rewards, case["n"], scale_rewards=mode, completion_lengths=case["lengths"],
+                           tool_masks=case["tool_masks"], precise=precise)
+
+
+def service(client, case, mode: str) -> np.ndarray:
+    """The service's [B, T] advantages, in TRL's row order (sent in ``case["order"]``)."""
+    order = np.array(case["order"])
+    unscorable = np.array([x is None for x in case["rewards"]])
+    rewards = np.array([0.0 if x is None else x for x in case["rewards"]])
+    mask = loss_mask(case)
+    config = {"semantics": "trl", "scale_rewards": mode}
+    if unscorable.any():
+        mask = np.where(unscorable[:, None], 0, 1)
+        config["exclude_empty_responses"] = True
+    np_dtype = np.float32 if case["dtype"] == torch.float32 else np.float64
+    groups = (np.arange(case["B"]) // case["n"])[order]
+    prompt_ids = [f"uid-{g}" for g in groups] if case["uid_strings"] else groups
+    out = client.compute("grpo", config, output_dtype=np_dtype.__name__, as_numpy=True,
+                         rewards=rewards[order].astype(np_dtype), mask=mask[order], prompt_ids=prompt_ids)
+    adv = np.empty((case["B"], case["T"]), dtype=np.float64)
+    adv[order] = np.asarray(out.advantages, dtype=np.float64)
+    return adv
+
+
+def check(client, case, mode: str) -> None:
+    y64 = reference(case, mode, precise=True).double()
+    assert torch.isfinite(y64).all()
+    sens = torch.stack([(reference(case, mode, precise=True, perturb=p).double() - y64).abs()
+                        for p in range(3)]).amax(0)  # per row: the reference's own last-bit sensitivity
+    got = service(client, case, mode)
+    want = np.repeat(y64.numpy()[:, None], case["T"], axis=1)
+    u = float(np.finfo(np.float32 if case["dtype"] == torch.float32 else np.float64).eps) / 2
+    tol = 16 * u * float(np.abs(want).max()) + 16 * sens.numpy()[:, None]
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), (f"trl scale_rewards={mode}: service != released TRL (float64 run) at {int(bad.sum())} "
+                           f"positions: got {got[bad][:5]} want {want[bad][:5]} "
+                           f"tol {np.broadcast_to(tol, got.shape)[bad][:5]}; "
+                           f"case {case}")
+    native = reference(case, mode, precise=False).double()
+    if not np.allclose(native.numpy(), y64.numpy(), rtol=1e-5, atol=1e-5 * max(1.0, float(y64.abs().max()))):
+        FLOAT32_LOST[mode] = FLOAT32_LOST.get(mode, 0) + 1
+        TRIED[f"trl/grpo scale_rewards={mode} (released float32 lost the answer: float64 run)"] += 1
+    TRIED[f"trl/grpo scale_rewards={mode}"] += 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_service_matches_released_trl(client, mode):
+    key = f"trl/grpo scale_rewards={mode}"
+    before = TRIED[key]
+
+    @SETTINGS
+    @given(case=batches())
+    def run(case):
+        check(client, case, mode)
+
+    run()
+    assert TRIED[key] - before >= N_EXAMPLES
+
+
+def test_float32_losses_are_exercised():
+    """The float32 rule is not vacuous: TRL's float32 ``rewards_per_func`` loses the answer on some generated
+    batches (float64 near-ties, large rewards), where the service matched the float64 run instead."""
+    if not all(TRIED.get(f"trl/grpo scale_rewards={m}", 0) for m in MODES):
+        pytest.skip("run with the differential tests above")
+    assert FLOAT32_LOST.get("group", 0) > 0 and FLOAT32_LOST.get("batch", 0) > 0, FLOAT32_LOST
+
+
+def test_advantages_do_not_depend_on_loss_type():
+    """TRL 1.16.0 computes the advantages without reading ``loss_type`` (it only changes how the loss is
+    aggregated), so the service has no loss_type-dependent advantage: checked on the released source, and
+    on a batch run with each loss type."""
+    gt = trl_ref.load()
+    assert "loss_type" not in inspect.getsource(gt.GRPOTrainer._generate_and_score_completions)
+    outs = [trl_ref.compute([1.0, 0.0, 0.5, 2.0], 2, loss_type=lt) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+
+
+def test_released_code_is_the_pinned_release():
+    from advantage_client.references import REFERENCES
+    assert trl_ref.version() == REFERENCES["trl"].release
+    assert trl_ref.load().__file__.endswith(REFERENCES["trl"].code)
+
+
+def test_known_values():
+    """Hand-checked: two prompts of two completions, rewards [1, 0 | 2, None]: the first group gives
+    +-0.5 / (std 0.7071 + 1e-4); the second has one scorable completion (std NaN -> 0) and the unscorable
+    one gets 0."""
+    out = trl_ref.compute([1.0, 0.0, 2.0, None], 2, precise=True)
+    a = 0.5 / (2 ** -0.5 + 1e-4)
+    torch.testing.assert_close(out, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64))
