@@ -23,7 +23,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server import AdvantageCore
 from advantage_server import core as core_module
 from advantage_server.estimators import REGISTRY, Batch
-from advantage_server.estimators.common import MASK
+from advantage_server.estimators.inputs import MASK
 from advantage_server.errors import InvalidInput
 from advantage_server.estimators.registry import EstimatorConfig, register
 

@@ -25,7 +25,7 @@ The comparison rule, per batch:
    reference must itself disagree with it: the reference lost the answer. Otherwise the test fails.
 3. Reference raises, or returns NaN/inf from finite input: the service must be finite and give its
    documented answer: verl's ``masked_var`` raises with fewer than two valid tokens in the batch, where
-   the service takes the variance as 0 (``common.whiten_unbiased``), so the oracle is verl's own
+   the service takes the variance as 0 (``whitening.whiten_unbiased``), so the oracle is verl's own
    function with ``masked_var`` returning 0 exactly there (and the real one otherwise); verl's pass@k
    raises for a group of one, which the service gives 0 (the oracle: 0 for those rows, verl on the others);
    verl's OPO divides 0 by 0 for a group whose rows all have an empty mask, where the service gives 0

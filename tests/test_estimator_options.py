@@ -19,7 +19,7 @@ from advantage_client import AdvantageServiceError
 from advantage_server import AdvantageCore
 from advantage_server.errors import InvalidInput
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import exclude_rows, group_baseline_and_std, group_baseline_and_std_loop
+from advantage_server.estimators.groups import exclude_rows, group_baseline_and_std, group_baseline_and_std_loop
 
 F64 = torch.float64
 

@@ -25,7 +25,7 @@ import torch
 from advantage_client import AdvantageServiceError
 from advantage_server import AdvantageCore
 from advantage_server.errors import InvalidInput
-from advantage_server.estimators.common import group_index, verl_group_stats, verl_group_stats_loop
+from advantage_server.estimators.groups import group_index, verl_group_stats, verl_group_stats_loop
 from advantage_server.estimators.grpo_passk import grpo_passk_loop, grpo_passk_scalars
 from advantage_server.estimators.opo import opo_baseline, opo_baseline_loop
 from advantage_server.estimators.optimal_token_baseline import otb_loop

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from advantage_server.estimators import common, jit, opd
+from advantage_server.estimators import groups, jit, opd, whitening
+from advantage_server.estimators.rewards import outcome_scores
 
 pytestmark = pytest.mark.skipif(not jit.NUMBA, reason="numba kernels disabled or absent")
 
@@ -41,19 +42,19 @@ def test_uniform_kernel_equals_generic_bit_for_bit(n, kind, leave_one_out):
     G = 300  # more than one block of groups, and a partial one
     r = rewards(kind, G, n, rng)
     start = np.arange(G + 1, dtype=np.int64) * n
-    assert common._uniform_size(start) == n
+    assert groups._uniform_size(start) == n
     b1, s1, b2, s2 = (np.full(G * n, np.nan) for _ in range(4))
-    common._group_stats_chunk(0, G, start, r, leave_one_out, b1, s1)
-    common._group_stats_uniform(0, 5, n, r, leave_one_out, b2, s2)  # chunk bounds as parallel_rows cuts them
-    common._group_stats_uniform(5, G, n, r, leave_one_out, b2, s2)
+    groups._group_stats_chunk(0, G, start, r, leave_one_out, b1, s1)
+    groups._group_stats_uniform(0, 5, n, r, leave_one_out, b2, s2)  # chunk bounds as parallel_rows cuts them
+    groups._group_stats_uniform(5, G, n, r, leave_one_out, b2, s2)
     np.testing.assert_array_equal(b1, b2)
     np.testing.assert_array_equal(s1, s2)
 
 
 def test_uniform_size_detects_ragged_layouts():
-    assert common._uniform_size(np.array([0, 4, 8, 12])) == 4
-    assert common._uniform_size(np.array([0, 4, 8, 13])) == 0
-    assert common._uniform_size(np.array([0, 3, 8, 12])) == 0
+    assert groups._uniform_size(np.array([0, 4, 8, 12])) == 4
+    assert groups._uniform_size(np.array([0, 4, 8, 13])) == 0
+    assert groups._uniform_size(np.array([0, 3, 8, 12])) == 0
 
 
 @pytest.mark.parametrize("leave_one_out", [False, True])
@@ -65,8 +66,8 @@ def test_group_baseline_and_std_uniform_matches_loop(leave_one_out, shuffled):
     if shuffled:  # still uniform after the counting sort
         group = group[torch.from_numpy(rng.permutation(G * n))]
     r = torch.from_numpy(rewards("mixed", G, n, rng)).float()
-    got_b, got_s = common.group_baseline_and_std(group, r, leave_one_out)
-    want_b, want_s = common.group_baseline_and_std_loop(group, r, leave_one_out)
+    got_b, got_s = groups.group_baseline_and_std(group, r, leave_one_out)
+    want_b, want_s = groups.group_baseline_and_std_loop(group, r, leave_one_out)
     torch.testing.assert_close(got_b, want_b, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_s, want_s, rtol=1e-12, atol=1e-12)
 
@@ -79,11 +80,11 @@ def test_weighted_group_relative_uniform_equals_generic(monkeypatch, leave_one_o
     group = torch.arange(G * n) // n
     comps = [torch.from_numpy(rewards(k, G, n, rng)).float() for k in ("binary", "normal", "dominant")]
     weights = (1.0, 0.5, 2.0)
-    fast = common.weighted_group_relative(group, comps, weights, leave_one_out, normalize)
-    monkeypatch.setattr(common, "_UNIFORM_MAX", 0)  # the generic kernel
-    slow = common.weighted_group_relative(group, comps, weights, leave_one_out, normalize)
+    fast = groups.weighted_group_relative(group, comps, weights, leave_one_out, normalize)
+    monkeypatch.setattr(groups, "_UNIFORM_MAX", 0)  # the generic kernel
+    slow = groups.weighted_group_relative(group, comps, weights, leave_one_out, normalize)
     torch.testing.assert_close(fast, slow, rtol=0, atol=0)
-    want = sum(w * common.group_relative(group, c, leave_one_out, normalize) for w, c in zip(weights, comps))
+    want = sum(w * groups.group_relative(group, c, leave_one_out, normalize) for w, c in zip(weights, comps))
     torch.testing.assert_close(fast, want, rtol=1e-12, atol=1e-12)
 
 
@@ -108,15 +109,15 @@ def test_whiten_rows_clamped_matches_torch_whitening():
     B, T = 200, 13
     a = rng.standard_normal(B)
     mask = torch.from_numpy((rng.random((B, T)) < 0.5).astype(np.float32))
-    got = common.whiten_rows_clamped(a, mask)
-    want = common.whiten_clamped(torch.from_numpy(a)[:, None].expand(B, T), mask)[:, 0]
+    got = whitening.whiten_rows_clamped(a, mask)
+    want = whitening.whiten_clamped(torch.from_numpy(a)[:, None].expand(B, T), mask)[:, 0]
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
     # no valid token at all: mean = var = 0 (count floor 1), so a * 1e4
-    np.testing.assert_allclose(common.whiten_rows_clamped(a, torch.zeros(B, T)), a * 1e4, rtol=1e-12)
+    np.testing.assert_allclose(whitening.whiten_rows_clamped(a, torch.zeros(B, T)), a * 1e4, rtol=1e-12)
 
 
 def test_in_order_size():
-    f = common._in_order_size
+    f = groups._in_order_size
     assert f(np.array([0, 0, 1, 1, 2, 2])) == 2
     assert f(np.array([0, 1, 2])) == 1
     assert f(np.array([0, 0, 1, 1, 1])) == 0          # ragged
@@ -134,14 +135,14 @@ def test_group_relative_rows_equals_general_path(leave_one_out, normalize, dtype
     G, n = 1500, 8  # more than one slice of 1024 groups
     group = torch.arange(G * n) // n
     r = torch.from_numpy(rewards("mixed", G, n, rng)).to(dtype)
-    got = common.group_relative_rows(group, r, leave_one_out, normalize, 1e-6, T, dtype)
-    adv = common.group_relative(group, common.outcome_scores(r), leave_one_out, normalize, 1e-6)
-    want = common.broadcast_rows(adv, G * n, T, dtype)
+    got = groups.group_relative_rows(group, r, leave_one_out, normalize, 1e-6, T, dtype)
+    adv = groups.group_relative(group, outcome_scores(r), leave_one_out, normalize, 1e-6)
+    want = groups.broadcast_rows(adv, G * n, T, dtype)
     assert got is not None and got.shape == (G * n, T) and got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # layouts it leaves to the general path
-    assert common.group_relative_rows(group.flip(0), r, leave_one_out, normalize, 1e-6, T, dtype) is None
-    assert common.group_relative_rows(torch.arange(G * n) // 100, r, leave_one_out, normalize, 1e-6, T, dtype) is None
+    assert groups.group_relative_rows(group.flip(0), r, leave_one_out, normalize, 1e-6, T, dtype) is None
+    assert groups.group_relative_rows(torch.arange(G * n) // 100, r, leave_one_out, normalize, 1e-6, T, dtype) is None
 
 
 @pytest.mark.parametrize("T", [1, 7])
@@ -164,11 +165,11 @@ def test_gdpo_fused_rows_equal_the_unfused_path(monkeypatch, T, dtype, layout):
     batch = Batch({"prompt_ids": group, "mask": torch.ones(G * n, T, dtype=dtype), **comps})
     cfg = gdpo_mod.GDPOConfig().resolved() if hasattr(gdpo_mod.GDPOConfig(), "resolved") else gdpo_mod.GDPOConfig()
     got = gdpo_mod.gdpo(cfg, batch).advantages
-    total = common.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
-    monkeypatch.setattr(common, "_UNIFORM_MAX", 0)
-    slow = common.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
+    total = groups.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
+    monkeypatch.setattr(groups, "_UNIFORM_MAX", 0)
+    slow = groups.weighted_group_relative(group, [comps["reward/a"], comps["reward/b"]], (1.0, 1.0), True, True)
     torch.testing.assert_close(total, slow, rtol=0, atol=0)
     t = slow.numpy().copy()
     gdpo_mod._standardize(t)
-    want = common.broadcast_rows(torch.from_numpy(t), G * n, T, dtype)
+    want = groups.broadcast_rows(torch.from_numpy(t), G * n, T, dtype)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import group_baseline_and_std, group_baseline_and_std_loop, group_index
+from advantage_server.estimators.groups import group_baseline_and_std, group_baseline_and_std_loop, group_index
 from advantage_server.estimators.gae import (
     discounted_reverse_cumsum, gae_kernel, gae_kernel_numba, gae_kernel_torch, gae_loop,
 )
@@ -337,7 +337,7 @@ def test_group_index_counting_rank_matches_sort_rank(ids):
 @pytest.mark.parametrize("leave_one_out,normalize", [(True, True), (False, True), (True, False)])
 def test_weighted_group_relative_matches_sum_of_group_relative(layout, leave_one_out, normalize):
     """GDPO's fused CPU path (one layout, weighted sum accumulated per group) == the torch path's sum."""
-    from advantage_server.estimators.common import group_relative, weighted_group_relative
+    from advantage_server.estimators.groups import group_relative, weighted_group_relative
     gen = torch.Generator().manual_seed(7 + leave_one_out + 2 * normalize)
     group = _interleaved_groups(gen, n_groups=15)
     if layout == "contiguous":

@@ -23,7 +23,7 @@ from advantage_server import validate
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
 from advantage_server.estimators.registry import OutputProvider
-from advantage_server.estimators.common import group_index
+from advantage_server.estimators.groups import group_index
 from advantage_server.limits import checkpoint  # reliability hook: a cancelled/expired call stops between stages
 
 log = logging.getLogger("advantage_server")

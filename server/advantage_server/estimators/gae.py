@@ -32,7 +32,7 @@ keep the next valid position's advantage, whitened). Under verl ``gae_lambda`` d
 ``length_adaptive_alpha`` are rejected. Where verl divides by zero (one valid token, or none) the
 whitening uses variance 0 (and mean 0 with none), so the result stays finite. Under verl the unbiased
 correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes it from an integer mask
-(:func:`~advantage_server.estimators.common.whiten_unbiased`).
+(:func:`~advantage_server.estimators.whitening.whiten_unbiased`).
 
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, KLInRewardConfig, apply_kl, masked_moments, whiten_unbiased,
-)
+from advantage_server.estimators.inputs import MASK
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
+from advantage_server.estimators.whitening import masked_moments, whiten_unbiased
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 _CHUNK = 64

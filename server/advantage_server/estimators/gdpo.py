@@ -26,7 +26,7 @@ components (verl's trainer passes ``algorithm.gdpo_reward_keys``; without them v
     A   = verl masked_whiten(A, mask) * mask    (mean and unbiased variance over the mask = 1 tokens,
                                                  so a row weighs by its length; rsqrt(var + 1e-8))
 Where verl raises (fewer than two valid tokens in the batch) the whitening takes var = 0
-(:func:`~advantage_server.estimators.common.whiten_unbiased`). ``exclude_empty_responses`` leaves the
+(:func:`~advantage_server.estimators.whitening.whiten_unbiased`). ``exclude_empty_responses`` leaves the
 empty rows out of each component's group statistics (they are 0 after the mask anyway, and the whitening
 is over mask = 1 tokens); ``use_leave_one_out_baseline`` and ``allow_missing_rewards`` do not apply
 (INVALID_ARGUMENT).
@@ -40,10 +40,12 @@ import torch
 
 from advantage_server.errors import InvalidInput
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import (
-    MASK, PROMPT_IDS, broadcast_rows, exclude_empty_field, exclude_rows, group_relative, groups_of, nonempty_rows,
-    verl_group_stats, verl_std_plus_eps, weighted_group_relative, whiten_unbiased, zero_rows,
+from advantage_server.estimators.groups import (
+    broadcast_rows, exclude_empty_field, exclude_rows, group_relative, groups_of, nonempty_rows, verl_group_stats,
+    verl_std_plus_eps, weighted_group_relative, zero_rows,
 )
+from advantage_server.estimators.inputs import MASK, PROMPT_IDS
+from advantage_server.estimators.whitening import whiten_unbiased
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
 )
@@ -169,7 +171,7 @@ def _with_absent_values(cfg: GDPOConfig, group: torch.Tensor, components: list[t
     """GDPO's float64 ``[B]`` advantage where some values take no part: the rows where ``keep`` is false
     (empty responses; None = all rows take part) and, with ``allow_missing_rewards``, each component's NaN
     entries. Each component's group statistics run on the group index with those rows on their own
-    (:func:`~advantage_server.estimators.common.exclude_rows`, so every group kernel applies), and an
+    (:func:`~advantage_server.estimators.groups.exclude_rows`, so every group kernel applies), and an
     absent value contributes 0 to the weighted sum."""
     total = None
     for w, r in zip(weights, components):

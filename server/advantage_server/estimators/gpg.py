@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.errors import InvalidInput
-from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, exclude_empty_field, groups_of, outcome_scores, sum_over_mask_field,
-    verl_group_stats,
-)
+from advantage_server.estimators.groups import exclude_empty_field, groups_of, verl_group_stats
+from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 

@@ -36,9 +36,9 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
 Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
 float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
 zero the results above are finite by construction.
-Kernel: :func:`~advantage_server.estimators.common.group_baseline_and_std` (loop twin beside it; numba
+Kernel: :func:`~advantage_server.estimators.groups.group_baseline_and_std` (loop twin beside it; numba
 on the CPU). On the CPU the broadcast [B, T] result is written densely by
-:func:`~advantage_server.estimators.common.broadcast_rows`, elsewhere it is an ``expand`` view.
+:func:`~advantage_server.estimators.groups.broadcast_rows`, elsewhere it is an ``expand`` view.
 """
 from __future__ import annotations
 
@@ -46,12 +46,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advantage_server.estimators.common import (
-    MASK, OPENRLHF_REWARD_CLIP, OUTCOME_REWARDS, PROMPT_IDS,
-    broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows,
-    exclude_empty_field, groups_of, last_valid_index, outcome_scores, sum_over_mask_field, verl_group_stats,
-    verl_std_plus_eps,
-    zero_rows,
+from advantage_server.estimators.groups import (
+    broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows, exclude_empty_field, groups_of,
+    verl_group_stats, verl_std_plus_eps, zero_rows,
+)
+from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.rewards import (
+    OPENRLHF_REWARD_CLIP, last_valid_index, outcome_scores, sum_over_mask_field,
 )
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,

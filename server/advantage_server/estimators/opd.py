@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import MASK
+from advantage_server.estimators.inputs import MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 METRIC_PREFIX = "on_policy_distillation/"

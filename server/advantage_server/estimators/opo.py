@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from advantage_server.estimators.common import (
-    MASK, OUTCOME_REWARDS, PROMPT_IDS, exclude_empty_field, group_baseline_and_std, group_sizes, group_sum,
-    groups_of, outcome_scores, sum_over_mask_field,
+from advantage_server.estimators.groups import (
+    exclude_empty_field, group_baseline_and_std, group_sizes, group_sum, groups_of,
 )
+from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advantage_server.estimators.common import (
-    MASK, PROMPT_IDS, TOKEN_REWARDS, exclude_empty_field, place_rewards, reverse_cumsum,
-)
+from advantage_server.estimators.groups import exclude_empty_field
+from advantage_server.estimators.inputs import MASK, PROMPT_IDS, TOKEN_REWARDS
+from advantage_server.estimators.rewards import place_rewards, reverse_cumsum
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 

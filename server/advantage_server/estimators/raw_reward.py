@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import MASK, REWARDS, broadcast_rows, masked_moments
+from advantage_server.estimators.groups import broadcast_rows
+from advantage_server.estimators.inputs import MASK, REWARDS
+from advantage_server.estimators.whitening import masked_moments
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 

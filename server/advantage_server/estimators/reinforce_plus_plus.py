@@ -32,7 +32,7 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
 ``gamma`` (verl, openrlhf) defaults to 1.0; ``minus_baseline`` applies to nemo_rl only.
 
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
-float64 temporaries; :func:`~advantage_server.estimators.common.whiten_rows_clamped`). The verl 0.9
+float64 temporaries; :func:`~advantage_server.estimators.whitening.whiten_rows_clamped`). The verl 0.9
 recursion packs each row's mask = 1 rewards to the left, takes their discounted reverse cumulative sum
 and gathers it back (float64, no per-step loop); the verl 0.8 one is the discounted reverse cumulative
 sum S of the token rewards minus, at each t, S at the next mask = 0 position after t discounted back to t.
@@ -46,11 +46,13 @@ import numpy as np
 import torch
 
 from advantage_server.estimators import jit
-from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, PROMPT_IDS, KLInRewardConfig, apply_kl, broadcast_rows, exclude_empty_field, exclude_rows,
-    group_relative, nonempty_rows, OPENRLHF_REWARD_CLIP, outcome_scores, zero_rows,
-    place_rewards, whiten_clamped, whiten_rows_clamped, whiten_unbiased,
+from advantage_server.estimators.groups import (
+    broadcast_rows, exclude_empty_field, exclude_rows, group_relative, nonempty_rows, zero_rows,
 )
+from advantage_server.estimators.inputs import MASK, PROMPT_IDS
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
+from advantage_server.estimators.rewards import OPENRLHF_REWARD_CLIP, outcome_scores, place_rewards
+from advantage_server.estimators.whitening import whiten_clamped, whiten_rows_clamped, whiten_unbiased
 from advantage_server.estimators.gae import discounted_reverse_cumsum
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 

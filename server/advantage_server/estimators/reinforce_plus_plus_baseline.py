@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, kl_total,
-    exclude_empty_field, groups_of, openrlhf_outcome, outcome_scores, sum_over_mask_field, verl_group_stats,
-    whiten_unbiased, zero_rows,
+from advantage_server.estimators.groups import (
+    group_baseline_and_std, exclude_empty_field, groups_of, verl_group_stats, zero_rows,
 )
+from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
+from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
+from advantage_server.estimators.whitening import whiten_unbiased
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 

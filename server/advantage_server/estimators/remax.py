@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from advantage_server.estimators.common import MASK, TOKEN_REWARDS, place_rewards, reverse_cumsum
+from advantage_server.estimators.inputs import MASK, TOKEN_REWARDS
+from advantage_server.estimators.rewards import place_rewards, reverse_cumsum
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, InputSpec, register
 
 

@@ -19,7 +19,7 @@ advantages twice).
     whiten rloo advantages; releases that did are not reproduced).
 
 Numerics: the leave-one-out mean is computed in float64 by removal from the group mean
-(:func:`~advantage_server.estimators.common.group_baseline_and_std`), exact when the others are tied.
+(:func:`~advantage_server.estimators.groups.group_baseline_and_std`), exact when the others are tied.
 :func:`rloo_scalars_loop` is the per-group loop twin (test oracle).
 """
 from __future__ import annotations
@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from advantage_server.estimators.common import (
-    KL_INPUTS, MASK, OUTCOME_REWARDS, PROMPT_IDS, KLInRewardConfig, group_baseline_and_std, group_sizes, kl_total,
-    exclude_empty_field, groups_of, openrlhf_outcome, outcome_scores, sum_over_mask_field, zero_rows,
+from advantage_server.estimators.groups import (
+    group_baseline_and_std, group_sizes, exclude_empty_field, groups_of, zero_rows,
 )
+from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
+from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 

@@ -1,4 +1,6 @@
-"""Building blocks shared by several estimators: per-prompt group statistics, KL estimators, whitening.
+"""Per-prompt group statistics: group ids, baselines and stds (plain and leave-one-out), group-relative
+advantages, rows left out of their group, verl's group conventions, and per-sample advantages broadcast
+to ``[B, T]``.
 
 Each vectorized kernel has a readable loop twin (``*_loop``) used as the test oracle. On the CPU with
 numba, :func:`group_index` and :func:`group_baseline_and_std` run compiled kernels (one pass over the
@@ -8,227 +10,14 @@ fallback without numba, and tests check both against the loop twins.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 import torch
 
-from advantage_server.errors import InvalidInput
 from advantage_server.estimators import jit
-from advantage_server.estimators.registry import EstimatorConfig, InputSpec
 
-# --------------------------------------------------------------------------- shared input specs
-MASK = InputSpec(
-    "mask", ("[B, T]",), "mask",
-    "Token mask over the sequence: 1 where a token is a trained response token, 0 for prompt, "
-    "padding and tool-output holes. Defines B and T.",
-    fix="send the [B, T] response/token mask",
-)
-PROMPT_IDS = InputSpec(
-    "prompt_ids", ("[B]", "[B, L]"), "integer",
-    "Group of each sample: [B] integer group ids, or [B, L] prompt token rows (equal rows = same group).",
-    fix="send the prompt of each sample as a group id ([B]) or its token row ([B, L])",
-)
-REWARDS = InputSpec(
-    "rewards", ("[B]",), "float", "Scalar reward of each sample.",
-    fix="send one reward per sample",
-)
-OUTCOME_REWARDS = InputSpec(
-    "rewards", ("[B]", "[B, T]"), "float",
-    "Reward of each sample [B], or token-level rewards [B, T] (verl's token_level_rewards), summed over "
-    "all T positions (masked ones included, as verl does).",
-    fix="send one reward per sample [B], or token-level rewards [B, T]",
-)
-TOKEN_REWARDS = InputSpec(
-    "rewards", ("[B]", "[B, T]"), "float",
-    "Token-level rewards [B, T] (verl's token_level_rewards), or one reward per sample [B], placed on the "
-    "last mask = 1 position of its row.",
-    fix="send token-level rewards [B, T], or one reward per sample [B]",
-)
-
-_KL_NEEDED = (lambda cfg: cfg.use_kl_in_reward, "use_kl_in_reward = true")
-KL_INPUTS = [
-    InputSpec(
-        "logprobs", ("[B, T]",), "float", "Per-token log-probabilities of the current policy.",
-        required=False, required_when=_KL_NEEDED,
-        fix="send the policy logprobs, or set use_kl_in_reward = false",
-    ),
-    InputSpec(
-        "reference_logprobs", ("[B, T]",), "float", "Per-token log-probabilities of the reference policy.",
-        required=False, required_when=_KL_NEEDED,
-        fix="send the reference policy logprobs, or set use_kl_in_reward = false",
-    ),
-]
-
-
-@dataclass(frozen=True)
-class KLInRewardConfig(EstimatorConfig):
-    """The KL-in-reward fields, with NeMo RL's loss-config names and defaults."""
-
-    use_kl_in_reward: bool = field(default=False, metadata={"doc": "Subtract penalty * KL(policy || reference) from every token's reward."})
-    reference_policy_kl_penalty: float = field(default=0.01, metadata={"doc": "KL coefficient.", "range": (0.0, None)})
-    reference_policy_kl_type: str = field(default="k3", metadata={
-        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020).", "enum": "KLType", "choices": ("k1", "k2", "k3")})
-    kl_input_clamp_value: float = field(default=20.0, metadata={"doc": "Clamp the log ratio to +-this before the KL estimator.", "range": (0.0, None)})
-    kl_output_clamp_value: float = field(default=10.0, metadata={"doc": "Clamp the KL estimate to +-this.", "range": (0.0, None)})
-
-    def validate(self) -> None:
-        super().validate()
-        if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
-            raise InvalidInput("config.reference_policy_kl_type",
-                               f"{self.reference_policy_kl_type!r} is not a KL estimator; use k1, k2 or k3")
-
-
-# --------------------------------------------------------------------------- KL
-def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: str,
-               input_clamp: float, output_clamp: float) -> torch.Tensor:
-    """Per-token KL estimate ``[B, T]`` (Schulman 2020, http://joschu.net/blog/kl-approx.html).
-
-    With r = clamp(reference_logprobs - logprobs, +-input_clamp):
-    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp.
-    """
-    r = (reference_logprobs - logprobs).clamp(-input_clamp, input_clamp)
-    if kl_type == "k1":
-        kl = -r
-    elif kl_type == "k2":
-        kl = 0.5 * r * r
-    else:  # k3, validated by the config
-        kl = torch.expm1(r) - r
-    return kl.clamp(-output_clamp, output_clamp)
-
-
-def apply_kl(token_rewards: torch.Tensor, cfg, batch, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``token_rewards - penalty * KL`` when the config folds KL into the reward, else unchanged.
-
-    With ``mask`` the KL is counted only where mask = 1 (verl's ``apply_kl_penalty``, OpenRLHF's
-    ``compute_reward``). The result has the dtype of ``token_rewards``.
-    """
-    if not cfg.use_kl_in_reward or cfg.reference_policy_kl_penalty == 0:
-        return token_rewards
-    kl = kl_penalty(batch["logprobs"], batch["reference_logprobs"], cfg.reference_policy_kl_type,
-                    cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
-    if mask is not None:
-        kl = kl * mask
-    return token_rewards - cfg.reference_policy_kl_penalty * kl.to(token_rewards.dtype)
-
-
-def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
-    """``penalty * sum_t KL_t * mask_t`` per row (float64 ``[B]``) when the config folds KL into the reward,
-    else 0: what the KL penalty takes off an outcome score (verl sums its KL-penalised token rewards)."""
-    if not cfg.use_kl_in_reward or cfg.reference_policy_kl_penalty == 0:
-        return 0.0
-    kl = kl_penalty(batch["logprobs"], batch["reference_logprobs"], cfg.reference_policy_kl_type,
-                    cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
-    return cfg.reference_policy_kl_penalty * (kl.to(torch.float64) * mask.to(torch.float64)).sum(-1)
-
-
-# --------------------------------------------------------------------------- rewards
-def outcome_scores(rewards: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``.
-
-    With ``mask`` a ``[B, T]`` input is summed over the mask = 1 positions only (``sum_rewards_over_mask``,
-    verl PR #6310); a ``[B]`` input is unchanged.
-    """
-    if mask is not None and rewards.dim() == 2:
-        return (rewards.to(torch.float64) * mask.to(torch.float64)).sum(-1)
-    if jit.applies(rewards):
-        a = rewards.detach().numpy()
-        return torch.from_numpy(a.sum(-1, dtype=np.float64) if a.ndim == 2 else a.astype(np.float64))
-    r = rewards.to(torch.float64)
-    return r.sum(-1) if r.dim() == 2 else r
-
-
-def sum_over_mask_field(per_semantics: dict[str, bool] | None = None) -> Any:
-    """The ``sum_rewards_over_mask`` config field (off by default: verl sums every position)."""
-    meta: dict[str, Any] = {
-        "doc": "Token-level rewards [B, T]: the outcome score of a row is the sum over its mask = 1 positions "
-               "only, so a reward written on a padded or masked position (e.g. at index -1 of an empty "
-               "response) is ignored (verl PR #6310). Off (default): the sum over all T positions, as verl "
-               "computes it. [B] rewards are unaffected."}
-    if per_semantics is None:
-        return field(default=False, metadata=meta)
-    which = ", ".join(per_semantics)
-    return field(default=None, metadata={**meta, "per_semantics": per_semantics,
-                                         "default_text": f"false ({which}); not applicable otherwise"})
-
-
-def place_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-level rewards ``[B, T]``: a ``[B, T]`` input as it is (masked positions included), a ``[B]``
-    reward on the last mask = 1 position of its row (rows with no valid position get none)."""
-    if rewards.dim() == 2:
-        return rewards
-    B, T = mask.shape
-    valid = mask.bool()
-    last = T - 1 - valid.flip(1).int().argmax(1)                              # last valid index per row
-    out = torch.zeros(B, T, dtype=rewards.dtype, device=rewards.device)
-    out.scatter_(1, last[:, None], torch.where(valid.any(1), rewards, 0)[:, None])
-    return out
-
-
-def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` index of the last mask = 1 position of each row; -1 for a row with none."""
-    T = mask.shape[1]
-    valid = mask.bool()
-    last = T - 1 - valid.flip(1).int().argmax(1)
-    return torch.where(valid.any(1), last, torch.full_like(last, -1))
-
-
-def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``out_t = sum_{k >= t} x_k`` along the last axis."""
-    return x.flip(-1).cumsum(-1).flip(-1)
-
-
-# --------------------------------------------------------------------------- masked whitening
-def masked_moments(x: torch.Tensor, mask: torch.Tensor, count_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and biased variance of ``x`` over positions where ``mask`` is 1, accumulated in float64.
-
-    ``count_floor`` keeps the division finite when the mask is empty (mean 0, variance 0 then).
-    Returns two 0-d tensors in ``x.dtype``.
-    """
-    m = mask.to(torch.float64)
-    xd = x.to(torch.float64)
-    count = m.sum()
-    denom = torch.clamp(count, min=count_floor)
-    mean = (xd * m).sum() / denom
-    var = ((xd - mean).square() * m).sum() / denom
-    return mean.to(x.dtype), var.to(x.dtype)
-
-
-def whiten_unbiased(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl ``masked_whiten``: ``(x - mu) * rsqrt(var + 1e-8)`` at every position (float64 sums), with
-    verl's own scalars over the n positions where mask = 1: ``mu = sum(x m) / (n + 1e-8)`` (``masked_mean``)
-    and ``var = sum((x - mu)^2 m) / (n + 1e-8) * (n / (n - 1))`` (``masked_var``, unbiased), each scalar in
-    the dtype torch gives verl for its int64 response mask (``compute_response_mask``): ``n + 1e-8`` and
-    ``n / (n - 1)`` are float32, so ``n + 1e-8`` is n and the Bessel factor is rounded to float32 (the
-    server sees masks as floats, so this is applied whatever dtype the caller's mask had; verl with a
-    float64 mask would divide by n + 1e-8 in float64, a relative difference of 1e-8 / n).
-
-    Where verl raises (``masked_var``: n = 0 or 1) the result stays finite: var = 0, so with no valid
-    position mu = 0, and with one the valid position's advantage is 0.
-    """
-    m = mask.to(torch.float64)
-    xd = x.to(torch.float64)
-    msum = m.sum().round().to(torch.int64)             # verl's int64 mask.sum()
-    n = msum.to(torch.float64)
-    denom = (msum + 1e-8).to(torch.float64)            # verl's masked_mean denominator (float32: n)
-    mean = (xd * m).sum() / denom.clamp(min=1.0) if bool(n < 1) else (xd * m).sum() / denom
-    bessel = (msum / (msum - 1)).to(torch.float64) if bool(n > 1) else torch.ones((), dtype=torch.float64)
-    var = ((xd - mean).square() * m).sum() / denom * bessel
-    var = torch.where(n > 1, var, torch.zeros_like(var))
-    if bool(n == 1):  # the one valid position gets exactly 0
-        mean = (xd * m).sum()
-    return ((xd - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
-
-
-def whiten_clamped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """NeMo RL / OpenRLHF whitening: ``(x - mu) * rsqrt(max(var, 1e-8))`` at every position, mu and the
-    biased variance over the positions where mask = 1 (float64; no valid position: mu = var = 0)."""
-    mean, var = masked_moments(x.to(torch.float64), mask, count_floor=1.0)
-    return ((x.to(torch.float64) - mean) * torch.rsqrt(var.clamp(min=1e-8))).to(x.dtype)
-
-
-# --------------------------------------------------------------------------- per-prompt groups
 @jit.njit
 def _dense_rank(ids, lo, span, out):  # pragma: no cover - compiled; tested through group_index
     """out[i] = rank of ids[i] among the distinct values (ascending), for ids in [lo, lo + span)."""
@@ -954,28 +743,6 @@ def verl_group_stats_loop(group: torch.Tensor, scores: torch.Tensor) -> tuple[to
     return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
 
 
-#: OpenRLHF's ``--reward.clip_range`` default (-10, 10): ``compute_reward`` clamps each shaped reward to it
-OPENRLHF_REWARD_CLIP = 10.0
-
-
-def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch,
-                     whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """OpenRLHF's path from a shaped scalar reward ``[B]`` to (advantages, returns), float64 ``[B, T]`` each.
-
-    The shaped reward, clamped to +-10 (``compute_reward`` with the default ``--reward.clip_range``), sits
-    on the row's last mask = 1 position, minus the masked KL penalty when the config folds KL into the
-    reward; returns G = reverse cumulative sum of the token rewards times mask (``get_cumulative_returns``
-    with gamma 1, forced by OpenRLHF for the group estimators); advantages = G whitened over the mask = 1
-    tokens (biased variance, ``max(var, 1e-8)``), at every position (``reinforce_baseline``), or G itself
-    with ``whiten=False`` (``rloo``, ``group_norm``, ``dr_grpo``: OpenRLHF 0.11.2 whitens only ``gae``,
-    ``reinforce`` and ``reinforce_baseline``).
-    """
-    clipped = shaped.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
-    tokens = apply_kl(place_rewards(clipped, mask), cfg, batch, mask=mask)
-    returns = reverse_cumsum(tokens * mask.to(torch.float64))
-    return (whiten_clamped(returns, mask) if whiten else returns), returns
-
-
 # --------------------------------------------------------------------------- per-row outputs
 def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype, batch: Any = None) -> torch.Tensor:
     """A per-sample ``[B]`` advantage as the ``[B, T]`` result in ``dtype``, the same value in every column.
@@ -991,34 +758,3 @@ def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype, batch:
         jit.parallel_rows(jit._fill_rows, B, T, np.ascontiguousarray(jit.numpy_as(adv, dtype)), out.numpy())
         return out
     return adv.to(dtype)[:, None].expand(B, T)
-
-
-def whiten_rows_clamped(a: np.ndarray, mask: torch.Tensor) -> np.ndarray:
-    """:func:`whiten_clamped` of the row-constant ``[B, T]`` matrix ``a[:, None]``, as its ``[B]`` rows.
-
-    CPU (numba) path: the masked moments of a row-constant matrix need only the valid count of each
-    row, so the ``[B, T]`` float64 temporaries of the general function are never built. ``a`` float64.
-    """
-    out = np.empty_like(a)
-    _whiten_const_rows(a, jit.row_counts(mask), out)
-    return out
-
-
-@jit.njit(reassoc=True)
-def _whiten_const_rows(a, counts, out):  # pragma: no cover - compiled; tested through reinforce_plus_plus
-    """out = (a - mean) / sqrt(max(var, 1e-8)), mean and biased var of a weighted by counts (float64,
-    two passes): compiled, because at small T numpy's temporaries cost more than the rest of the call."""
-    n = 0.0
-    total = 0.0
-    for b in range(a.shape[0]):
-        n += counts[b]
-        total += a[b] * counts[b]
-    denom = max(n, 1.0)
-    mean = total / denom
-    m2 = 0.0
-    for b in range(a.shape[0]):
-        d = a[b] - mean
-        m2 += counts[b] * d * d
-    scale = 1.0 / math.sqrt(max(m2 / denom, 1e-8))
-    for b in range(a.shape[0]):
-        out[b] = (a[b] - mean) * scale
