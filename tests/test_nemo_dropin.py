@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from advantage_client import AdvantageResult, RemoteAdvantageEstimator
+from advantage_client import AdvantageClient, AdvantageResult, RemoteAdvantageEstimator
 from advantage_client import nemo
 from advantage_client.nemo import NEMO_ESTIMATOR_MODULE, one_edit_apart, resolve_result_format
 
@@ -210,3 +210,29 @@ def test_pydantic_style_config_is_read(target):
             return {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": True}
     est = RemoteAdvantageEstimator(target, "grpo", Model())
     assert est.config.normalize_rewards is False and est.config.use_leave_one_out_baseline is True
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "gae"])
+def test_kl_clamps_of_the_loss_config_are_not_read(name, target):
+    """NeMo RL main's Reinforce++ and GAE call calculate_kl with its built-in clamps (20, 10) whatever the loss
+    config says; the drop-in gives those numbers, where the plain client honours the clamps it is sent."""
+    B, T = 2, 3
+    lp = torch.tensor([[-0.1, -0.2, -0.3], [-0.5, -0.1, -0.2]])
+    ref = torch.tensor([[-4.0, -0.2, -6.0], [-0.5, -5.0, -0.2]])  # log ratios of -3.9 .. -5.8: k3 = e^r - 1 - r
+    mask = torch.ones(B, T)
+    loss_cfg = {"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3",
+                "kl_input_clamp_value": 2.0, "kl_output_clamp_value": 1.0}
+    tensors = dict(prompt_ids=torch.tensor([0, 0]), rewards=torch.tensor([1.0, 0.0]), mask=mask)
+    extra = ({"logprobs_policy": lp, "logprobs_reference": ref} if name == "reinforce_plus_plus" else
+             {"logprobs": lp, "reference_logprobs": ref, "values": torch.zeros(B, T)})
+    est = RemoteAdvantageEstimator(target, name, loss_cfg, result_format="advantage_result")
+    assert not est.config.HasField("kl_input_clamp_value") and not est.config.HasField("kl_output_clamp_value")
+    got = est.compute_advantage(**tensors, **extra).advantages
+    nemo_defaults = {k: v for k, v in loss_cfg.items() if not k.startswith("kl_")}
+    plain = {"logprobs": lp, "reference_logprobs": ref, **({"values": torch.zeros(B, T)} if name == "gae" else {})}
+    sent = {k: v for k, v in tensors.items() if not (name == "gae" and k == "prompt_ids")}  # gae reads no groups
+    with AdvantageClient(target) as client:
+        want = client.compute(name, nemo_defaults, **sent, **plain).advantages
+        clamped = client.compute(name, loss_cfg, **sent, **plain).advantages
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got - clamped).abs().max() > 1e-3  # the clamps would have changed the numbers

@@ -42,6 +42,16 @@ RESULT_FORMATS = ("auto", "legacy", "advantage_result")
 #: the others return the advantages tensor
 TUPLE_ESTIMATORS = ("raw_reward", "gae")
 
+#: Loss-config keys NeMo RL's estimator classes (main at ``references.REFERENCES["nemo_rl"]``) do not read
+#: although the service's config has them: Reinforce++ and GAE call ``calculate_kl`` with its built-in clamps
+#: (input 20, output 10; nemo_rl/algorithms/utils.py), whatever ``kl_input_clamp_value`` and
+#: ``kl_output_clamp_value`` the loss config holds. The drop-in leaves them out (the service's defaults are
+#: those clamps), so a loss config with other clamps gets NeMo RL's numbers; the plain client honours them.
+NEMO_UNREAD_KEYS = {
+    "reinforce_plus_plus": frozenset({"kl_input_clamp_value", "kl_output_clamp_value"}),
+    "gae": frozenset({"kl_input_clamp_value", "kl_output_clamp_value"}),
+}
+
 #: the module of NeMo RL that defines ``AdvantageResult`` once PR #3512 is in
 NEMO_ESTIMATOR_MODULE = "nemo_rl.algorithms.advantage_estimator"
 
@@ -196,7 +206,8 @@ class RemoteAdvantageEstimator:
                               f"is ignored; did you mean {' or '.join(repr(f) for f in near)}?", UserWarning,
                               stacklevel=2)
         self.name = name
-        self.config = wire.config_message(name, {k: v for k, v in config.items() if k in known})
+        unread = NEMO_UNREAD_KEYS.get(name, frozenset())
+        self.config = wire.config_message(name, {k: v for k, v in config.items() if k in known and k not in unread})
         self.client = client or AdvantageClient(target, timeout=timeout)
         self._inputs: list[Any] | None = None
         #: the latest call's metrics (OPD's three, else ``{}``), where NeMo RL's loop reads OPD's
