@@ -40,7 +40,7 @@ EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
     CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--device", "cpu"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--device", "cpu"]
 
 # ---------------------------------------------------------------- GPU image (torch with CUDA from the base)
 FROM ${TORCH_CUDA_IMAGE} AS gpu
@@ -56,4 +56,4 @@ EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--device", "auto"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--device", "auto"]

@@ -121,9 +121,9 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
     check = exec_form(healthcheck[healthcheck.index("CMD") + 3:].strip())
     ports = {p: free_port() for p in ("50051", "50052", "9090")}
     args = [str(ports.get(a, a)) for a in cmd]
-    for flag in ("--host", "--port"):  # the helper passes --host 127.0.0.1 and the port itself
+    for flag in ("--host", "--port", "--metrics-host"):  # the helper passes --host 127.0.0.1 and the port itself
         i = args.index(flag)
-        assert flag != "--host" or args[i + 1] == "0.0.0.0"
+        assert flag not in ("--host", "--metrics-host") or args[i + 1] == "0.0.0.0"
         del args[i:i + 2]
     srv = ServerProcess(tmp_path, ports["50051"], *args, name="image-cmd")
     try:

@@ -146,7 +146,7 @@ def test_deployment_args_start_a_server_the_kubelet_can_probe(tmp_path):
     args = []
     for arg in CONTAINER["args"]:
         flag, value = arg.split("=", 1)
-        if flag in ("--host", "--port", "--device"):
+        if flag in ("--host", "--port", "--device", "--metrics-host"):  # loopback only in tests
             continue
         value = str(files.get(value, ports.get(int(value), value) if value.isdigit() else value))
         args.append(f"{flag}={value}")

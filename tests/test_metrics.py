@@ -137,8 +137,10 @@ def test_refused_calls_are_counted_with_their_status():
                 client.compute("raw_reward", rewards=np.ones(2, np.float32), mask=np.ones((2, 2), np.float32))
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
         m = scrape(srv.metrics.port)
-        assert value(m, "advantage_requests_total", method="ComputeAdvantage", estimator="raw_reward",
+        # refused before its body is read (issue 11, item 2): the estimator is not known, so "none"
+        assert value(m, "advantage_requests_total", method="ComputeAdvantage", estimator="none",
                      code="UNAUTHENTICATED") == 1
+        assert value(m, "advantage_request_size_bytes_sum", method="ComputeAdvantage", estimator="none") == 0
     finally:
         srv.stop(grace=1.0)
 

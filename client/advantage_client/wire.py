@@ -149,6 +149,10 @@ def encode_tensor(value: Any, field: str = "tensor") -> pb.Tensor:
     return pb.Tensor(dtype=code, shape=shape, data=arr.tobytes())
 
 
+#: most dimensions a tensor may have (numpy's limit)
+MAX_DIMS = 64
+
+
 def _checked_layout(msg: pb.Tensor, field: str) -> tuple[np.dtype, tuple[int, ...]]:
     if msg.dtype not in _NP:
         raise WireError(
@@ -156,6 +160,8 @@ def _checked_layout(msg: pb.Tensor, field: str) -> tuple[np.dtype, tuple[int, ..
             f"dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype} is not "
             f"supported; set one of {', '.join(pb.DType.Name(c) for c in _NP)}",
         )
+    if len(msg.shape) > MAX_DIMS:  # numpy (and so the server) lays out at most 64 dimensions
+        raise WireError(f"{field}.shape", f"has {len(msg.shape)} dimensions; at most {MAX_DIMS} are supported")
     shape = tuple(int(d) for d in msg.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"{field}.shape", f"negative dimension in shape {list(shape)}")

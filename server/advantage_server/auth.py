@@ -13,6 +13,8 @@ import hmac
 import logging
 import os
 import pathlib
+import threading
+import time
 from typing import Any, Callable
 
 import grpc
@@ -64,8 +66,12 @@ def server_credentials(cert: Pem | None, key: Pem | None, client_ca: Pem | None 
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers ``code`` without decoding the request."""
-    def refuse(_request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+    """A handler that answers ``code`` without reading the request.
+
+    It is request-streaming whatever ``handler`` is: gRPC Python reads a unary handler's whole request
+    message into Python bytes before calling it (a 256 MiB body would be buffered just to be refused);
+    a request-streaming handler that never iterates its requests reads none of it."""
+    def refuse(_requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
     kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
@@ -74,16 +80,35 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
-    return kinds[(handler.request_streaming, handler.response_streaming)](refuse)
+    return kinds[(True, handler.response_streaming)](refuse)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call but health checks unless it carries ``authorization: Bearer <token>``."""
 
+    #: at most one WARNING per this many seconds for refused calls (the next one says how many were not logged)
+    WARN_INTERVAL = 10.0
+
     def __init__(self, token: str):
         if not token:
             raise ValueError("empty bearer token")
         self._expected = f"Bearer {token}".encode()
+        self._warn_lock = threading.Lock()
+        self._next_warning = 0.0
+        self._unlogged = 0
+        self.refused = 0
+
+    def _warn(self, method: str) -> None:
+        """A WARNING for a refused call, rate-limited: a flood of tokenless calls is not a flood of log lines."""
+        now = time.monotonic()
+        with self._warn_lock:
+            self.refused += 1
+            if now < self._next_warning:
+                self._unlogged += 1
+                return
+            unlogged, self._unlogged, self._next_warning = self._unlogged, 0, now + self.WARN_INTERVAL
+        more = f" ({unlogged} more refused since the last such warning)" if unlogged else ""
+        log.warning("refused %s: missing or wrong bearer token%s", method, more)
 
     def _authorized(self, metadata: Any) -> bool:
         presented = [v for k, v in (metadata or ()) if k == "authorization"]
@@ -99,7 +124,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
-        log.warning("refused %s: missing or wrong bearer token", handler_call_details.method)
+        self._warn(handler_call_details.method)
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                         "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
                         "(AdvantageClient(token=...) or token_file=...)")

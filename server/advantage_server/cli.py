@@ -8,7 +8,8 @@ Exits 2 when the port cannot be bound (for example, already in use), the device 
 limit is not a positive integer, or a TLS or token file cannot be read.
 
 Limits: ``--max-message-mb``, ``--max-batch-elements``, ``--max-concurrent-requests`` (beyond them:
-RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once). Security: ``--tls-cert`` and
+RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once), ``--stream-idle-timeout`` (a stalled
+upload is cut). Security: ``--tls-cert`` and
 ``--tls-key`` (TLS), ``--tls-client-ca`` (mutual TLS), ``--auth-token-file`` (bearer token on every
 call but health checks). See RELIABILITY.md.
 """
@@ -24,7 +25,7 @@ from advantage_server import logs
 from advantage_server.auth import load_token
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
-    DEFAULT_WORKERS,
+    DEFAULT_STREAM_IDLE_TIMEOUT, DEFAULT_WORKERS,
 )
 from advantage_server.metrics import HealthPort
 from advantage_server.server import create_server
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                    help=f"calls computing at once; other admitted calls wait for one (default {DEFAULT_WORKERS})")
+    p.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT,
+                   help="seconds an admitted call may wait for request bytes (between a stream's chunks; a unary "
+                        "request in full); a stalled upload is then cut with RESOURCE_EXHAUSTED and its place "
+                        f"and memory freed (default {DEFAULT_STREAM_IDLE_TIMEOUT:g})")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
@@ -59,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default text)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port "
                                                     "(GET /metrics; 0 = any free port; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port listens on (default 127.0.0.1: plain HTTP without TLS or token, "
+                        "so only this host sees it; 0.0.0.0 for a Prometheus that scrapes over the network)")
     p.add_argument("--health-port", type=int, help="also serve grpc.health.v1 in plaintext on this port, for "
                                                    "kubelet gRPC probes of a TLS server (0 = any free port; "
                                                    "default: off)")
@@ -75,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                                workers=args.workers,
                                max_batch_elements=args.max_batch_elements,
                                max_concurrent_requests=args.max_concurrent_requests,
+                               stream_idle_timeout=args.stream_idle_timeout,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                               auth_token=token, metrics_port=args.metrics_port, health_port=args.health_port)
+                               auth_token=token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                               health_port=args.health_port)
         del token
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
              server.address, server.core.device, args.workers, args.max_concurrent_requests, security)
     print(f"advantage-server listening on {server.address} device={server.core.device}", flush=True)
     if server.metrics is not None and server.metrics.port is not None:
-        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, server.metrics.port)
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.metrics_host, server.metrics.port)
         print(f"advantage-server metrics on port {server.metrics.port}", flush=True)
     if args.health_port is not None:
         port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))

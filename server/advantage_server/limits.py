@@ -45,6 +45,7 @@ DEFAULT_MAX_STREAM_MB = 8192  # largest request through the streaming RPC
 DEFAULT_MAX_BATCH_ELEMENTS = 1 << 27
 DEFAULT_MAX_CONCURRENT_REQUESTS = 32
 DEFAULT_WORKERS = 8
+DEFAULT_STREAM_IDLE_TIMEOUT = 30.0  # seconds an admitted upload may go without receiving request bytes
 
 
 MAX_MESSAGE_MB_LIMIT = 2047  # gRPC message lengths are signed 32-bit byte counts
@@ -59,9 +60,15 @@ class Limits:
     max_batch_elements: int = DEFAULT_MAX_BATCH_ELEMENTS
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     workers: int = DEFAULT_WORKERS
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
 
     def __post_init__(self) -> None:
+        timeout = self.stream_idle_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"--stream-idle-timeout must be a positive number of seconds, got {timeout!r}")
         for f in dataclasses.fields(self):
+            if f.name == "stream_idle_timeout":
+                continue
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -241,6 +248,99 @@ class RequestGate:
                     return False
                 self._cond.wait(left)
             return True
+
+
+# ------------------------------------------------------------------------------ stalled uploads
+class UploadCut(ResourceLimit):
+    """The call's upload made no progress for ``--stream-idle-timeout`` seconds and was cut."""
+
+
+class UploadWatch:
+    """Cuts admitted calls whose request bytes stop arriving (``--stream-idle-timeout``).
+
+    An admitted call holds a ``--max-concurrent-requests`` place, a thread and the part of its request
+    received so far; a client that opens a call and then sends nothing (or stops half-way) would hold
+    them for ever: keepalive does not help, since a live client answers pings. Each upload is watched
+    from admission until its last byte arrived (:meth:`watch`; a stream calls ``touch`` on each chunk, so
+    the limit is on the time *between* chunks; a unary request arrives as one message, so it must arrive
+    in full within the timeout). One daemon thread checks a few times per timeout and ends an idle call
+    with RESOURCE_EXHAUSTED naming the flag (the reader blocked on it then raises at once, so the place,
+    the thread and the buffer come back).
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._watched: dict[int, list] = {}  # id -> [idle deadline, context, cut flag]
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.cuts = 0
+
+    @contextlib.contextmanager
+    def watch(self, context: Any) -> Iterator[Callable[[], None]]:
+        """Watch ``context``'s upload for the block; yields ``touch()`` (progress: restart the idle clock).
+        Raises :class:`UploadCut` (after the block's own error) when the watch cut the call."""
+        entry = [time.monotonic() + self.timeout, context, False]
+        key = id(entry)
+        with self._lock:
+            self._watched[key] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="advantage-upload-watch", daemon=True)
+                self._thread.start()
+
+        def touch() -> None:
+            entry[0] = time.monotonic() + self.timeout
+
+        try:
+            yield touch
+        except Exception:
+            if entry[2]:
+                raise self.error() from None
+            raise
+        finally:
+            with self._lock:
+                self._watched.pop(key, None)
+        if entry[2]:
+            raise self.error()
+
+    def error(self) -> UploadCut:
+        return UploadCut(f"no request bytes arrived for {self.timeout:g} s, so the server cut the call: an upload "
+                         f"must not stall for longer than the server's --stream-idle-timeout={self.timeout:g} "
+                         "(a unary request must arrive in full within it); send the request without pauses")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [e for e in self._watched.values() if e[0] <= now and not e[2]]
+                for e in idle:
+                    e[2] = True
+            for e in idle:
+                self.cuts += 1
+                log.warning("cut a call whose upload stalled for %g s (--stream-idle-timeout)", self.timeout)
+                _cancel_with_status(e[1], self.error())
+
+
+def _cancel_with_status(context: Any, exc: ResourceLimit) -> None:
+    """End a call from another thread with RESOURCE_EXHAUSTED and ``exc``'s message. gRPC's public
+    ``ServicerContext.cancel()`` cannot carry a status (the client would see a bare CANCELLED); the core
+    call underneath can, so use it when it is there."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if call is not None:
+        try:
+            from grpc._cython import cygrpc
+            call.cancel(cygrpc.StatusCode.resource_exhausted, str(exc))
+            return
+        except Exception:  # noqa: BLE001 - an internal API that moved: fall back to the public one
+            pass
+    try:
+        context.cancel()
+    except Exception:  # noqa: BLE001 - already over
+        pass
 
 
 # ------------------------------------------------------------------------------ memory

@@ -237,9 +237,11 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
     method (``ComputeAdvantageStream``) of ``service`` (see the module docstring).
 
     ``estimators``: the service's request messages by method name, each with its estimator oneof as
-    ``{field number: field name}`` (empty for a method without one). A method that finds its estimator
-    only after decoding (the stream, the shared-memory call) sets ``logs.CALL.get()["estimator"]``; the
-    metrics take the label from there. Calls of other services (health, reflection) pass through.
+    ``{field number: field name}`` (empty for a method without one). The interceptor never reads a request
+    body (it runs before authentication and admission, which must cost nothing for a refused call): each
+    method sets ``logs.CALL.get()["estimator"]`` once it has decoded its request, and the metrics take the
+    label from there, so a call refused before its body was read counts as ``estimator="none"``. Calls of
+    other services (health, reflection) pass through.
     """
 
     def __init__(self, service: str, estimators: dict[str, dict[int, str]], metrics: ServerMetrics):
@@ -258,39 +260,45 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(
                 self._observed_stream(method, request_id, handler), request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:  # the service's unary methods (see AdvantageServicer.handler)
+            return grpc.stream_unary_rpc_method_handler(
+                self._observed(method, request_id, handler), request_deserializer=handler.request_deserializer,
+                response_serializer=None)
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
             self._observed(method, request_id, handler), request_deserializer=None, response_serializer=None)
 
-    def _estimator(self, method: str, data: Any) -> str:
-        fields = self.estimators.get(method)
-        if not fields or not isinstance(data, (bytes, bytearray, memoryview)):
-            return "none"
-        try:
-            number = oneof_field_number(data, frozenset(fields))
-        except ValueError:
-            return "invalid"
-        return fields[number] if number is not None else "none"
-
     def _observed(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
-        behavior, deserialize = handler.unary_unary, handler.request_deserializer
+        """Wraps a unary-response handler. The request body is never looked at here (it may not even have
+        been read: a call refused for its token or for admission is answered without reading it); the
+        handler labels the estimator once it has decoded the request (``logs.CALL``), and the request size
+        is counted as its bytes are read."""
+        streaming = handler.stream_unary is not None
+        behavior = handler.stream_unary if streaming else handler.unary_unary
+        deserialize = None if streaming else handler.request_deserializer
         serialize = handler.response_serializer
         m = self.metrics
 
-        def observed(data: bytes, context: grpc.ServicerContext) -> bytes:
+        def observed(data: Any, context: grpc.ServicerContext) -> bytes:
             started = time.perf_counter()
-            estimator = self._estimator(method, data)
             echo = ((REQUEST_ID_KEY, request_id),)
             context.set_trailing_metadata(echo)
-            call = {"request_id": request_id, "method": method, "estimator": estimator}
+            call = {"request_id": request_id, "method": method, "estimator": "none"}
             token = logs.CALL.set(call)
             in_flight = m.in_flight.labels(method)
             in_flight.inc()
-            size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+            size = [len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0]
+
+            def counted(requests: Any) -> Any:
+                for item in requests:
+                    size[0] += len(item) if isinstance(item, (bytes, bytearray, memoryview)) else 0
+                    yield item
+
             code = "OK"
             try:
-                response = behavior(deserialize(data) if deserialize else data, context)
+                argument = counted(data) if streaming else (deserialize(data) if deserialize else data)
+                response = behavior(argument, context)
                 out = serialize(response) if serialize else response
                 if context.code() not in (None, grpc.StatusCode.OK):
                     code = context.code().name
@@ -306,12 +314,12 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 estimator = call["estimator"]
                 m.requests.labels(method, estimator, code).inc()
                 m.duration.labels(method, estimator).observe(time.perf_counter() - started)
-                m.request_bytes.labels(method, estimator).observe(size)
+                m.request_bytes.labels(method, estimator).observe(size[0])
 
         return observed
 
     def _observed_stream(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
-        """The streaming twin of :meth:`_observed`: request bytes are the chunks' payloads as they arrive,
+        """The streaming twin of :meth:`_observed`: request bytes are the serialized chunks as they arrive,
         response bytes the chunks sent; the estimator label comes from the handler once it has decoded."""
         behavior = handler.stream_stream
         m = self.metrics

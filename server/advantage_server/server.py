@@ -2,11 +2,15 @@
 
 Every ``AdvantageService`` call goes through one pipeline (:meth:`AdvantageServicer.handler`):
 
-1. bearer token (:class:`~advantage_server.auth.TokenAuthInterceptor`, when the server has one);
+1. bearer token (:class:`~advantage_server.auth.TokenAuthInterceptor`, when the server has one), on the
+   call's metadata only;
 2. the :class:`~advantage_server.limits.RequestGate`: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
-   beyond ``--max-concurrent-requests``;
-3. decoding the request bytes here rather than in gRPC, so that bytes that are not a valid message are
-   an INVALID_ARGUMENT like every other malformed request (gRPC would answer INTERNAL);
+   beyond ``--max-concurrent-requests``; a call refused by 1 or 2 is answered before its request body is
+   read (the handlers are request-streaming, so gRPC hands over no bytes until asked);
+3. reading the request message (cut after ``--stream-idle-timeout`` if it does not arrive:
+   :class:`~advantage_server.limits.UploadWatch`), then decoding it here rather than in gRPC, so that bytes
+   that are not a valid message are an INVALID_ARGUMENT like every other malformed request (gRPC would
+   answer INTERNAL);
 4. the method: ``--max-batch-elements``, a compute slot (one of ``--workers``), then the core, which
    calls :func:`~advantage_server.limits.checkpoint` between its stages so a cancelled or expired call
    stops.
@@ -48,8 +52,9 @@ from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
-    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, check_batch_elements, checkpoints, grpc_liveness,
-    is_out_of_memory,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadWatch, check_batch_elements, checkpoints,
+    grpc_liveness, is_out_of_memory,
 )
 from advantage_server import transport
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
@@ -145,6 +150,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         self.core = core
         self.limits = limits or Limits()
         self.gate = RequestGate(self.limits.max_concurrent_requests, self.limits.workers)
+        self.uploads = UploadWatch(self.limits.stream_idle_timeout)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
@@ -172,15 +178,27 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                 behavior, request_deserializer=request_cls.FromString,
                 response_serializer=response_cls.SerializeToString)
         limited = method.name in LIMITED_METHODS
+        codec_decoded = method.name == "ComputeAdvantage"
 
-        def handle(data: bytes, context: grpc.ServicerContext):
+        # A request-streaming handler for a unary method: gRPC reads a unary handler's request message into
+        # Python bytes before calling it, so a call refused for its token or for admission would cost its
+        # whole body first. Here the body is read (next(requests)) only once the call is admitted.
+        def handle(requests: Any, context: grpc.ServicerContext):
             started = time.monotonic()
             what, status = method.name, None
             try:
                 with self.gate.admit(limited, context.add_callback):
+                    data = self._receive(requests, context)
                     grpc_liveness(context)("before decoding")  # the client may have gone during the upload
-                    request = (transport.decode_request(data) if method.name == "ComputeAdvantage"
-                               else _decode(request_cls, data))
+                    try:
+                        request = transport.decode_request(data) if codec_decoded else _decode(request_cls, data)
+                    except InvalidInput:
+                        if codec_decoded:
+                            transport._label_call("invalid")
+                        raise
+                    del data
+                    if codec_decoded:
+                        transport._label_call(request.estimator)
                     what = _summary(method.name, request)
                     return behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
@@ -194,8 +212,20 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                               context.peer())
             context.abort_with_status(rpc_status.to_status(status))
 
-        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None,
-                                                   response_serializer=transport.response_serializer(response_cls))
+        return grpc.stream_unary_rpc_method_handler(handle, request_deserializer=None,
+                                                    response_serializer=transport.response_serializer(response_cls))
+
+    def _receive(self, requests: Any, context: grpc.ServicerContext) -> bytes:
+        """The one request message of a unary call (its raw bytes), read after admission; a client whose
+        message does not arrive within ``--stream-idle-timeout`` is cut (:class:`UploadWatch`)."""
+        with self.uploads.watch(context):
+            try:
+                return next(requests)
+            except StopIteration:
+                raise InvalidInput("request", "the call ended without a request message; send exactly one") from None
+            except grpc.RpcError:  # the call ended while its request was arriving (cancel, deadline, or cut)
+                grpc_liveness(context)("while receiving the request")
+                raise RequestExpired("while receiving the request", deadline=False) from None
 
     def _status(self, exc: Exception, what: str) -> status_pb2.Status:
         if is_out_of_memory(exc):
@@ -237,6 +267,7 @@ class BoundServer:
         self.memory = MemoryTrimmer()
         self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
         self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
+        self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
 
     def start(self) -> "BoundServer":
         self.grpc_server.start()
@@ -268,6 +299,8 @@ class BoundServer:
         self.grpc_server.stop(0)
         done.wait()
         self.memory.stop()
+        if self.uploads is not None:
+            self.uploads.stop()
         for endpoint in self.endpoints:
             endpoint.stop()
 
@@ -295,7 +328,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                   max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
                   tls_cert: Pem | None = None, tls_key: Pem | None = None, tls_client_ca: Pem | None = None,
                   auth_token: str | None = None, metrics_port: int | None = None,
-                  health_port: int | None = None) -> BoundServer:
+                  metrics_host: str = "127.0.0.1", health_port: int | None = None,
+                  stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
     Serves ``advantage.v1.AdvantageService``, ``grpc.health.v1.Health`` and server reflection.
@@ -304,19 +338,22 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
 
     Limits: ``max_message_mb`` caps request and response size, ``max_stream_mb`` a streamed request, ``max_batch_elements`` the elements of
     any one input tensor, ``max_concurrent_requests`` the ComputeAdvantage calls in progress, ``workers``
-    those computing at once. Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
+    those computing at once, ``stream_idle_timeout`` the seconds an admitted call's upload may go without
+    receiving bytes (then it is cut). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
     ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
     ``authorization: Bearer <token>`` on every call but health checks.
 
     Operations (:mod:`advantage_server.metrics`): every call gets a request id (``x-request-id``, echoed
     in trailing metadata) and is counted in ``BoundServer.metrics``; ``metrics_port`` serves them over
-    HTTP (Prometheus), ``health_port`` serves the health service in plaintext (for kubelet gRPC probes),
-    both on ``host`` (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
+    HTTP (Prometheus) on ``metrics_host`` (loopback by default: it has neither TLS nor a token),
+    ``health_port`` serves the health service in plaintext on ``host`` (for kubelet gRPC probes)
+    (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
     """
     limits = Limits(max_message_mb=max_message_mb, max_stream_mb=max_stream_mb, max_batch_elements=max_batch_elements,
-                    max_concurrent_requests=max_concurrent_requests, workers=workers)
+                    max_concurrent_requests=max_concurrent_requests, workers=workers,
+                    stream_idle_timeout=stream_idle_timeout)
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
-    core = AdvantageCore(device)
+    core = AdvantageCore(device, max_batch_elements=limits.max_batch_elements)
     _deterministic(core.device)
     metrics = ServerMetrics(core.device)
     observer = ObservabilityInterceptor(SERVICE_NAME, estimator_fields(_SERVICE), metrics)
@@ -350,11 +387,12 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     result = BoundServer(server, bound, health_servicer, core, actual, servicer.gate, tls=credentials is not None,
                          auth=bool(auth_token), limits=limits)
     result.metrics = metrics
+    result.uploads = servicer.uploads
     try:
         if health_port is not None:
             result.endpoints.append(HealthPort(health_servicer, host, health_port))
         if metrics_port is not None:
-            metrics.serve(host, metrics_port)
+            metrics.serve(metrics_host, metrics_port)
             result.endpoints.append(metrics)
     except RuntimeError:
         for endpoint in result.endpoints:

@@ -48,6 +48,10 @@ CHUNK_BYTES = 4 << 20
 CHALLENGE_BYTES, MAX_CHALLENGES = 32, 1024
 #: regions one server keeps registered at most
 MAX_REGIONS = 256
+#: per segment (the file, whatever name reaches it): regions registered at once, and unanswered challenges
+#: (a newer one replaces the oldest of the same name). One client registering its segment over and over
+#: cannot take every region, nor push other clients' pending challenges out of MAX_CHALLENGES.
+MAX_REGIONS_PER_SEGMENT, MAX_CHALLENGES_PER_SEGMENT = 4, 4
 ALIGN = 64
 _ATTACH_LOCK = threading.Lock()
 log = logging.getLogger("advantage_server")
@@ -148,7 +152,7 @@ class Region:
             return False  # no way to tell on this platform
         try:
             st = os.stat(os.path.join("/dev/shm", self.name.lstrip("/")))
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):  # ValueError: a name no file can have (refused at registration)
             return True
         except OSError:
             return False
@@ -190,8 +194,21 @@ class TransportMethods:
 
     # ------------------------------------------------------------------ client streaming
     def custom_handler(self, method: Any) -> grpc.RpcMethodHandler:
-        return grpc.stream_stream_rpc_method_handler(self._stream, request_deserializer=codec.decode_chunk,
+        # raw chunk bytes (decoded in _chunks), so a malformed chunk is an INVALID_ARGUMENT, not gRPC's INTERNAL
+        return grpc.stream_stream_rpc_method_handler(self._stream, request_deserializer=None,
                                                      response_serializer=None)
+
+    @staticmethod
+    def _chunks(raw: Iterator[bytes], touch: Any) -> Iterator[tuple[int, memoryview]]:
+        """Serialized ``ComputeAdvantageChunk`` messages -> (total_size, data view); each one restarts the
+        upload's idle clock (``touch``)."""
+        for i, data in enumerate(raw):
+            touch()
+            try:
+                yield codec.decode_chunk(data)
+            except (codec.CodecError, ValueError, TypeError, IndexError) as err:
+                raise InvalidInput("chunk", f"stream message {i} is not a valid advantage.v1.ComputeAdvantageChunk "
+                                            f"({err}); send serialized ComputeAdvantageChunk messages") from None
 
     def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> np.ndarray:
         """The request's chunks -> one ``uint8`` numpy buffer allocated once from the declared total (numpy
@@ -230,7 +247,8 @@ class TransportMethods:
         try:
             with self.gate.admit(True, context.add_callback):
                 alive = grpc_liveness(context)
-                data = self._reassemble(request_iterator, alive)
+                with self.uploads.watch(context) as touch:  # a stalled upload is cut (--stream-idle-timeout)
+                    data = self._reassemble(self._chunks(request_iterator, touch), alive)
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
                 what = f"ComputeAdvantageStream {request.estimator}"
@@ -290,14 +308,17 @@ class TransportMethods:
         with lock:
             if len(regions) >= MAX_REGIONS:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
-        if not request.name or "/" in request.name:
-            raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/'")
+        if not request.name or "/" in request.name or "\x00" in request.name:
+            raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/' or NUL bytes")
         region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))  # INVALID_ARGUMENT if absent
         proof = bytes(request.proof)
         if not proof:  # step 1: a challenge the caller must write into the segment (proof of write access)
             region.close()
             challenge = secrets.token_bytes(CHALLENGE_BYTES)
             with lock:
+                same = [c for c, name in self._challenges.items() if name == request.name]
+                for old in same[:max(0, len(same) - MAX_CHALLENGES_PER_SEGMENT + 1)]:
+                    del self._challenges[old]
                 self._challenges[challenge] = request.name
                 while len(self._challenges) > MAX_CHALLENGES:
                     self._challenges.pop(next(iter(self._challenges)))
@@ -312,6 +333,10 @@ class TransportMethods:
                                "offset 0 of the segment, then call again with proof = that challenge")
         region_id = secrets.token_hex(8)
         with lock:
+            if sum(r.inode == region.inode for r in regions.values()) >= MAX_REGIONS_PER_SEGMENT:
+                region.close()
+                raise ResourceLimit(f"segment {request.name!r} is registered {MAX_REGIONS_PER_SEGMENT} times already "
+                                    "(the most per segment); unregister a region of it, or use another segment")
             regions[region_id] = region
         return pb.RegisterSharedMemoryResponse(region_id=region_id, key=region.key)
 

@@ -1,0 +1,413 @@
+"""Issue 11 (hardening against hostile or idle clients): each test here failed before its fix (except
+``test_a_stream_that_keeps_sending_is_not_cut``, the guard against cutting live uploads).
+
+Servers (in-process, or a real process for the CPU/RSS figures) on 127.0.0.1; every wait is bounded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.client import build_request
+
+SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
+
+
+# ------------------------------------------------------------------ item 1: the packed layout and --max-batch-elements
+def _packed_grpo(n: int) -> pb.ComputeAdvantageRequest:
+    """The issue's 82-byte request: one row of ``n`` tokens, no mask (the server would make an [n] mask, an
+    [1, n] padded batch and an [n] result)."""
+    return build_request("grpo", None, cu_seqlens=np.array([0, n], np.int64), prompt_ids=np.array([0]),
+                         rewards=np.array([1.0], np.float32))
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_packed_layout_obeys_max_batch_elements(make_server, transport):
+    srv = make_server(max_batch_elements=1000)
+    request = _packed_grpo(1 << 27)
+    assert request.ByteSize() < 100
+    with AdvantageClient(srv.address, timeout=30.0, transport=transport) as client:
+        with pytest.raises(AdvantageServiceError) as err:  # before: OK, after a 2**27-element mask, batch and result
+            client.compute("grpo", cu_seqlens=np.array([0, 1 << 27]), prompt_ids=np.array([0]),
+                           rewards=np.array([1.0], np.float32))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-batch-elements=1000" in str(err.value) and "cu_seqlens" in str(err.value)
+        # many short rows and one long one: B x T_max (4 x 400 = 1600) is beyond the limit, N (403) is not
+        with pytest.raises(AdvantageServiceError) as err:
+            client.compute("raw_reward", cu_seqlens=np.array([0, 1, 2, 3, 403]),
+                           rewards=np.ones(4, np.float32))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-batch-elements=1000" in str(err.value)
+        # within the limit it is served
+        assert client.compute("grpo", cu_seqlens=np.array([0, 500, 1000]), prompt_ids=np.array([0, 0]),
+                              rewards=np.array([1.0, 0.0], np.float32)).advantages.shape == (1000,)
+
+
+# ------------------------------------------------------------------ item 4: a NUL byte in a shared-memory name
+def _register(stub, name: str, size: int, segment_buf) -> pb.RegisterSharedMemoryResponse:
+    """The two-call registration (challenge, then proof), writing the challenge into ``segment_buf``."""
+    reply = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, byte_size=size), timeout=10)
+    segment_buf[:len(reply.challenge)] = reply.challenge
+    return stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, byte_size=size,
+                                                                    proof=reply.challenge), timeout=10)
+
+
+def test_nul_byte_in_a_shared_memory_name_fails_only_that_call(make_server):
+    from multiprocessing import shared_memory
+    srv = make_server()
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.AdvantageServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                _register(stub, segment.name + "\x00anything", 4096, segment.buf)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "NUL" in err.value.details()
+            # everybody else (this client too) still registers and unregisters
+            for _ in range(2):
+                reply = _register(stub, segment.name, 4096, segment.buf)
+                assert reply.region_id and reply.key
+                stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(region_id=reply.region_id,
+                                                                             key=reply.key), timeout=10)
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+# ------------------------------------------------------------------ item 2: authentication and admission come first
+def _server_cpu_s(pid: int) -> float:
+    import psutil
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+class _PeakRss:
+    """The server process's highest resident size while the block runs (sampled every 5 ms)."""
+
+    def __init__(self, pid: int):
+        import psutil
+        self.proc, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+
+    def __enter__(self) -> "_PeakRss":
+        self.start = self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.05)
+        self._stop.set()
+        self._thread.join(5)
+
+    @property
+    def growth_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+def _stalled_stream(channel: grpc.Channel, release: threading.Event, timeout: float = 60):
+    """A ComputeAdvantageStream call that sends one small chunk (declaring 1 MiB) and then nothing."""
+    def chunks():
+        yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * 1000).SerializeToString()
+        release.wait(timeout)
+    return channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=timeout)
+
+
+@pytest.mark.slow
+def test_refused_calls_cost_no_python_work_on_their_body(tmp_path, capsys):
+    """Tokenless and not-admitted calls are refused before their body is read: a few ms of server CPU
+    each, and no growth of the server's memory by the size of their bodies."""
+    from reliability_support import report, start_server, stop_server
+    (tmp_path / "token").write_text("s3cret")
+    method = f"/{SERVICE}/ComputeAdvantage"
+    junk30 = b"\x78\x00" * (15 << 20)  # 30 MiB of tiny unknown fields: 8.5 s of CPU to walk in Python
+    junk64 = b"\x78\x00" * (32 << 20)
+    srv = start_server(tmp_path, "auth", "--auth-token-file", str(tmp_path / "token"))
+    try:
+        with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+            call = channel.unary_unary(method)
+            time.sleep(0.5)
+            cpu0 = _server_cpu_s(srv.proc.pid)
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(junk30, timeout=60)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            tokenless_cpu = _server_cpu_s(srv.proc.pid) - cpu0
+            codes = []
+            with _PeakRss(srv.proc.pid) as rss:
+                def tokenless():
+                    try:
+                        call(junk64, timeout=60)
+                    except grpc.RpcError as e:
+                        codes.append(e.code())
+                threads = [threading.Thread(target=tokenless) for _ in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(90)
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+            tokenless_rss = rss.growth_mib
+    finally:
+        stop_server(srv)
+    assert tokenless_cpu < 0.5, f"3 tokenless 30 MiB requests cost the server {tokenless_cpu:.2f} s of CPU"
+    assert tokenless_rss < 100, f"4 tokenless 64 MiB requests grew the server by {tokenless_rss:.0f} MiB"
+
+    srv = start_server(tmp_path, "admission", "--max-concurrent-requests", "2")
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+            holders = [_stalled_stream(channel, release) for _ in range(2)]  # both places taken
+            time.sleep(1.0)
+            call = channel.unary_unary(method)
+            results: list[tuple[grpc.StatusCode, str]] = []
+            cpu0 = _server_cpu_s(srv.proc.pid)
+            with _PeakRss(srv.proc.pid) as rss:
+                def refused():
+                    try:
+                        call(junk64, timeout=60)
+                        results.append((grpc.StatusCode.OK, ""))
+                    except grpc.RpcError as e:
+                        results.append((e.code(), e.details()))
+                threads = [threading.Thread(target=refused) for _ in range(8)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(90)
+            admission_cpu = _server_cpu_s(srv.proc.pid) - cpu0
+            release.set()
+            for h in holders:
+                h.cancel()
+    finally:
+        release.set()
+        stop_server(srv)
+    assert [c for c, _ in results] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 8
+    assert all("--max-concurrent-requests=2" in d for _, d in results)
+    assert admission_cpu < 0.5, f"8 refused 64 MiB requests cost the server {admission_cpu:.2f} s of CPU"
+    assert rss.growth_mib < 100, f"8 refused 64 MiB requests grew the server by {rss.growth_mib:.0f} MiB"
+    report(capsys, f"refused before the body is read: 3 tokenless 30 MiB requests {1e3 * tokenless_cpu:.0f} ms of "
+                   f"server CPU in all; 4 tokenless 64 MiB: server peak RSS +{tokenless_rss:.0f} MiB; 8 x 64 MiB "
+                   f"beyond --max-concurrent-requests: {1e3 * admission_cpu:.0f} ms CPU, peak RSS "
+                   f"+{rss.growth_mib:.0f} MiB")
+
+
+# ------------------------------------------------------------------ item 5: uploads that stall are cut
+def test_stalled_uploads_are_cut_and_their_places_come_back(make_server):
+    srv = make_server(max_concurrent_requests=2, stream_idle_timeout=1.0)
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stalled = [_stalled_stream(channel, release, timeout=30)]
+
+            def never_sends():  # a unary call whose request message never arrives
+                release.wait(30)
+                yield b""
+            unary = channel.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(never_sends(), timeout=30)
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as err:  # both places are held now
+                channel.unary_unary(f"/{SERVICE}/ComputeAdvantage")(
+                    build_request("raw_reward", None, rewards=[1.0], mask=[[1.0]]).SerializeToString(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # RESOURCE_EXHAUSTED naming the flag, not DEADLINE_EXCEEDED at the client's 30 s: cut by the server
+            with pytest.raises(grpc.RpcError) as err:
+                list(stalled[0])
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--stream-idle-timeout=1" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                unary.result(timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--stream-idle-timeout=1" in err.value.details()
+            assert srv.uploads.cuts == 2
+            # the places came back
+            reply = pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(
+                build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=10)
+            assert len(reply.advantages.data) == 8
+            deadline = time.monotonic() + 10
+            while srv.gate.in_flight and time.monotonic() < deadline:  # the cut calls' last callbacks
+                time.sleep(0.05)
+            assert srv.gate.in_flight == 0
+    finally:
+        release.set()
+
+
+def test_a_stream_that_keeps_sending_is_not_cut(make_server):
+    """The idle clock restarts with every chunk: a slow but steady upload longer than the timeout is served."""
+    srv = make_server(stream_idle_timeout=2.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]).SerializeToString()
+    step = -(-len(request) // 12)  # 12 chunks, 0.3 s apart: 3.6 s in all, each gap well under the 2 s timeout
+
+    def slowly():
+        for i in range(0, len(request), step):
+            time.sleep(0.3)
+            yield pb.ComputeAdvantageChunk(total_size=len(request), data=request[i:i + step]).SerializeToString()
+    with grpc.insecure_channel(srv.address) as channel:
+        replies = list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(slowly(), timeout=30))
+    assert replies and srv.uploads.cuts == 0
+
+
+def test_stream_idle_timeout_flag_is_checked():
+    from advantage_server.cli import main
+    for bad in ("0", "-5", "nan", "inf"):
+        assert main(["--port", "0", "--device", "cpu", "--stream-idle-timeout", bad]) == 2
+
+
+# ------------------------------------------------------------------ item 8: INVALID_ARGUMENT, never INTERNAL
+def _deep_request(dims: int = 65) -> pb.ComputeAdvantageRequest:
+    request = build_request("raw_reward", None, rewards=np.ones(2, np.float32), mask=np.ones((2, 2), np.float32))
+    shape = request.inputs["rewards"].shape
+    del shape[:]
+    shape.extend([1] * (dims - 1) + [2])
+    return request
+
+
+def test_more_than_64_dimensions_is_invalid_argument_on_every_transport(target):
+    request = _deep_request()
+    with grpc.insecure_channel(target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "inputs['rewards'].shape" in err.value.details() and "64" in err.value.details()
+        data = request.SerializeToString()
+        chunk = pb.ComputeAdvantageChunk(total_size=len(data), data=data).SerializeToString()
+        with pytest.raises(grpc.RpcError) as err:
+            list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(iter([chunk]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "64" in err.value.details()
+        deep_cu = build_request("raw_reward", None, cu_seqlens=np.array([0, 2]), rewards=np.ones(1, np.float32))
+        del deep_cu.cu_seqlens.shape[:]
+        deep_cu.cu_seqlens.shape.extend([1] * 69 + [2])
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(deep_cu, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cu_seqlens" in err.value.details()
+
+
+def test_more_than_64_dimensions_in_shared_memory_is_invalid_argument(target):
+    from multiprocessing import shared_memory
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.AdvantageServiceStub(channel)
+            region = _register(stub, segment.name, 4096, segment.buf)
+            request = pb.ComputeAdvantageShmRequest(key=region.key, output_region_id=region.region_id,
+                                                    output_offset=2048, output_byte_size=2048)
+            request.request.raw_reward.SetInParent()
+            request.inputs["rewards"].CopyFrom(pb.SharedMemoryTensor(
+                dtype=pb.DTYPE_FLOAT32, shape=[1] * 69 + [2], region_id=region.region_id, offset=64))
+            request.inputs["mask"].CopyFrom(pb.SharedMemoryTensor(
+                dtype=pb.DTYPE_FLOAT32, shape=[2, 2], region_id=region.region_id, offset=128))
+            segment.buf[128:144] = np.ones(4, np.float32).tobytes()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ComputeAdvantageShm(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "inputs['rewards'].shape" in err.value.details()
+            stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(region_id=region.region_id,
+                                                                         key=region.key), timeout=10)
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+@pytest.mark.parametrize("chunk", [b"\xff\xff\xff", b"\x0a\x05ab", b"\x08"])
+def test_malformed_stream_chunk_is_invalid_argument(target, chunk):
+    with grpc.insecure_channel(target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(iter([chunk]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chunk" in err.value.details()
+
+
+# ------------------------------------------------------------------ item 10: the smaller ones
+def test_tokenless_calls_are_logged_at_a_bounded_rate(make_server, monkeypatch, caplog):
+    import logging
+    from advantage_server import auth
+
+    class Clock:  # the interceptor's clock, moved by hand (no timing in the test)
+        now = 1000.0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.now
+    monkeypatch.setattr(auth, "time", Clock)
+    srv = make_server(auth_token="s3cret")
+    request = build_request("raw_reward", None, rewards=[1.0], mask=[[1.0]])
+    with caplog.at_level(logging.WARNING, logger="advantage_server"), grpc.insecure_channel(srv.address) as channel:
+        stub = pb_grpc.AdvantageServiceStub(channel)
+
+        def refused(n: int) -> None:
+            for _ in range(n):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ComputeAdvantage(request, timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        refused(50)
+        Clock.now += auth.TokenAuthInterceptor.WARN_INTERVAL + 1
+        refused(1)
+    lines = [r.getMessage() for r in caplog.records if "bearer token" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "49 more refused" in lines[1]
+
+
+def test_metrics_port_listens_on_loopback_unless_told_otherwise():
+    from advantage_server import create_server
+    srv = create_server("127.0.0.2", 0, device="cpu", metrics_port=0)
+    try:
+        assert srv.metrics._http.server_address[0] == "127.0.0.1"  # not the gRPC host
+    finally:
+        srv.stop(grace=0)
+    srv = create_server("127.0.0.1", 0, device="cpu", metrics_port=0, metrics_host="127.0.0.2")
+    try:
+        assert srv.metrics._http.server_address[0] == "127.0.0.2"
+    finally:
+        srv.stop(grace=0)
+    from advantage_server.cli import build_parser
+    assert build_parser().parse_args([]).metrics_host == "127.0.0.1"
+
+
+def test_one_segment_cannot_take_every_region_or_challenge(make_server):
+    from multiprocessing import shared_memory
+    from advantage_server.transport import MAX_REGIONS_PER_SEGMENT
+    srv = make_server()
+    mine, theirs = (shared_memory.SharedMemory(create=True, size=4096) for _ in range(2))
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.AdvantageServiceStub(channel)
+            # another client's pending challenge survives a flood of first steps for one segment
+            pending = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=theirs.name, byte_size=4096),
+                                                timeout=10).challenge
+            for _ in range(1100):
+                stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=mine.name, byte_size=4096), timeout=10)
+            theirs.buf[:len(pending)] = pending
+            regions = [stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(
+                name=theirs.name, byte_size=4096, proof=pending), timeout=10)]
+            assert regions[0].region_id
+            # one segment registered again and again: a few regions, then RESOURCE_EXHAUSTED
+            for _ in range(MAX_REGIONS_PER_SEGMENT):
+                regions.append(_register(stub, mine.name, 4096, mine.buf))
+            with pytest.raises(grpc.RpcError) as err:
+                _register(stub, mine.name, 4096, mine.buf)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"registered {MAX_REGIONS_PER_SEGMENT} times" in err.value.details()
+            for region in regions:
+                stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(region_id=region.region_id,
+                                                                             key=region.key), timeout=10)
+    finally:
+        for segment in (mine, theirs):
+            segment.close()
+            segment.unlink()
+
+
+def test_nan_in_a_config_list_names_the_config_field(client):
+    """A NaN GDPO reward weight was reported as "input magnitudes are too large"; it names the field now."""
+    rng = np.random.default_rng(0)
+    inputs = {"reward/a": rng.random(4).astype(np.float32), "reward/b": rng.random(4).astype(np.float32)}
+    with pytest.raises(AdvantageServiceError) as err:
+        client.compute("gdpo", {"reward_weights": [float("nan"), 1.0]}, prompt_ids=np.array([0, 0, 1, 1]),
+                       mask=np.ones((4, 3), np.float32), **inputs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("config.reward_weights[0]", "must be finite, got nan") in err.value.field_violations
