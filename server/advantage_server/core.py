@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import typing
 from typing import Any, Mapping
@@ -329,6 +330,9 @@ def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
         fd = msg.DESCRIPTOR.fields_by_name[f.name]
         if fd.is_repeated:
             items = tuple(getattr(msg, f.name))
+            for i, v in enumerate(items):  # the config's own validate() checks scalars, not lists
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise InvalidInput(f"config.{f.name}[{i}]", f"must be finite, got {v}")
             if items:
                 values[f.name] = items
         elif fd.enum_type is not None:
