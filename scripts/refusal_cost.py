@@ -38,7 +38,7 @@ def start(*flags: str) -> tuple[subprocess.Popen, str]:
     out = pathlib.Path(tempfile.mkdtemp()) / "out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": PYTHONPATH} if PYTHONPATH else {})}
     proc = subprocess.Popen([sys.executable, "-m", "advantage_server.cli", "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu", *flags], stdout=out.open("wb"), stderr=subprocess.DEVNULL, env=env)
+                             "--device", "cpu", *flags], stdout=subprocess.DEVNULL, stderr=out.open("wb"), env=env)  # start-up lines: stderr
     deadline = time.monotonic() + 60
     while "listening" not in out.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)

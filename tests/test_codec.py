@@ -58,6 +58,8 @@ def requests(draw):
         msg.inputs[key].CopyFrom(t)
     if draw(st.booleans()):
         msg.cu_seqlens.CopyFrom(draw(tensors()))
+    msg.per_sample = draw(st.booleans())
+    msg.mask_columns = draw(st.one_of(st.just(0), st.integers(-(2 ** 63), 2 ** 63 - 1)))
     return msg
 
 
@@ -69,6 +71,8 @@ def results(draw):
     if draw(st.booleans()):
         msg.returns.CopyFrom(draw(tensors()))
     msg.metrics.update(draw(st.dictionaries(keys, st.floats(allow_nan=False), max_size=4)))
+    msg.layout = draw(st.sampled_from(list(pb.ResultLayout.values())))
+    msg.dense_shape.extend(draw(st.lists(st.integers(0, 2 ** 40), max_size=3)))
     return msg
 
 
@@ -77,7 +81,7 @@ def unknown_fields(draw):
     """Serialized fields with numbers the messages do not use, of every wire type (groups included)."""
     out = b""
     for _ in range(draw(st.integers(0, 3))):
-        number = draw(st.sampled_from([13, 19, 25, 100, 5000]))
+        number = draw(st.sampled_from([15, 19, 25, 100, 5000]))
         kind = draw(st.sampled_from(["varint", "i64", "len", "i32", "group"]))
         if kind == "varint":
             out += codec.varint(number << 3) + codec.varint(draw(st.integers(0, 2 ** 64 - 1)))
@@ -119,7 +123,8 @@ def test_request_decode_matches_protobuf(msg, deterministic):
     data = msg.SerializeToString(deterministic=deterministic)
     got = codec.decode_request(data)
     assert got.to_message() == msg
-    assert codec.encode_request(got.estimator, got.config(), got.inputs, got.output_dtype, got.cu_seqlens) == \
+    assert codec.encode_request(got.estimator, got.config(), got.inputs, got.output_dtype, got.cu_seqlens,
+                                per_sample=got.per_sample, mask_columns=got.mask_columns) == \
         msg.SerializeToString(deterministic=True)
 
 

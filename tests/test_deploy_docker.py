@@ -128,7 +128,7 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
     srv = ServerProcess(tmp_path, ports["50051"], *args, name="image-cmd")
     try:
         srv.wait_listening()
-        assert f"health on port {ports['50052']}" in srv.stdout and f"metrics on port {ports['9090']}" in srv.stdout
+        assert f"health on port {ports['50052']}" in srv.stderr and f"metrics on port {ports['9090']}" in srv.stderr
         host_check = [str(pathlib.Path(sys.executable).with_name(check[0])), *check[1:]]
         addr = host_check.index("--address") + 1
         host_check[addr] = host_check[addr].replace(":50052", f":{ports['50052']}")

@@ -88,6 +88,32 @@ def test_weighted_group_relative_uniform_equals_generic(monkeypatch, leave_one_o
     torch.testing.assert_close(fast, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weighted_group_relative_compiles_once_for_every_component_count(monkeypatch, dtype):
+    """Issue 11 item 3: the components used to reach the kernel as a tuple, one numba type (and one
+    compilation of ~1 s CPU, kept for good) per component count. Now one [C, B] array: the number of
+    compiled variants stays put from K = 2 to 12, and the totals equal the generic kernel and the loop."""
+    rng = np.random.default_rng(11)
+    G, n = 40, 4
+    group = torch.arange(G * n) // n
+    comps = [torch.from_numpy(rewards(KINDS[k % len(KINDS)], G, n, rng)).to(dtype) for k in range(12)]
+    kernels = (groups._weighted_relative_rows_uniform, groups._weighted_relative_uniform,
+               groups._weighted_relative_chunk)
+    counts = None
+    for K in range(2, 13):
+        weights = tuple(0.5 + 0.25 * k for k in range(K))
+        fast = groups.weighted_group_relative(group, comps[:K], weights, True, True)
+        now = [len(k.signatures) for k in kernels]
+        counts = counts or now
+        assert now == counts, f"K = {K}: a new compiled variant ({counts} -> {now})"
+        want = sum(w * groups.group_relative(group, c, True, True) for w, c in zip(weights, comps[:K]))
+        torch.testing.assert_close(fast, want, rtol=1e-12, atol=1e-12)
+        with monkeypatch.context() as m:
+            m.setattr(groups, "_UNIFORM_MAX", 0)  # the generic kernel, bit for bit
+            torch.testing.assert_close(fast, groups.weighted_group_relative(group, comps[:K], weights, True, True),
+                                       rtol=0, atol=0)
+
+
 def test_opd_combine_rows_matches_two_pass():
     rng = np.random.default_rng(5)
     B, T = 300, 17

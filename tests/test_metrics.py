@@ -200,7 +200,7 @@ def test_cli_json_logs_and_metrics_port(tmp_path):
     srv = start_server(tmp_path, "json", "--log-format", "json", "--log-level", "DEBUG",
                        "--metrics-port", str(metrics_port))
     try:
-        assert f"metrics on port {metrics_port}" in srv.stdout
+        assert f"metrics on port {metrics_port}" in srv.stderr
         with grpc.insecure_channel(srv.address) as channel:
             stub = pb_grpc.AdvantageServiceStub(channel)
             stub.ComputeAdvantage(grpo_request(), metadata=[("x-request-id", "json-log-1")], timeout=30)

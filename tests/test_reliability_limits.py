@@ -155,7 +155,9 @@ def test_max_message_size(make_server):
     # the message limit is the unary transport's (auto would send 2 MiB through shared memory on this host)
     with AdvantageClient(srv.address, timeout=10, transport="unary") as client:
         with pytest.raises(AdvantageServiceError) as exc:
-            client.compute("raw_reward", None, rewards=np.ones(n // 64, np.float32), mask=np.ones((n // 64, 64), np.float32))
+            # 2 MiB of float values (an all-ones mask alone would go as [B] lengths, a few bytes)
+            client.compute("gae", None, rewards=np.ones(n // 64, np.float32), values=np.ones((n // 64, 64), np.float32),
+                           mask=np.ones((n // 64, 64), np.float32))
         assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert str(1024 * 1024) in str(exc.value), str(exc.value)  # gRPC names the limit in bytes
         client.compute("raw_reward", None, rewards=np.ones(4, np.float32), mask=np.ones((4, 4), np.float32))
@@ -360,6 +362,8 @@ def test_readme_lists_every_server_flag():
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("### Server flags"):]
     section = section[:section.index("\n#", 1)]
-    documented = set(re.findall(r"`(--[a-z0-9-]+)`", section.split("\n\n", 2)[1]))
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `--"))
+    first_cells = [line.split("|")[1] for line in table.splitlines()]
+    documented = {flag for cell in first_cells for flag in re.findall(r"`(--[a-z0-9-]+)`", cell)}
     accepted = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
     assert documented == accepted, (sorted(accepted - documented), sorted(documented - accepted))

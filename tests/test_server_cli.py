@@ -71,7 +71,7 @@ class ServerProcess:
     def wait_listening(self, timeout: float = START_TIMEOUT) -> re.Match:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = LISTENING.search(self.stdout)
+            match = LISTENING.search(self.stderr)  # the start-up lines are logged (stderr), once
             if match:
                 return match
             if self.proc.poll() is not None:
@@ -116,7 +116,9 @@ def test_logs_device_and_address(running):
     assert match.group(1) == running.address
     assert match.group(2) == "cpu"
     log = running.stderr
-    assert running.address in log and "device cpu" in log, log
+    assert running.address in log and "device=cpu" in log, log
+    # each start-up line once: logged to stderr, not printed to stdout as well
+    assert len(LISTENING.findall(log)) == 1 and "listening" not in running.stdout, (log, running.stdout)
 
 
 def test_health_check_reports_serving(running):
@@ -163,7 +165,7 @@ def test_second_server_on_the_same_port_fails_loudly(running, tmp_path):
         assert rc != 0, f"second server exited {rc}:\n{second.stderr}"
         err = second.stderr
         assert "cannot bind" in err and str(running.port) in err, err
-        assert not LISTENING.search(second.stdout), second.stdout
+        assert not LISTENING.search(second.stdout + err), second.stdout
     finally:
         second.close()
     # the first one is untouched
@@ -179,7 +181,7 @@ def test_unknown_device_exits_non_zero(tmp_path):
     try:
         assert srv.wait(timeout=START_TIMEOUT) == 2
         assert "cuda:7" in srv.stderr, srv.stderr
-        assert not LISTENING.search(srv.stdout)
+        assert not LISTENING.search(srv.stdout + srv.stderr)
     finally:
         srv.close()
 

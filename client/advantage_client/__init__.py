@@ -4,6 +4,9 @@
     with AdvantageClient("localhost:50051") as client:
         result = client.compute("grpo", {"normalize_rewards": True}, prompt_ids=ids, rewards=r, mask=m)
 
+    async with AsyncAdvantageClient("localhost:50051") as client:   # asyncio (grpc.aio)
+        result = await client.compute("grpo", None, prompt_ids=ids, rewards=r, mask=m)
+
 Typed configs are the generated messages: ``GRPOConfig``, ``GDPOConfig``, ``ReinforcePlusPlusConfig``,
 ``RawRewardConfig``, ``GAEConfig``, ``OPDConfig``, ``GRPOPassKConfig``, ``ReinforcePlusPlusBaselineConfig``,
 ``RLOOConfig``, ``OPOConfig``, ``ReMaxConfig``, ``GPGConfig``, ``OptimalTokenBaselineConfig``,
@@ -29,12 +32,13 @@ from advantage_client._proto.advantage.v1.advantage_pb2 import (
     Semantics,
     TIROptimalTokenBaselineConfig,
 )
+from advantage_client.aio import AsyncAdvantageClient
 from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError, InvalidArgumentError
 from advantage_client.nemo import RemoteAdvantageEstimator
 from advantage_client.wire import WireError
 
 __all__ = [
-    "AdvantageClient", "AdvantageResult", "AdvantageServiceError", "InvalidArgumentError", "RemoteAdvantageEstimator",
+    "AdvantageClient", "AsyncAdvantageClient", "AdvantageResult", "AdvantageServiceError", "InvalidArgumentError", "RemoteAdvantageEstimator",
     "WireError",
     "GRPOConfig", "GDPOConfig", "ReinforcePlusPlusConfig", "RawRewardConfig", "GAEConfig", "OPDConfig",
     "GRPOPassKConfig", "ReinforcePlusPlusBaselineConfig", "RLOOConfig", "OPOConfig", "ReMaxConfig", "GPGConfig",

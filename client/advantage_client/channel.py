@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import pathlib
+import re
 from typing import Any, Sequence
 
 import grpc
@@ -46,11 +47,26 @@ def service_config(retry: bool = True, wait_for_ready: bool = False, health_chec
     return config
 
 
+_URL_SCHEME = re.compile(r"(?i)(https?|grpcs?)://")
+
+
+def _no_url_scheme(address: str) -> str:
+    """``ValueError`` for a URL (``http://host:port``): gRPC reads it as a DNS name and fails much later with
+    "Misformatted domain name"."""
+    match = _URL_SCHEME.match(str(address))
+    if match:
+        rest = str(address)[match.end():].rstrip("/")
+        raise ValueError(f"target {address!r}: drop the {match.group(1).lower()}:// scheme and give host:port, "
+                         f"e.g. {rest!r}; a gRPC target is not a URL (for TLS pass tls=True or tls_ca=)")
+    return address
+
+
 def channel_target(target: str | Sequence[str]) -> str:
-    """A gRPC target string for one address (as given) or several replicas (IP literals, all IPv4 or all IPv6)."""
+    """A gRPC target string for one address (as given) or several replicas (IP literals, all IPv4 or all IPv6).
+    A URL (``http://host:port``) is a ``ValueError`` that says to drop the scheme."""
     if isinstance(target, str):
-        return target
-    addresses = list(target)
+        return _no_url_scheme(target)
+    addresses = [_no_url_scheme(a) for a in target]
     if not addresses:
         raise ValueError("target: give at least one address")
     if len(addresses) == 1:
@@ -102,12 +118,15 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
 def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
                  tls_ca: Any = None, tls_cert: Any = None, tls_key: Any = None, tls_server_name: str | None = None,
                  retry: bool = True, wait_for_ready: bool = False, options: Sequence[tuple[str, Any]] = (),
-                 retry_buffer_mb: float | None = None) -> grpc.Channel:
+                 retry_buffer_mb: float | None = None, aio: bool = False) -> Any:
     """A channel to ``target`` with the service config above. TLS when ``tls`` or any ``tls_*`` is given:
     ``tls_ca`` verifies the server (system roots when None); ``tls_cert`` + ``tls_key`` is the client
     certificate for mutual TLS. PEM bytes or file paths. ``options``: more gRPC channel arguments.
     ``retry_buffer_mb``: how much of a call's request gRPC keeps for a retry (default: ``max_message_mb``, so
-    any unary request can be retried); a call that has sent more is no longer retried and keeps nothing."""
+    any unary request can be retried); a call that has sent more is no longer retried and keeps nothing.
+    ``aio``: a ``grpc.aio.Channel`` (same options, service config and credentials) for asyncio, instead of
+    a ``grpc.Channel``. Raises ``ValueError`` for a bad ``max_message_mb``, half a client certificate or an
+    unreadable PEM file."""
     if not 1 <= max_message_mb <= 2047:
         raise ValueError(f"max_message_mb must be in [1, 2047] (gRPC's 32-bit message length), got {max_message_mb}")
     limit = max_message_mb * 1024 * 1024
@@ -132,5 +151,5 @@ def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
     if tls or tls_ca is not None or tls_cert is not None:
         credentials = grpc.ssl_channel_credentials(_pem(tls_ca, "tls_ca"), _pem(tls_key, "tls_key"),
                                                    _pem(tls_cert, "tls_cert"))
-        return grpc.secure_channel(target, credentials, options=options)
-    return grpc.insecure_channel(target, options=options)
+        return (grpc.aio if aio else grpc).secure_channel(target, credentials, options=options)
+    return (grpc.aio if aio else grpc).insecure_channel(target, options=options)

@@ -13,8 +13,10 @@ INVALID_ARGUMENT as its subclass :class:`InvalidArgumentError`, which is also a 
 """
 from __future__ import annotations
 
-import threading
 import errno
+import math
+import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -22,7 +24,7 @@ import grpc
 import numpy as np
 from grpc_status import rpc_status
 
-from advantage_client import streaming, wire
+from advantage_client import layout, masks, streaming, wire
 from advantage_client.channel import auth_metadata, channel_target, make_channel
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
@@ -67,10 +69,12 @@ class AdvantageServiceError(Exception):
         return AdvantageServiceError, (self.code, str(self), self.field_violations)
 
     @classmethod
-    def from_rpc_error(cls, err: grpc.RpcError) -> "AdvantageServiceError":
+    def from_rpc_error(cls, err: grpc.RpcError, target: str | None = None,
+                       timeout: float | None = None) -> "AdvantageServiceError":
         """The ``grpc.RpcError`` of a failed call -> :class:`AdvantageServiceError` with its code, message and
         ``BadRequest`` field violations: an :class:`InvalidArgumentError` (also a ``ValueError``) for
-        INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code."""
+        INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code. ``target`` and ``timeout``
+        (the client's): UNAVAILABLE and DEADLINE_EXCEEDED messages say what to check (:func:`hint`)."""
         violations = []
         try:
             status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
@@ -81,7 +85,7 @@ class AdvantageServiceError(Exception):
                 bad = error_details_pb2.BadRequest()
                 if detail.Unpack(bad):
                     violations += [(v.field, v.description) for v in bad.field_violations]
-        return AdvantageServiceError(err.code(), err.details() or "", violations)
+        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations)
 
 
 class InvalidArgumentError(AdvantageServiceError, ValueError):
@@ -95,18 +99,153 @@ class AdvantageResult:
     """What every estimator returns (NeMo RL's result type).
 
     advantages: ``[B, T]``; returns: ``[B, T]`` for GAE, else ``None``; metrics: OPD's three, else ``{}``.
+    layout:     ``"dense"``, or for a per-sample result (``compute(..., per_sample=True)``) how the ``[B]``
+                advantages/returns stand for the ``[B, T]`` ones: ``"broadcast"``, ``"broadcast_times_mask"``
+                or ``"up_to_last_valid"`` (see ``advantage_client.layout``).
     """
 
     advantages: Any
     returns: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    layout: str = "dense"
 
 
 def decode_result(msg: pb.AdvantageResult, as_numpy: bool = False) -> AdvantageResult:
-    """``advantage.v1.AdvantageResult`` -> :class:`AdvantageResult` of torch tensors (numpy if asked or no torch)."""
+    """``advantage.v1.AdvantageResult`` -> :class:`AdvantageResult` of torch tensors (numpy if asked or no torch),
+    as the message holds them: a per-sample message gives ``[B]`` tensors with ``layout`` set (see
+    :func:`finish_result` for the dense rebuild)."""
     decode = wire.decode_numpy if (as_numpy or wire.torch is None) else wire.decode_torch
     returns = decode(msg.returns, "returns") if msg.HasField("returns") else None
-    return AdvantageResult(decode(msg.advantages, "advantages"), returns, dict(msg.metrics))
+    return AdvantageResult(decode(msg.advantages, "advantages"), returns, dict(msg.metrics),
+                           layout.layout_name(getattr(msg, "layout", 0)))
+
+
+@dataclass
+class PreparedCall:
+    """One ``compute`` call encoded (:func:`prepare_call`), and what :func:`finish_result` needs to answer it.
+
+    request:    the encoded request (pieces; joined for unary, chunked for stream).
+    per_sample: the caller wants ``[B]`` values (where the server gives them) rather than ``[B, T]``.
+    mask:       the call's mask (as given, or the bool form the compaction made), to rebuild a per-sample
+                answer; None when the server is not asked for one (packed layout, no mask).
+    lengths:    the caller's own ``lengths`` [B] (sent in place of a mask), from which the mask is made when
+                a per-sample answer needs it; ``columns``: the mask's width (``mask_columns``).
+    """
+
+    request: streaming.Request
+    per_sample: bool
+    mask: Any
+    columns: int | None = None
+    lengths: Any = None
+    #: the mask went out as ``lengths`` made by the compaction (a server that predates them refuses it)
+    sent_lengths: bool = False
+
+
+def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any, per_sample: bool,
+                 tensors: dict[str, Any], compact: bool = True, as_lengths: bool = True) -> PreparedCall:
+    """Encode one ``compute`` call: the shared request building of the sync and asyncio clients.
+
+    * the server is asked for per-sample results (``per_sample = true`` on the wire) whenever the call has
+      a ``[B, T]`` mask and no ``cu_seqlens``: where the estimator gives them, ``[B]`` values come back
+      instead of ``[B, T]`` (``ResultLayout``), and :func:`finish_result` rebuilds the dense tensor unless
+      the caller asked for ``per_sample``;
+    * ``compact``: a float (or int32/int64) mask holding only 0 and 1 is sent as ``lengths`` ``[B]`` when it
+      is a prefix mask (and ``as_lengths``), else as one byte per token
+      (:func:`advantage_client.masks.compact_mask`).
+    Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded.
+    """
+    tensors = {k: v for k, v in tensors.items() if v is not None}
+    mask = tensors.get("mask")
+    columns, mask_columns = None, 0
+    if compact and mask is not None and "lengths" not in tensors:
+        small = masks.compact_mask(mask, tensors, prefix=cu_seqlens is None and as_lengths)
+        if small is not None:
+            mask = small.bool_mask
+            if small.lengths is not None:
+                del tensors["mask"]
+                tensors["lengths"] = small.lengths
+                columns = mask_columns = small.columns
+            else:
+                tensors["mask"] = small.bool_mask
+    own_lengths = None
+    if mask is None and "lengths" in tensors:  # the caller sends lengths (and mask_columns) themselves
+        mask_columns = int(tensors.pop("mask_columns", 0) or 0)
+        value = tensors["lengths"]
+        own_lengths = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+        columns = mask_columns or (int(own_lengths.max(initial=0)) if own_lengths.size else 0)
+    ask = cu_seqlens is None and (mask is not None or own_lengths is not None)
+    pieces = streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, per_sample=ask,
+                                            mask_columns=mask_columns, **tensors)
+    return PreparedCall(streaming.Request(pieces), per_sample, mask if ask else None, columns, own_lengths,
+                        sent_lengths=own_lengths is None and "lengths" in tensors)
+
+
+def finish_result(reply: Any, call: PreparedCall, as_numpy: bool = False) -> AdvantageResult:
+    """The server's reply (``codec.DecodedResult`` or ``AdvantageResult`` message) -> :class:`AdvantageResult`:
+    a per-sample reply is rebuilt to the documented ``[B, T]`` tensors (:func:`advantage_client.layout.rebuild`:
+    new writable tensors, equal to what a dense reply would hold) unless the call asked for ``per_sample``.
+    A dense reply is returned as it is, also to a ``per_sample`` call (``layout == "dense"``: the estimator
+    gives no per-sample result under this config)."""
+    result = decode_result(reply, as_numpy=as_numpy)
+    code = getattr(reply, "layout", 0)
+    if code == layout.DENSE or call.per_sample:
+        return result
+    if call.mask is None and call.lengths is None:
+        raise RuntimeError("the server answered per-sample to a call that did not ask for it")
+    dense_shape = list(getattr(reply, "dense_shape", ()))
+    columns = dense_shape[1] if len(dense_shape) == 2 else call.columns
+    mask = None
+    if code != layout.BROADCAST:  # the server accepted the call: the mask the lengths stand for is that small
+        mask = (layout.bool_mask(call.mask, like=result.advantages) if call.mask is not None
+                else layout.prefix_mask(call.lengths, columns, like=result.advantages))
+    result.advantages = layout.rebuild(result.advantages, code, mask, columns)
+    if result.returns is not None:
+        result.returns = layout.rebuild(result.returns, code, mask, columns)
+    result.layout = "dense"
+    return result
+
+
+def lengths_refused(error: AdvantageServiceError, call: PreparedCall) -> bool:
+    """A server that predates ``lengths`` refused the one the compaction sent (it "does not read" it): the
+    client then sends the mask as bytes, this call and every later one."""
+    return call.sent_lengths and error.code == grpc.StatusCode.INVALID_ARGUMENT and any(
+        f == "inputs['lengths']" and "does not read" in d for f, d in error.field_violations)
+
+
+def not_ready(target: str, timeout: float) -> AdvantageServiceError:
+    """The UNAVAILABLE error ``wait_ready`` raises when no server answered within ``timeout`` seconds."""
+    return AdvantageServiceError(grpc.StatusCode.UNAVAILABLE, f"no server answered at {target} within {timeout}s: "
+                                 "start advantage-server there, or check the address and port and that it is running")
+
+
+def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
+    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (gRPC's own text names
+    the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and DEADLINE_EXCEEDED."""
+    if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
+        return (f"{message} (no advantage service answered at {target}: start advantage-server there, or check "
+                "the address and port and that the server is running and reachable)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
+                "timeout= to the client, or timeout=None for no deadline)")
+    return message
+
+
+def check_timeout(timeout: Any) -> Any:
+    """``timeout``: None (no deadline) or a finite number of seconds > 0; anything else is a ``ValueError``
+    (gRPC would take a negative or zero deadline as already expired, and NaN as no deadline)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r}: give the deadline per call in seconds, a finite number > 0, "
+                         "or None for no deadline")
+    return timeout
+
+
+def stream_refused(error: AdvantageServiceError, nbytes: int, max_message_bytes: int) -> bool:
+    """A stream the server refused for its ``--max-stream-mb`` although the request (``nbytes``) fits one
+    message: ``transport="auto"`` then sends it unary (an explicit ``"stream"`` is not second-guessed)."""
+    return (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-stream-mb" in str(error)
+            and nbytes < max_message_bytes)
 
 
 def _factorize(labels: np.ndarray) -> np.ndarray:
@@ -150,10 +289,12 @@ def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
 
 
 def build_request(estimator: str, config: Any = None, output_dtype: Any = None, cu_seqlens: Any = None,
-                  **tensors: Any) -> pb.ComputeAdvantageRequest:
+                  *, per_sample: bool = False, mask_columns: int = 0, **tensors: Any) -> pb.ComputeAdvantageRequest:
     """Encode one call. ``prompt_ids`` given as ``[B, L]`` rows or as string labels is reduced to ``[B]`` ids
-    first; ``cu_seqlens`` (``[B + 1]`` row offsets) selects the packed layout."""
-    request = pb.ComputeAdvantageRequest()
+    first; ``cu_seqlens`` (``[B + 1]`` row offsets) selects the packed layout; ``per_sample`` and
+    ``mask_columns`` set the request fields of those names (see the .proto). Tensors are sent as given
+    (no mask compaction: :func:`prepare_call` does that for ``compute``)."""
+    request = pb.ComputeAdvantageRequest(per_sample=per_sample, mask_columns=mask_columns)
     if cu_seqlens is not None:
         request.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
     field_name, _ = wire.ESTIMATOR_FIELDS.get(estimator, (None, None))
@@ -204,7 +345,7 @@ class AdvantageClient:
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, shm_min_mb: float = streaming.DEFAULT_SHM_MIN_MB,
                  shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB):
         self.target = channel_target(target)
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.max_message_bytes = int(max_message_mb * (1 << 20))
         self._metadata = auth_metadata(token, token_file)
         channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
@@ -227,9 +368,11 @@ class AdvantageClient:
         # transport="auto": does shared memory work with this server? None = not tried yet
         self._shm_works: bool | None = False if "," in self.target else None
         self._shm_forgotten = 0  # answers "no such region" so far (see MAX_SHM_FORGOTTEN)
+        self._lengths_ok = True  # False once a server refused `lengths` (it predates them): masks go as bytes
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
-                cu_seqlens: Any = None, transport: str | None = None, **tensors: Any) -> AdvantageResult:
+                cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
+                **tensors: Any) -> AdvantageResult:
         """Run ``estimator`` (any name :meth:`list_estimators` returns: grpo, gae, rloo, ...) on the given tensors.
 
         config: None (defaults), a dict with NeMo RL key names, or the typed config message
@@ -243,6 +386,15 @@ class AdvantageClient:
                 flat ``[N]`` (``N = cu_seqlens[-1]``, no padding), ``mask`` may be omitted (all ones) or flat
                 ``[N]`` with holes, and the result's advantages/returns come back flat ``[N]``.
         transport: overrides the client's ``transport`` for this call.
+        per_sample: return ``[B]`` advantages (and returns) where the estimator gives one value per row under
+                this config (``ListEstimators``' ``per_sample``), with ``result.layout`` saying how they stand
+                for the ``[B, T]`` tensors; elsewhere the dense result (``layout == "dense"``). Default: the
+                dense ``[B, T]`` tensors, rebuilt here from the per-sample answer the client asks the server
+                for whenever it has a mask (unary and stream; shared memory answers dense), so fewer bytes
+                travel and the values are exactly the dense answer's. Not with ``transport="shm"``.
+        mask:   a float (or int32/int64) mask holding only 0 and 1 is sent as one byte per token, or as
+                ``lengths`` ``[B]`` when every row's 1s come first (unary and stream). ``lengths=`` ``[B]``
+                integers (and ``mask_columns=`` T, default ``max(lengths)``) may be sent in place of ``mask``.
         Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded, and
         :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
         (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
@@ -250,11 +402,14 @@ class AdvantageClient:
         transport = transport or self.transport
         if transport not in streaming.TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
+        if per_sample and transport == "shm":
+            raise ValueError("per_sample=True is not available over shared memory (its results are written "
+                             "dense into the region): use transport='auto', 'unary' or 'stream'")
         shm_kwargs = dict(output_dtype=output_dtype, as_numpy=as_numpy, cu_seqlens=cu_seqlens, **tensors)
         if transport == "shm":
             with self._shm_lock:
                 return self._compute_shm(estimator, config, **shm_kwargs)
-        if transport == "auto" and self._shm_works is not False:
+        if transport == "auto" and self._shm_works is not False and not per_sample and "lengths" not in tensors:
             size = streaming.payload_estimate(tensors)
             if self.shm_min_bytes <= size <= self.shm_max_bytes and self._shm_lock.acquire(blocking=False):
                 try:
@@ -263,7 +418,19 @@ class AdvantageClient:
                     self._shm_lock.release()
                 if result is not None:
                     return result
-        data = streaming.Request(streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, **tensors))
+        prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
+                                as_lengths=self._lengths_ok)
+        try:
+            return self._send_prepared(prepared, transport, as_numpy)
+        except AdvantageServiceError as err:
+            if not lengths_refused(err, prepared):
+                raise
+            self._lengths_ok = False
+            prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors, as_lengths=False)
+            return self._send_prepared(prepared, transport, as_numpy)
+
+    def _send_prepared(self, prepared: PreparedCall, transport: str, as_numpy: bool) -> AdvantageResult:
+        data = prepared.request
         auto = transport == "auto"
         if auto:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
@@ -272,17 +439,16 @@ class AdvantageClient:
         try:
             reply = call(data, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            error = AdvantageServiceError.from_rpc_error(err)
-            if not (auto and transport == "stream" and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    and "--max-stream-mb" in str(error) and data.nbytes < self.max_message_bytes):
+            error = AdvantageServiceError.from_rpc_error(err, self.target, self.timeout)
+            if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             # the server takes smaller streams than this; one message may still be within its limit
             self.last_transport = "unary"
             try:
                 reply = self._calls.unary(data, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as err2:
-                raise AdvantageServiceError.from_rpc_error(err2) from None
-        return decode_result(reply, as_numpy=as_numpy)
+                raise AdvantageServiceError.from_rpc_error(err2, self.target, self.timeout) from None
+        return finish_result(reply, prepared, as_numpy=as_numpy)
 
     def shared_memory(self, byte_size: int) -> Any:
         """A new shared-memory region of ``byte_size`` bytes registered with the server (same host only):
@@ -374,7 +540,7 @@ class AdvantageClient:
         try:
             return call(self._channel, method, request, response_cls, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout) from None
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""
@@ -382,15 +548,14 @@ class AdvantageClient:
             return self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout,
                                              metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout) from None
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the channel is connected; raises AdvantageServiceError(UNAVAILABLE) after ``timeout``."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise AdvantageServiceError(grpc.StatusCode.UNAVAILABLE, f"no server answered at {self.target} "
-                                                                     f"within {timeout}s") from None
+            raise not_ready(self.target, timeout) from None
 
     @property
     def last_transport(self) -> str | None:

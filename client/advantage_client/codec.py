@@ -183,17 +183,23 @@ class TensorView:
         return pb.Tensor(dtype=self.dtype, shape=self.shape, data=bytes(self.data))
 
 
+def _add_int64s(out: list[int], buf: memoryview, wt: int, value: Any, start: int, stop: int) -> None:
+    """A ``repeated int64`` field occurrence, unpacked (one varint) or packed (a LEN run of varints)."""
+    if wt == _VARINT:
+        out.append(_int64(value))
+        return
+    p = start
+    while p < stop:
+        v, p = _read_varint(buf, p, stop)
+        out.append(_int64(v))
+
+
 def _merge_tensor(t: TensorView, buf: memoryview, pos: int, end: int) -> TensorView:
     for number, wt, value, start, stop in _fields(buf, pos, end):
         if number == 1 and wt == _VARINT:
             t.dtype = _int32(value)
-        elif number == 2 and wt == _VARINT:
-            t.shape.append(_int64(value))
-        elif number == 2 and wt == _LEN:
-            p = start
-            while p < stop:
-                v, p = _read_varint(buf, p, stop)
-                t.shape.append(_int64(v))
+        elif number == 2 and wt in (_VARINT, _LEN):
+            _add_int64s(t.shape, buf, wt, value, start, stop)
         elif number == 3 and wt == _LEN:
             t.data = buf[start:stop]
     return t
@@ -256,15 +262,18 @@ def encode_tensor(value: Any, name: str = "tensor") -> bytes:
 
 # ------------------------------------------------------------------------------------------ requests
 def encode_request(estimator: str | None, config: Any = None, inputs: Mapping[str, Any] | None = None,
-                   output_dtype: int = 0, cu_seqlens: Any = None, *, tensors_as_is: bool = False) -> bytes:
+                   output_dtype: int = 0, cu_seqlens: Any = None, *, tensors_as_is: bool = False,
+                   per_sample: bool = False, mask_columns: int = 0) -> bytes:
     """Serialized ``ComputeAdvantageRequest``, byte-identical to the generated class's
     ``SerializeToString(deterministic=True)``. ``config``: the typed config message (or a dict / None,
-    see :func:`wire.config_message`); ``inputs``: name -> tensor-like (``None`` values skipped)."""
-    return b"".join(request_pieces(estimator, config, inputs, output_dtype, cu_seqlens))
+    see :func:`wire.config_message`); ``inputs``: name -> tensor-like (``None`` values skipped);
+    ``per_sample`` / ``mask_columns``: the request fields of those names (13, 14)."""
+    return b"".join(request_pieces(estimator, config, inputs, output_dtype, cu_seqlens, per_sample, mask_columns))
 
 
 def request_pieces(estimator: str | None, config: Any = None, inputs: Mapping[str, Any] | None = None,
-                   output_dtype: int = 0, cu_seqlens: Any = None) -> list[Any]:
+                   output_dtype: int = 0, cu_seqlens: Any = None, per_sample: bool = False,
+                   mask_columns: int = 0) -> list[Any]:
     """The pieces whose concatenation is :func:`encode_request`'s output: small headers (``bytes``) and
     ``memoryview``\\ s of the tensor payloads (nothing copied but what ``tensor_parts`` must: a
     non-contiguous or GPU tensor). :func:`iter_chunks` streams them without joining them first."""
@@ -294,6 +303,10 @@ def request_pieces(estimator: str | None, config: Any = None, inputs: Mapping[st
     if cu_seqlens is not None:
         tpieces, tsize = _tensor_pieces(*tensor_parts(cu_seqlens, "cu_seqlens"))
         parts.append((12, _message_field(12, tpieces, tsize)[0]))
+    if per_sample:
+        parts.append((13, [b"\x68\x01"]))
+    if mask_columns:
+        parts.append((14, [b"\x70" + varint(int(mask_columns))]))
     parts.sort(key=lambda p: p[0])
     return [piece for _, pieces in parts for piece in pieces]
 
@@ -302,7 +315,8 @@ def request_from_message(msg: pb.ComputeAdvantageRequest) -> bytes:
     """:func:`encode_request` of a generated message (for tests and tools)."""
     name = msg.WhichOneof("estimator")
     return encode_request(name, getattr(msg, name) if name else None, dict(msg.inputs), msg.output_dtype,
-                          msg.cu_seqlens if msg.HasField("cu_seqlens") else None)
+                          msg.cu_seqlens if msg.HasField("cu_seqlens") else None, per_sample=msg.per_sample,
+                          mask_columns=msg.mask_columns)
 
 
 class DecodedRequest:
@@ -316,6 +330,8 @@ class DecodedRequest:
         self.inputs: dict[str, TensorView] = {}
         self.output_dtype: int = 0
         self.cu_seqlens: TensorView | None = None
+        self.per_sample: bool = False
+        self.mask_columns: int = 0
         self.nbytes = 0
 
     def WhichOneof(self, name: str) -> str | None:  # noqa: N802 - protobuf's name
@@ -348,7 +364,8 @@ class DecodedRequest:
         return out
 
     def to_message(self) -> pb.ComputeAdvantageRequest:
-        msg = pb.ComputeAdvantageRequest(output_dtype=self.output_dtype)
+        msg = pb.ComputeAdvantageRequest(output_dtype=self.output_dtype, per_sample=self.per_sample,
+                                         mask_columns=self.mask_columns)
         if self.estimator is not None:
             getattr(msg, self.estimator).CopyFrom(self.config())
         for k, v in self.inputs.items():
@@ -403,6 +420,10 @@ def decode_request(data: Any) -> DecodedRequest:
             req.output_dtype = _int32(value)
         elif number == 12 and wt == _LEN:
             cu.append((start, stop))
+        elif number == 13 and wt == _VARINT:
+            req.per_sample = bool(value)
+        elif number == 14 and wt == _VARINT:
+            req.mask_columns = _int64(value)
     if cu:
         req.cu_seqlens = TensorView()
         for s, e in cu:
@@ -412,12 +433,15 @@ def decode_request(data: Any) -> DecodedRequest:
 
 
 # ------------------------------------------------------------------------------------------- results
-def encode_result(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None) -> bytes:
-    """Serialized ``AdvantageResult`` (= ``SerializeToString(deterministic=True)``)."""
-    return b"".join(result_pieces(advantages, returns, metrics))
+def encode_result(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None,
+                  layout: int = 0, dense_shape: Iterable[int] = ()) -> bytes:
+    """Serialized ``AdvantageResult`` (= ``SerializeToString(deterministic=True)``); ``layout`` (a
+    ``ResultLayout``) and ``dense_shape`` describe per-sample ``[B]`` tensors (see the .proto)."""
+    return b"".join(result_pieces(advantages, returns, metrics, layout, dense_shape))
 
 
-def result_pieces(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None) -> list[Any]:
+def result_pieces(advantages: Any, returns: Any = None, metrics: Mapping[str, float] | None = None,
+                  layout: int = 0, dense_shape: Iterable[int] = ()) -> list[Any]:
     """The pieces whose concatenation is :func:`encode_result`'s output (headers and tensor views)."""
     pieces: list[Any] = []
     if advantages is not None:
@@ -429,21 +453,31 @@ def result_pieces(advantages: Any, returns: Any = None, metrics: Mapping[str, fl
         kb = key.encode("utf-8")
         entry = b"\x0a" + varint(len(kb)) + kb + b"\x11" + np.float64(v).astype("<f8").tobytes()
         pieces += [b"\x1a" + varint(len(entry)), entry]
+    if layout:
+        pieces.append(b"\x20" + varint(layout))
+    dims = list(dense_shape)
+    if dims:
+        packed = b"".join(varint(d) for d in dims)
+        pieces.append(b"\x2a" + varint(len(packed)) + packed)
     return pieces
 
 
 def result_from_message(msg: pb.AdvantageResult) -> bytes:
     return encode_result(msg.advantages if msg.HasField("advantages") else None,
-                         msg.returns if msg.HasField("returns") else None, dict(msg.metrics))
+                         msg.returns if msg.HasField("returns") else None, dict(msg.metrics), msg.layout,
+                         msg.dense_shape)
 
 
 @dataclass
 class DecodedResult:
-    """A parsed ``AdvantageResult`` (tensors as :class:`TensorView`\\ s into the buffer)."""
+    """A parsed ``AdvantageResult`` (tensors as :class:`TensorView`\\ s into the buffer); ``layout``: the
+    ``ResultLayout`` (0 = dense), ``dense_shape``: the ``[B, T]`` shape per-sample values stand for."""
 
     advantages: TensorView | None = None
     returns: TensorView | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    layout: int = 0
+    dense_shape: list[int] = field(default_factory=list)
 
     def HasField(self, name: str) -> bool:  # noqa: N802
         return getattr(self, name) is not None
@@ -455,6 +489,8 @@ class DecodedResult:
         if self.returns is not None:
             msg.returns.CopyFrom(self.returns.to_message())
         msg.metrics.update(self.metrics)
+        msg.layout = self.layout
+        msg.dense_shape.extend(self.dense_shape)
         return msg
 
 
@@ -462,7 +498,7 @@ def decode_result(data: Any) -> DecodedResult:
     """Parse a serialized ``AdvantageResult`` without copying tensor payloads."""
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     out = DecodedResult()
-    for number, wt, _, start, stop in _fields(buf, 0, buf.nbytes):
+    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes):
         if number in (1, 2) and wt == _LEN:
             name = "advantages" if number == 1 else "returns"
             t = getattr(out, name) or TensorView()
@@ -482,6 +518,10 @@ def decode_result(data: Any) -> DecodedResult:
                 raise CodecError("a metrics key is not valid UTF-8") from None
             if not unknown:
                 out.metrics[text] = value
+        elif number == 4 and wt == _VARINT:
+            out.layout = _int32(value)
+        elif number == 5 and wt in (_VARINT, _LEN):
+            _add_int64s(out.dense_shape, buf, wt, value, start, stop)
     return out
 
 

@@ -36,6 +36,26 @@ ABANDONED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCEL
 PREFIX = "/advantage.v1.AdvantageService/"
 
 
+def map_segment(shm: shared_memory.SharedMemory, size: int) -> np.ndarray:
+    """A ``uint8`` view of the first ``size`` bytes of ``shm`` that takes its mapping over: from now on the mapping
+    is unmapped when the last view of it goes (this array, slices of it, tensors made from them), never by
+    ``shm.close()`` or ``SharedMemory.__del__``, which only close the file descriptor.
+
+    A view made from ``shm.buf`` instead leaves the mapping to ``SharedMemory``, whose ``close()`` raises
+    ``BufferError: cannot close exported pointers exist`` while any view is alive, and whose ``__del__`` then
+    prints it as an unraisable exception (the server's regions dropped at shutdown, a client region collected
+    while a result tensor from it is still in use)."""
+    mapping = getattr(shm, "_mmap", None)
+    if mapping is None:  # pragma: no cover - a SharedMemory without the attribute: the plain view
+        return np.frombuffer(shm.buf, dtype=np.uint8, count=size)
+    view = np.frombuffer(mapping, dtype=np.uint8, count=size)
+    if shm._buf is not None:
+        shm._buf.release()  # SharedMemory's own memoryview: nothing has been made from it
+    shm._buf = None
+    shm._mmap = None
+    return view
+
+
 def close_mapping(shm: shared_memory.SharedMemory) -> None:
     """``shm.close()``, or, while views of the segment are still alive (tensors from :meth:`SharedMemoryRegion.empty`,
     results read with ``copy=False``), let go of it quietly: the file descriptor is closed now and the mapping
@@ -71,7 +91,7 @@ class SharedMemoryRegion:
         except OSError:
             self._release()
             raise
-        self._buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
+        self._buf = map_segment(self.shm, self.size)  # the mapping lives as long as views of it
         self._next = 0  # bump allocator for empty()
         try:
             request = pb.RegisterSharedMemoryRequest(name=self.shm.name, byte_size=self.size)

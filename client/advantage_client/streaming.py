@@ -76,17 +76,18 @@ def _request_args(estimator: str, config: Any, output_dtype: Any, tensors: dict[
 
 
 def build_request_pieces(estimator: str, config: Any = None, output_dtype: Any = None, cu_seqlens: Any = None,
-                         **tensors: Any) -> list[Any]:
+                         *, per_sample: bool = False, mask_columns: int = 0, **tensors: Any) -> list[Any]:
     """The pieces (headers and tensor views) of :func:`build_request_bytes`, nothing joined."""
     cfg, code, inputs = _request_args(estimator, config, output_dtype, tensors)
-    return codec.request_pieces(estimator, cfg, inputs, code, cu_seqlens)
+    return codec.request_pieces(estimator, cfg, inputs, code, cu_seqlens, per_sample, mask_columns)
 
 
 def build_request_bytes(estimator: str, config: Any = None, output_dtype: Any = None, cu_seqlens: Any = None,
-                        **tensors: Any) -> bytes:
+                        *, per_sample: bool = False, mask_columns: int = 0, **tensors: Any) -> bytes:
     """The serialized ``ComputeAdvantageRequest`` that ``client.build_request(...).SerializeToString(
     deterministic=True)`` would give, built with one copy of each tensor."""
-    return b"".join(build_request_pieces(estimator, config, output_dtype, cu_seqlens, **tensors))
+    return b"".join(build_request_pieces(estimator, config, output_dtype, cu_seqlens, per_sample=per_sample,
+                                         mask_columns=mask_columns, **tensors))
 
 
 class Request:
@@ -111,26 +112,45 @@ def _as_request(data: Any) -> Request:
     return data if isinstance(data, Request) else Request([data])
 
 
-def reassemble(chunks: Iterator[tuple[int, memoryview]], on_chunk: Any = None) -> np.ndarray:
-    """Chunks ``(total_size, data)`` -> one ``uint8`` numpy buffer allocated once from the first chunk's total
-    (numpy backs large buffers with transparent huge pages: a fresh 256 MiB buffer costs ~35 ms of page
-    faults instead of ~150 ms for a ``bytearray``). ``on_chunk(nbytes)`` is called after each chunk."""
-    buf: np.ndarray | None = None
-    pos = 0
-    for total, data in chunks:
-        if buf is None:
-            buf = np.empty(total, np.uint8)
+class Reassembler:
+    """Chunks ``(total_size, data)`` fed one at a time -> one ``uint8`` numpy buffer allocated once from the
+    first chunk's total (numpy backs large buffers with transparent huge pages: a fresh 256 MiB buffer costs
+    ~35 ms of page faults instead of ~150 ms for a ``bytearray``). Used by :func:`reassemble` and by the
+    asyncio client, which receives the chunks with ``async for``. Raises ``codec.CodecError`` for chunks
+    holding more, or (at :meth:`finish`) fewer, bytes than announced."""
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.pos = 0
+
+    def feed(self, total: int, data: memoryview) -> int:
+        """Copy one chunk in; returns its byte count."""
+        if self.buf is None:
+            self.buf = np.empty(total, np.uint8)
         n = data.nbytes
-        if pos + n > buf.size:
-            raise codec.CodecError(f"the result chunks hold more than the announced {buf.size} bytes")
+        if self.pos + n > self.buf.size:
+            raise codec.CodecError(f"the result chunks hold more than the announced {self.buf.size} bytes")
         if n:
-            buf[pos:pos + n] = np.frombuffer(data, np.uint8)
-        pos += n
+            self.buf[self.pos:self.pos + n] = np.frombuffer(data, np.uint8)
+        self.pos += n
+        return n
+
+    def finish(self) -> np.ndarray:
+        if self.buf is None or self.pos != self.buf.size:
+            size = 0 if self.buf is None else self.buf.size
+            raise codec.CodecError(f"the result stream ended after {self.pos} of {size} bytes")
+        return self.buf
+
+
+def reassemble(chunks: Iterator[tuple[int, memoryview]], on_chunk: Any = None) -> np.ndarray:
+    """Chunks ``(total_size, data)`` -> one ``uint8`` numpy buffer (see :class:`Reassembler`).
+    ``on_chunk(nbytes)`` is called after each chunk."""
+    out = Reassembler()
+    for total, data in chunks:
+        n = out.feed(total, data)
         if on_chunk is not None:
             on_chunk(n)
-    if buf is None or pos != buf.size:
-        raise codec.CodecError(f"the result stream ended after {pos} of {0 if buf is None else buf.size} bytes")
-    return buf
+    return out.finish()
 
 
 def _chunks(data: Any, chunk_bytes: int) -> Iterator[bytes]:

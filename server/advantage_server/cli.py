@@ -2,10 +2,12 @@
 
     advantage-server --port 50051 --device auto
 
-Logs its device and address at start. On SIGTERM or SIGINT it drains: health reports NOT_SERVING,
+Logs its address and device at start, once (stderr: ``advantage-server listening on ADDRESS device=DEVICE
+(...)``). On SIGTERM or SIGINT it drains: health reports NOT_SERVING,
 new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds), then it exits 0.
-Exits 2 when the port cannot be bound (for example, already in use), the device does not exist, a
-limit is not a positive integer, or a TLS or token file cannot be read.
+Exits 2 with a message when a flag is out of range (a port outside 0-65535, a limit that is not a
+positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), the port cannot
+be bound (for example, already in use), the device does not exist, or a TLS or token file cannot be read.
 
 Limits: ``--max-message-mb``, ``--max-batch-elements``, ``--max-concurrent-requests`` (beyond them:
 RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once), ``--stream-idle-timeout`` (a stalled
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import signal
 import sys
 import threading
@@ -32,24 +36,79 @@ from advantage_server.server import create_server
 
 log = logging.getLogger("advantage_server")
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+# Flag values are checked by argparse: a bad one exits 2 with "advantage-server: error: argument --X: ..."
+def port_number(text: str) -> int:
+    """``--port`` and friends: an integer from 0 to 65535 (0 = any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give an integer from 0 to 65535 "
+                                         "(0 = any free port)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: a port is 0 to 65535 (0 = any free port)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a positive integer (1 or more)")
+    return value
+
+
+def seconds(allow_zero: bool):
+    """A finite number of seconds, >= 0 (``allow_zero``) or > 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text}: give a finite number of seconds "
+                                             f"{'>= 0' if allow_zero else '> 0'}")
+        return value
+    return parse
+
+
+def log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: choose {', '.join(LOG_LEVELS[:-1])} or "
+                                         f"{LOG_LEVELS[-1]}")
+    return text.upper()
+
+
+def device_name(text: str) -> str:
+    if not _DEVICE.fullmatch(text.strip().lower()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: choose auto, cpu, cuda or cuda:N "
+                                         "(N = the GPU's index, e.g. cuda:0)")
+    return text.strip().lower()
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="advantage-server", description="gRPC service computing RL advantages.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
-    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 = pick a free one)")
-    p.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB,
+    p.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = pick a free one)")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--max-message-mb", type=positive_int, default=DEFAULT_MAX_MESSAGE_MB,
                    help=f"largest request/response in MiB (default {DEFAULT_MAX_MESSAGE_MB})")
-    p.add_argument("--max-stream-mb", type=int, default=DEFAULT_MAX_STREAM_MB,
+    p.add_argument("--max-stream-mb", type=positive_int, default=DEFAULT_MAX_STREAM_MB,
                    help=f"largest request through ComputeAdvantageStream in MiB (default {DEFAULT_MAX_STREAM_MB})")
-    p.add_argument("--max-batch-elements", type=int, default=DEFAULT_MAX_BATCH_ELEMENTS,
+    p.add_argument("--max-batch-elements", type=positive_int, default=DEFAULT_MAX_BATCH_ELEMENTS,
                    help=f"most elements in any one input tensor (default {DEFAULT_MAX_BATCH_ELEMENTS})")
-    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+    p.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    help="ComputeAdvantage calls in progress at once; more are refused with RESOURCE_EXHAUSTED "
                         f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+    p.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS,
                    help=f"calls computing at once; other admitted calls wait for one (default {DEFAULT_WORKERS})")
-    p.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT,
+    p.add_argument("--stream-idle-timeout", type=seconds(allow_zero=False), default=DEFAULT_STREAM_IDLE_TIMEOUT,
                    help="seconds an admitted call may wait for request bytes (between a stream's chunks; a unary "
                         "request in full); a stalled upload is then cut with RESOURCE_EXHAUSTED and its place "
                         f"and memory freed (default {DEFAULT_STREAM_IDLE_TIMEOUT:g})")
@@ -57,24 +116,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
     p.add_argument("--auth-token-file", help="file holding a bearer token every call but health checks must carry")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown (default 10)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--grace", type=seconds(allow_zero=True), default=10.0,
+                   help="seconds in-flight calls get on shutdown (default 10)")
+    p.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--log-format", default="text", choices=logs.FORMATS,
                    help="text, or json: one object per line with the call's request_id, method and estimator "
                         "(default text)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port "
+    p.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port "
                                                     "(GET /metrics; 0 = any free port; default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics port listens on (default 127.0.0.1: plain HTTP without TLS or token, "
                         "so only this host sees it; 0.0.0.0 for a Prometheus that scrapes over the network)")
-    p.add_argument("--health-port", type=int, help="also serve grpc.health.v1 in plaintext on this port, for "
+    p.add_argument("--health-port", type=port_number, help="also serve grpc.health.v1 in plaintext on this port, for "
                                                    "kubelet gRPC probes of a TLS server (0 = any free port; "
                                                    "default: off)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage and what is wrong with the flag (or --help)
+        return exc.code if isinstance(exc.code, int) else 2
     logs.configure(args.log_level, args.log_format)
     try:
         token = load_token(args.auth_token_file) if args.auth_token_file else None
@@ -97,16 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     security = ("mutual TLS" if args.tls_client_ca else "TLS" if server.tls else "plaintext") + \
         (", bearer token" if server.auth else "")
-    log.info("advantage-server listening on %s (device %s, %d workers, max %d concurrent requests, %s)",
+    # Each start-up line once, through the log (stderr, text or JSON); "listening on ADDRESS device=DEVICE"
+    # and "metrics/health on port N" are what scripts wait for.
+    log.info("advantage-server listening on %s device=%s (%d workers, max %d concurrent requests, %s)",
              server.address, server.core.device, args.workers, args.max_concurrent_requests, security)
-    print(f"advantage-server listening on {server.address} device={server.core.device}", flush=True)
     if server.metrics is not None and server.metrics.port is not None:
-        log.info("Prometheus metrics on http://%s:%d/metrics", args.metrics_host, server.metrics.port)
-        print(f"advantage-server metrics on port {server.metrics.port}", flush=True)
+        log.info("advantage-server metrics on port %d (Prometheus: http://%s:%d/metrics)", server.metrics.port,
+                 args.metrics_host, server.metrics.port)
     if args.health_port is not None:
         port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
-        log.info("plaintext health service on %s:%d", args.host, port)
-        print(f"advantage-server health on port {port}", flush=True)
+        log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
     while not stop.wait(0.5):
         pass
     log.info("shutting down: health NOT_SERVING, new calls UNAVAILABLE, finishing in-flight calls (grace %.1fs)",
@@ -133,7 +196,7 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="advantage-healthcheck", description=healthcheck_main.__doc__.splitlines()[0])
     p.add_argument("--address", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
     p.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    p.add_argument("--timeout", type=seconds(allow_zero=False), default=3.0, help="seconds (default 3)")
     p.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate: connect with TLS")
     p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")

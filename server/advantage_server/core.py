@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from advantage_client import layout as layout_mod
 from advantage_client import wire
 from advantage_client.references import REFERENCES
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
@@ -40,7 +41,10 @@ def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` as given."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's message lists its own device types (mps, xla, ...), not what the server runs on
+        raise ValueError(f"--device {device!r} is not a device: choose auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is visible to this process")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -55,6 +59,9 @@ class AdvantageCore:
         self.device = resolve_device(device) if isinstance(device, str) else device
         #: the server's --max-batch-elements: also bounds every size the packed layout implies (see unpack)
         self.max_batch_elements = max_batch_elements
+        #: check every per-sample answer against the dense result (3 passes over [B, T]; off by default:
+        #: tests/test_per_sample.py checks each estimator's declaration against its dense results instead)
+        self.verify_per_sample = False
 
     # ------------------------------------------------------------------ entry points
     def compute(self, request: pb.ComputeAdvantageRequest) -> pb.AdvantageResult:
@@ -90,7 +97,9 @@ class AdvantageCore:
             raise InvalidInput(violations)
         checkpoint("after decoding")
         result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
-                          cu_seqlens=cu_seqlens, output_provider=output_provider)
+                          cu_seqlens=cu_seqlens, output_provider=output_provider,
+                          per_sample=bool(getattr(request, "per_sample", False)),
+                          mask_columns=int(getattr(request, "mask_columns", 0)))
         checkpoint("before encoding")
         dtype = _OUTPUT[request.output_dtype]
         result.advantages = cast_output(result.advantages, dtype, "advantages")
@@ -99,7 +108,8 @@ class AdvantageCore:
         return result, dtype
 
     def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None,
-            output_provider: OutputProvider | None = None) -> AdvantageResult:
+            output_provider: OutputProvider | None = None, per_sample: bool = False,
+            mask_columns: int = 0) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
 
         ``cu_seqlens`` ([B + 1] row offsets) selects the packed layout: token-level inputs are flat
@@ -107,6 +117,11 @@ class AdvantageCore:
         ``output_provider(name, shape, dtype, device)``: memory for the ``[B, T]`` results the estimator
         writes densely (:meth:`Batch.output`), or None to let it allocate; the caller compares the
         result tensors with what it handed out (not used with ``cu_seqlens``).
+        ``tensors["lengths"]`` ([B] integer) may stand for ``mask``: the prefix mask ``t < lengths[b]`` of
+        ``mask_columns`` columns (0: ``max(lengths)``); see :func:`lengths_to_mask`.
+        ``per_sample``: where the estimator declares per-sample results for this config
+        (``EstimatorSpec.per_sample_for``) and not packed, the result is ``[B]`` values with its ``layout``
+        set (see :func:`to_per_sample`); otherwise dense. Raises ``InvalidInput`` for a malformed request.
         """
         spec = REGISTRY.get(name)
         if spec is None:
@@ -116,6 +131,11 @@ class AdvantageCore:
         config.validate()
         config = config.resolved()  # semantics-dependent defaults; rejects fields the semantics does not use
         layout = None
+        if "lengths" in tensors or mask_columns:
+            if cu_seqlens is not None:
+                raise InvalidInput("inputs['lengths']", "does not go with cu_seqlens: the packed layout's row "
+                                                        "lengths are cu_seqlens; send a flat [N] mask or none")
+            tensors = lengths_to_mask(tensors, mask_columns, self.max_batch_elements)
         if cu_seqlens is not None:
             tensors, layout = unpack(spec, cu_seqlens, tensors, max_elements=self.max_batch_elements)
         batch = Batch(self.prepare(spec, config, tensors))
@@ -128,6 +148,10 @@ class AdvantageCore:
                                "contrary to its registration")
         if layout is not None:
             result = layout.repack(result)
+        elif per_sample and spec.per_sample:
+            rule = spec.per_sample_for(config)
+            if rule:
+                result = to_per_sample(result, rule, batch._tensors["mask"], name, self.verify_per_sample)
         for label, t in (("advantages", result.advantages), ("returns", result.returns)):
             if t is not None and not result.finite and not validate.all_finite(t):
                 # every input is finite (checked above): only magnitudes near the dtype's limit get here
@@ -183,6 +207,66 @@ class AdvantageCore:
             else:
                 out[key] = validate.cast(t, compute_dtype)
         return out
+
+
+def lengths_to_mask(tensors: Mapping[str, Any], columns: int = 0, max_elements: int | None = None
+                    ) -> dict[str, Any]:
+    """``tensors`` with ``lengths`` [B] (any integer dtype) replaced by the bool ``mask`` [B, T] it stands
+    for: ``mask[b, t] = t < lengths[b]``, ``T = columns`` or, when 0, ``max(lengths)``.
+
+    Raises ``InvalidInput`` naming ``inputs['lengths']`` / ``mask_columns`` for: both mask and lengths,
+    mask_columns without lengths, lengths not a 1-D integer tensor, a length below 0 or above T, a negative
+    T; ``ResourceLimit`` when B x T passes ``max_elements`` (checked before allocating)."""
+    out = dict(tensors)
+    if "lengths" not in out:
+        raise InvalidInput("mask_columns", f"= {columns} is only read with inputs['lengths'] [B] (a prefix mask); "
+                                           "send lengths, or leave mask_columns unset")
+    if "mask" in out:
+        raise InvalidInput("inputs['lengths']", "stands for `mask`: send one of mask [B, T] and lengths [B], not both")
+    lengths = torch.as_tensor(out.pop("lengths"))
+    if lengths.dtype not in _INTEGER or lengths.dim() != 1:
+        raise InvalidInput("inputs['lengths']", f"must be [B] integers (the valid-token count of each row), got "
+                                                f"{str(lengths.dtype).replace('torch.', '')} of shape {list(lengths.shape)}")
+    if columns < 0:
+        raise InvalidInput("mask_columns", f"must be >= 0 (0 = the longest length), got {columns}")
+    lengths = lengths.to("cpu", torch.int64)
+    low = int(lengths.min()) if lengths.numel() else 0
+    high = int(lengths.max()) if lengths.numel() else 0
+    T = columns or high
+    if low < 0 or high > T:
+        bad = int(torch.nonzero((lengths < 0) | (lengths > T))[0, 0])
+        raise InvalidInput("inputs['lengths']", f"lengths[{bad}] = {int(lengths[bad])} is outside [0, T = {T}] "
+                                                "(T = mask_columns when set)")
+    B = lengths.numel()
+    limit = min(max_elements or MAX_PADDED_ELEMENTS, MAX_PADDED_ELEMENTS)
+    if B * T > limit:
+        raise ResourceLimit(f"inputs['lengths']: a [{B}, {T}] mask has {B * T} elements, more than the server's "
+                            f"--max-batch-elements={limit}; split the batch into smaller requests")
+    out["mask"] = torch.arange(T)[None, :] < lengths[:, None]
+    return out
+
+
+def to_per_sample(result: AdvantageResult, layout: int, mask: torch.Tensor, name: str = "",
+                  verify: bool = True) -> AdvantageResult:
+    """The per-sample form of a dense ``[B, T]`` result: advantages (and returns) as ``[B]`` values under
+    ``layout`` (``advantage_client.layout``), ``layout`` and ``dense_shape`` set. ``verify``: check each
+    tensor, and when rebuilding it from its values does not give it back exactly (``torch.equal``) keep the
+    result dense (and log the mismatch as a declaration bug). ``mask``: the batch's ``[B, T]`` 0/1 mask."""
+    dense = [t for t in (result.advantages, result.returns) if t is not None]
+    values = []
+    for t in dense:
+        if t.dim() != 2:
+            return result
+        v = layout_mod.row_values(t, layout, mask)
+        if verify and not torch.equal(layout_mod.rebuild(v, layout, (mask != 0).to(t.device), t.shape[1]), t):
+            log.error("%s: declared per-sample layout %s does not hold for this batch; answered dense",
+                      name, layout_mod.layout_name(layout))
+            return result
+        values.append(v)
+    adv = values[0]
+    ret = values[1] if result.returns is not None else None
+    return AdvantageResult(adv, ret, dict(result.metrics), finite=result.finite, layout=layout,
+                           dense_shape=tuple(result.advantages.shape))
 
 
 def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int], cfg: Any = None
@@ -394,6 +478,8 @@ def encode_result(result: AdvantageResult, dtype: torch.dtype, consume: bool = F
         field.data = data
         del data
     msg.metrics.update({k: float(v) for k, v in result.metrics.items()})
+    msg.layout = result.layout
+    msg.dense_shape.extend(result.dense_shape)
     return msg
 
 
@@ -420,6 +506,7 @@ def describe(spec: EstimatorSpec) -> pb.EstimatorInfo:
         description=spec.description, reference=spec.reference,
         produces_returns=spec.produces_returns, metrics=list(spec.metrics),
         returns_when=spec.returns_when[1] if spec.returns_when else "",
+        per_sample=[pb.PerSampleRule(when=when, layout=layout) for when, layout in spec.per_sample],
     )
     for f in dataclasses.fields(spec.config):
         default = "unset" if f.default is None else (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from advantage_client import codec, wire
-from advantage_client.shm import close_mapping
+from advantage_client.shm import close_mapping, map_segment
 from advantage_client.streaming import TIMING_KEY
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server import logs
@@ -89,7 +89,8 @@ class ResultPayload:
     def pieces(self) -> list[Any]:
         """The encoded result's pieces (headers and views of the result tensors), for streaming it."""
         adv, ret = self.tensors()
-        return codec.result_pieces(adv, ret, {k: float(v) for k, v in self.result.metrics.items()})
+        return codec.result_pieces(adv, ret, {k: float(v) for k, v in self.result.metrics.items()},
+                                   self.result.layout, self.result.dense_shape)
 
     def encode(self) -> bytes:
         return b"".join(self.pieces())
@@ -129,7 +130,7 @@ class Region:
         self.name = name
         st = os.fstat(self.shm._fd)
         self.inode = (st.st_dev, st.st_ino)
-        self.buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.size)
+        self.buf = map_segment(self.shm, self.size)  # unmapped with its last view, never by SharedMemory
 
     def check_size(self, field: str) -> None:
         """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration.
@@ -310,10 +311,10 @@ class TransportMethods:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
         if not request.name or "/" in request.name or "\x00" in request.name:
             raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/' or NUL bytes")
-        region = Region(request.name, int(request.byte_size), secrets.token_urlsafe(24))  # INVALID_ARGUMENT if absent
         proof = bytes(request.proof)
         if not proof:  # step 1: a challenge the caller must write into the segment (proof of write access)
-            region.close()
+            # for any well-formed name, without looking the segment up: the answer tells nothing about which
+            # names exist in /dev/shm
             challenge = secrets.token_bytes(CHALLENGE_BYTES)
             with lock:
                 same = [c for c, name in self._challenges.items() if name == request.name]
@@ -325,12 +326,28 @@ class TransportMethods:
             return pb.RegisterSharedMemoryResponse(challenge=challenge)
         with lock:  # step 2: the challenge this server issued for this segment, now at its offset 0
             issued_for = self._challenges.pop(proof, None)
-        if issued_for != request.name or region.size < len(proof) or \
+        region = None
+        if issued_for == request.name:  # the segment is opened only for a challenge issued for it
+            try:
+                region = Region(request.name, 0, secrets.token_urlsafe(24))  # all of it; byte_size checked below
+            except InvalidInput:
+                region = None
+        if region is None or region.size < len(proof) or \
                 not hmac.compare_digest(region.buf[:len(proof)].tobytes(), proof):
-            region.close()
+            # one answer whether the segment does not exist, cannot be opened by the server or does not hold
+            # the challenge: a caller that cannot write a segment learns nothing about it
+            if region is not None:
+                region.close()
             raise NotPermitted(f"segment {request.name!r} does not hold a challenge this server issued for it at "
-                               "offset 0: call RegisterSharedMemory without proof, write the returned challenge at "
-                               "offset 0 of the segment, then call again with proof = that challenge")
+                               "offset 0, or the server cannot open it (shared memory works only with a server on "
+                               "the same host): call RegisterSharedMemory without proof, write the returned "
+                               "challenge at offset 0 of the segment, then call again with proof = that challenge")
+        size = int(request.byte_size)
+        if size > region.size:  # the caller proved it writes the segment: its size is no secret to it
+            region.close()
+            raise InvalidInput("byte_size", f"{size} bytes registered but segment {request.name!r} has {region.size}")
+        if size:
+            region.size, region.buf = size, region.buf[:size]
         region_id = secrets.token_hex(8)
         with lock:
             if sum(r.inode == region.inode for r in regions.values()) >= MAX_REGIONS_PER_SEGMENT:
@@ -356,6 +373,7 @@ class TransportMethods:
         _label_call(decoded.estimator)
         decoded._config = getattr(inner, decoded.estimator) if decoded.estimator else None
         decoded.output_dtype = inner.output_dtype
+        decoded.mask_columns = inner.mask_columns  # per_sample is not offered here: results go to the region dense
         decoded.inputs = {k: codec.TensorView(v.dtype, list(v.shape), v.data) for k, v in inner.inputs.items()}
         if inner.HasField("cu_seqlens"):
             c = inner.cu_seqlens

@@ -521,44 +521,74 @@ def render(report: Report) -> str:
 
 # -------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="advantage-bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each help text states its default once (no ArgumentDefaultsHelpFormatter: most defaults depend on --quick
+    # or --sizes, and it would print "(default: None)" after them).
+    ap = argparse.ArgumentParser(prog="advantage-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}; groups {QUICK_GROUP_SIZES}), "
                     "3 repeats, no transport-size row: under a minute")
-    ap.add_argument("--sizes", default=None, help=f"BxTxG list for every estimator (default {DEFAULT_SIZES})")
+    ap.add_argument("--sizes", default=None,
+                    help=f"BxTxG list for every estimator and every section (default {DEFAULT_SIZES}; quick "
+                         f"{QUICK_SIZES}); given alone, it is the only sizes run: no group sizes (unless "
+                         "--group-sizes) and no transport-size row (unless --transport-mib)")
     ap.add_argument("--group-sizes", default=None,
-                    help=f"BxTxG list for the group estimators and OPD only (default {DEFAULT_GROUP_SIZES})")
-    ap.add_argument("--estimators", default=",".join(workloads.ESTIMATORS))
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+                    help=f"BxTxG list for the group estimators and OPD only (default {DEFAULT_GROUP_SIZES}; quick "
+                         f"{QUICK_GROUP_SIZES}; none when --sizes is given)")
+    ap.add_argument("--estimators", default=",".join(workloads.ESTIMATORS),
+                    help=f"comma-separated estimators to measure (default all: {','.join(workloads.ESTIMATORS)})")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per kernel row (default 9; quick 3)")
-    ap.add_argument("--ref-repeats", type=int, default=3, help="timed runs per reference-loop row")
-    ap.add_argument("--ref-budget", type=float, default=10.0, help="seconds of timed runs per reference row (>= 1 run)")
+    ap.add_argument("--ref-repeats", type=int, default=3,
+                    help="timed runs per reference-loop row (default 3; quick at most 2)")
+    ap.add_argument("--ref-budget", type=float, default=10.0,
+                    help="seconds of timed runs per reference row, at least 1 run (default 10; quick at most 2)")
     ap.add_argument("--no-refs", action="store_true", help="skip the slow reference loops")
     ap.add_argument("--group-refs", choices=("first", "all", "none"), default="first",
-                    help="reference loops at the group sizes: the first one only (each run takes tens of seconds "
-                         "at B = 65536), all, or none")
-    ap.add_argument("--callers", type=int, default=8, help="concurrent in-process callers")
-    ap.add_argument("--concurrency-seconds", type=float, default=None, help="work per concurrency measurement")
+                    help="reference loops at the group sizes: the first one only (the default: each run takes "
+                         "tens of seconds at B = 65536), all, or none")
+    ap.add_argument("--callers", type=int, default=8, help="concurrent in-process callers (default 8)")
+    ap.add_argument("--concurrency-seconds", type=float, default=None,
+                    help="seconds of work per concurrency measurement (default 2; quick 0.5)")
     ap.add_argument("--transports", default=None, help="e2e transport rows by name (default: all registered)")
     ap.add_argument("--transport-mib", type=int, default=None,
-                    help="extra e2e row with a GAE request of about this many MiB (default 256; quick 0 = none)")
+                    help="extra e2e row with a GAE request of about this many MiB, 0 = none (default 256; "
+                         "0 with --quick or --sizes)")
     ap.add_argument("--big-mib", type=int, default=0,
                     help="instead of the other e2e rows, one GAE request of about this many MiB through "
                          "grpc-stream only (float32 mask and values, as big as the response), timed once with "
-                         "both processes' peak RSS; e.g. --sections e2e --estimators gae --big-mib 4096")
-    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads before measuring")
+                         "both processes' peak RSS; e.g. --sections e2e --estimators gae --big-mib 4096 "
+                         "(default 0 = off)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads before measuring (default: torch's own choice)")
     ap.add_argument("--device", default="cpu",
-                    help="where the kernel section runs: cpu, or cuda / cuda:N (inputs created on the GPU, "
-                         "CUDA-synchronised timing, the floor a device-to-device copy of the same bytes; kernel "
-                         "section only; see scripts/gpu_bench.sh)")
+                    help="where the kernel section runs: cpu (the default), or cuda / cuda:N (inputs created on "
+                         "the GPU, CUDA-synchronised timing, the floor a device-to-device copy of the same bytes; "
+                         "kernel section only; see scripts/gpu_bench.sh)")
     ap.add_argument("--thp", action="store_true",
                     help="run with THP_MEM_ALLOC_ENABLE=1 (torch backs allocations >= 2 MiB with transparent huge "
                          "pages: far fewer page faults for fresh outputs > 32 MiB, which glibc always maps anew); "
                          "the bench re-executes itself so the setting reaches torch, its server and its probes")
-    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
     return ap
+
+
+def plan_sizes(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], int]:
+    """``(sizes, group_sizes, transport_mib)`` the run measures. ``--sizes`` given alone limits every section
+    to those sizes: no group sizes and no transport-size e2e row unless asked for by their own flags."""
+    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    if args.group_sizes is not None:
+        group_sizes = parse_sizes(args.group_sizes)
+    elif args.sizes:
+        group_sizes = []
+    else:
+        group_sizes = parse_sizes(QUICK_GROUP_SIZES if args.quick else DEFAULT_GROUP_SIZES)
+    if args.transport_mib is not None:
+        transport_mib = args.transport_mib
+    else:
+        transport_mib = 0 if (args.quick or args.sizes) else 256
+    return sizes, group_sizes, transport_mib
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -570,15 +600,12 @@ def main(argv: list[str] | None = None) -> Report:
                   {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
-    group_sizes = parse_sizes(args.group_sizes if args.group_sizes is not None
-                              else (QUICK_GROUP_SIZES if args.quick else DEFAULT_GROUP_SIZES))
+    sizes, group_sizes, transport_mib = plan_sizes(args)
     args.repeats = args.repeats or (3 if args.quick else 9)
     if args.quick:
         args.ref_repeats = min(args.ref_repeats, 2)
         args.ref_budget = min(args.ref_budget, 2.0)
     args.concurrency_seconds = args.concurrency_seconds or (0.5 if args.quick else 2.0)
-    transport_mib = args.transport_mib if args.transport_mib is not None else (0 if args.quick else 256)
     estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
     for e in estimators:
         if e not in workloads.ESTIMATORS:
@@ -614,8 +641,9 @@ def main(argv: list[str] | None = None) -> Report:
     if "concurrency" in sections:
         if "gae" in estimators:
             concurrency_section(report, "gae", sizes[-1], args)
-        if "grpo" in estimators and group_sizes:  # the first group size with T > 1 (by default 65536x64x8)
-            concurrency_section(report, "grpo", next((s for s in group_sizes if s[1] > 1), group_sizes[0]), args)
+        if "grpo" in estimators:  # the first group size with T > 1 (by default 65536x64x8), else the last size
+            size = next((s for s in group_sizes if s[1] > 1), group_sizes[0]) if group_sizes else sizes[-1]
+            concurrency_section(report, "grpo", size, args)
     if "memory" in sections:  # one fresh process per probe (~2 s each): quick mode probes gae and grpo once
         for est in estimators:
             if args.quick and est not in ("gae", "grpo"):

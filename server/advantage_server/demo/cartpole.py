@@ -25,7 +25,10 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 
-import gymnasium as gym
+try:
+    import gymnasium as gym
+except ModuleNotFoundError:  # the demo extra is not installed: main() says so (exit 2) instead of a traceback
+    gym = None
 import numpy as np
 import torch
 from torch import nn
@@ -367,10 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MISSING_EXTRA = ("advantage-demo cartpole needs gymnasium, which comes with the demo extra: "
+                 "pip install 'advantage-service[demo]' (in a checkout: .venv/bin/pip install -e '.[demo]')")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run a demo; returns the exit code (0 done, 2 the server could not be reached or refused a call)."""
+    """Run a demo; returns the exit code (0 done, 2 the server could not be reached or refused a call, or
+    gymnasium, from the ``demo`` extra, is not installed)."""
     args = vars(build_parser().parse_args(argv))
     args.pop("demo")
+    if gym is None:
+        print(MISSING_EXTRA, file=sys.stderr)
+        return 2
     cfg = PPOConfig(**args)
     try:
         result = train(cfg)

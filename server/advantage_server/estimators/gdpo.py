@@ -46,6 +46,7 @@ from advantage_server.estimators.groups import (
 )
 from advantage_server.estimators.inputs import MASK, PROMPT_IDS
 from advantage_server.estimators.whitening import whiten_unbiased
+from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
 )
@@ -120,6 +121,7 @@ def _standardized_rows(lo, hi, t, mean, sd, out):  # pragma: no cover - compiled
                   nan_allowed_when=(lambda cfg: cfg.allow_missing_rewards, "allow_missing_rewards = true")),
     ],
     reference="arXiv:2601.05242; NeMo RL GDPOAdvantageEstimator",
+    per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl", BROADCAST_TIMES_MASK)),
 )
 def gdpo(cfg: GDPOConfig, batch: Batch) -> AdvantageResult:
     """Per-component GRPO advantages, weighted, summed and standardised over the batch.

@@ -21,6 +21,7 @@ from advantage_server.errors import InvalidInput
 from advantage_server.estimators.groups import exclude_empty_field, groups_of, verl_group_stats
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
+from advantage_client.layout import BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
@@ -50,7 +51,8 @@ def gpg_scalars(group: torch.Tensor, scores: torch.Tensor, f_norm: float,
 
 
 @register("gpg", config=GPGConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
-          reference="arXiv:2504.02546; verl compute_gpg_outcome_advantage")
+          reference="arXiv:2504.02546; verl compute_gpg_outcome_advantage",
+          per_sample=(("", BROADCAST_TIMES_MASK),))
 def gpg(cfg: GPGConfig, batch: Batch) -> AdvantageResult:
     """Group-centred reward scaled by the batch's share of non-zero rewards, on the valid tokens.
 
@@ -58,5 +60,20 @@ def gpg(cfg: GPGConfig, batch: Batch) -> AdvantageResult:
     """
     rewards, mask = batch["rewards"], batch["mask"]
     group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own (A = 0 there)
-    adv = gpg_scalars(group, outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None), cfg.f_norm, keep)
+    scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+    adv = gpg_scalars(group, scores, cfg.f_norm, keep)
+    unscaled = gpg_scalars(group, scores, 1.0, keep) if cfg.f_norm < 1.0 and not _fits(adv, rewards.dtype) else None
+    if unscaled is not None and _fits(unscaled, rewards.dtype):
+        # dividing by f_norm is what overflows (a tiny f_norm such as 1e-300): name the field, not the inputs
+        limit = torch.finfo(rewards.dtype).max
+        need = float(unscaled.abs().max()) / limit
+        raise InvalidInput("config.f_norm", f"{cfg.f_norm:g} is too small: alpha * (reward - group mean) / f_norm "
+                                            f"exceeds the largest {str(rewards.dtype).replace('torch.', '')} "
+                                            f"({limit:.4g}); use f_norm >= {need:.3g} (the default is 1.0)")
     return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(rewards.dtype))
+
+
+def _fits(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every value finite and within ``dtype``'s range."""
+    return values.numel() == 0 or (bool(torch.isfinite(values).all())
+                                   and float(values.abs().max()) <= torch.finfo(dtype).max)

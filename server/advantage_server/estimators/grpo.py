@@ -54,6 +54,7 @@ from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.rewards import (
     OPENRLHF_REWARD_CLIP, last_valid_index, outcome_scores, sum_over_mask_field,
 )
+from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
 )
@@ -92,7 +93,9 @@ class GRPOConfig(EstimatorConfig):
                             "DAPO: per-sample values the std is computed on instead of the rewards.",
                             required=False)],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
-                    "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer")
+                    "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
+          per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl", BROADCAST_TIMES_MASK),
+                      ("semantics = openrlhf", UP_TO_LAST_VALID), ("semantics = trl", BROADCAST)))
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
 

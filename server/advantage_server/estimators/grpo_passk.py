@@ -27,6 +27,7 @@ import torch
 from advantage_server.estimators.groups import exclude_empty_field, group_baseline_and_std, group_sizes, groups_of
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
+from advantage_client.layout import BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
@@ -80,7 +81,8 @@ def grpo_passk_loop(group: torch.Tensor, scores: torch.Tensor, normalize: bool, 
 
 
 @register("grpo_passk", config=GRPOPassKConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
-          reference="arXiv:2503.19595; verl compute_grpo_passk_outcome_advantage")
+          reference="arXiv:2503.19595; verl compute_grpo_passk_outcome_advantage",
+          per_sample=(("", BROADCAST_TIMES_MASK),))
 def grpo_passk(cfg: GRPOPassKConfig, batch: Batch) -> AdvantageResult:
     """Pass@k advantage: the best sample of each prompt group gets its margin over the runner-up, the others 0.
 

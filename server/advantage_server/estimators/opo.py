@@ -23,6 +23,7 @@ from advantage_server.estimators.groups import (
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
+from advantage_client.layout import BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
@@ -68,7 +69,8 @@ def opo_baseline_loop(group: torch.Tensor, scores: torch.Tensor, lengths: torch.
 
 
 @register("opo", config=OPOConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
-          reference="arXiv:2505.23585; verl compute_opo_outcome_advantage")
+          reference="arXiv:2505.23585; verl compute_opo_outcome_advantage",
+          per_sample=(("", BROADCAST_TIMES_MASK),))
 def opo(cfg: OPOConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the length-weighted mean reward of the prompt group, on the valid tokens.
 

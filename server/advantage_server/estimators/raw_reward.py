@@ -14,6 +14,7 @@ from advantage_server.estimators import jit
 from advantage_server.estimators.groups import broadcast_rows
 from advantage_server.estimators.inputs import MASK, REWARDS
 from advantage_server.estimators.whitening import masked_moments
+from advantage_client.layout import BROADCAST
 from advantage_server.estimators.registry import AdvantageResult, Batch, EstimatorConfig, register
 
 
@@ -23,7 +24,7 @@ class RawRewardConfig(EstimatorConfig):
 
 
 @register("raw_reward", config=RawRewardConfig, inputs=[REWARDS, MASK],
-          reference="NeMo RL RawRewardAdvantageEstimator")
+          reference="NeMo RL RawRewardAdvantageEstimator", per_sample=(("", BROADCAST),))
 def raw_reward(cfg: RawRewardConfig, batch: Batch) -> AdvantageResult:
     """The sample's reward at every token, optionally whitened over the valid tokens.
 

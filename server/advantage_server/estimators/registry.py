@@ -38,12 +38,16 @@ class AdvantageResult:
     metrics:    scalar diagnostics (OPD reports three), else empty.
     finite:     the estimator has checked every value of ``advantages`` and ``returns`` is finite (a
                 kernel that does it on the way); the core then skips its own overflow check.
+    layout:     0 (dense), or the ``ResultLayout`` of per-sample ``[B]`` advantages/returns standing for
+                ``dense_shape`` ``(B, T)`` (set by the core for ``per_sample`` requests, never by estimators).
     """
 
     advantages: torch.Tensor
     returns: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     finite: bool = False
+    layout: int = 0
+    dense_shape: tuple[int, ...] = ()
 
 
 
@@ -234,10 +238,48 @@ class EstimatorSpec:
     produces_returns: bool
     metrics: tuple[str, ...]
     returns_when: tuple[Callable[[Any], bool], str] | None = None
+    #: ``(when, layout)`` rules (see :func:`register`): where the results are one value per row
+    per_sample: tuple[tuple[str, int], ...] = ()
 
     def returns_for(self, cfg: Any) -> bool:
         """Whether the estimator fills ``returns`` under the (resolved) config ``cfg``."""
         return self.produces_returns or (self.returns_when is not None and bool(self.returns_when[0](cfg)))
+
+    def per_sample_for(self, cfg: Any) -> int:
+        """The ``ResultLayout`` of the first ``per_sample`` rule whose condition holds for the resolved
+        config ``cfg``, or 0 (dense) when none does."""
+        for when, layout in self.per_sample:
+            if condition_holds(when, cfg):
+                return layout
+        return 0
+
+
+def _condition_value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def condition_holds(when: str, cfg: Any) -> bool:
+    """Whether a listing condition holds for a resolved config: ``""`` (always), or ``field = value``
+    terms joined by ``and``, clauses joined by ``or`` (``"semantics = nemo_rl and use_kl_in_reward =
+    false"``; values ``true``/``false``, numbers, enum short names). The text ``ListEstimators`` shows is
+    the one evaluated, so the two cannot disagree. Raises ``ValueError`` for a field the config lacks."""
+    if not when:
+        return True
+    for clause in when.split(" or "):
+        ok = True
+        for term in clause.split(" and "):
+            name, _, value = (x.strip() for x in term.partition("="))
+            if not hasattr(cfg, name):
+                raise ValueError(f"condition {when!r}: {type(cfg).__name__} has no field {name!r}")
+            ok = ok and getattr(cfg, name) == _condition_value(value)
+        if ok:
+            return True
+    return False
 
 
 REGISTRY: dict[str, EstimatorSpec] = {}
@@ -251,11 +293,16 @@ def register(
     reference: str,
     produces_returns: bool | tuple[Callable[[Any], bool], str] = False,
     metrics: tuple[str, ...] = (),
+    per_sample: tuple[tuple[str, int], ...] = (),
 ) -> Callable:
     """Register an estimator function under ``name``. Registering a name twice is a ``ValueError``.
 
     ``produces_returns`` is ``True`` (always fills ``returns``), ``False``, or a
     ``(predicate(cfg), text)`` pair like ``InputSpec.required_when`` when it depends on the config.
+    ``per_sample``: ``(when, layout)`` rules, first match wins: under a config where ``when`` holds (see
+    :func:`condition_holds`; ``""`` = always) the advantages, and the returns when filled, are one value
+    per row laid out as ``layout`` (an ``advantage.v1.ResultLayout``; see ``advantage_client.layout``).
+    ``tests/test_per_sample.py`` checks every rule against the dense results.
     """
 
     def deco(fn: Callable[[Any, Batch], AdvantageResult]) -> Callable:
@@ -273,6 +320,7 @@ def register(
             produces_returns=produces_returns is True,
             metrics=tuple(metrics),
             returns_when=produces_returns if isinstance(produces_returns, tuple) else None,
+            per_sample=tuple(per_sample),
         )
         return fn
 

@@ -54,6 +54,7 @@ from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
 from advantage_server.estimators.rewards import OPENRLHF_REWARD_CLIP, outcome_scores, place_rewards
 from advantage_server.estimators.whitening import whiten_clamped, whiten_rows_clamped, whiten_unbiased
 from advantage_server.estimators.gae import discounted_reverse_cumsum
+from advantage_client.layout import BROADCAST
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 
@@ -146,7 +147,9 @@ def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
           reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator; verl "
                     "compute_reinforce_plus_plus_outcome_advantage; OpenRLHF reinforce",
           produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf"),
-                            "semantics = verl or semantics = openrlhf"))
+                            "semantics = verl or semantics = openrlhf"),
+          # whitening keeps a row-constant matrix row-constant; the KL penalty is per token
+          per_sample=(("semantics = nemo_rl and use_kl_in_reward = false", BROADCAST),))
 def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the per-prompt mean (or discounted returns), minus an optional token-level KL, whitened.
 

@@ -33,6 +33,7 @@ from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
 from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
 from advantage_server.estimators.whitening import whiten_unbiased
+from advantage_client.layout import BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 
@@ -76,7 +77,10 @@ def rppb_scalars_loop(group: torch.Tensor, scores: torch.Tensor, semantics: str)
           inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK, *KL_INPUTS],
           reference="arXiv:2501.03262; verl compute_reinforce_plus_plus_baseline_outcome_advantage; "
                     "OpenRLHF reinforce_baseline",
-          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"))
+          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
+          # verl: the per-row score (KL summed in) whitened by batch scalars, times mask; openrlhf whitens
+          # the cumulative returns, which is not 0 after the last valid token
+          per_sample=(("semantics = verl", BROADCAST_TIMES_MASK),))
 def reinforce_plus_plus_baseline(cfg: ReinforcePlusPlusBaselineConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the per-prompt mean reward, whitened over the valid tokens of the batch.
 

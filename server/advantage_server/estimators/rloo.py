@@ -34,6 +34,7 @@ from advantage_server.estimators.groups import (
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
 from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
+from advantage_client.layout import BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 
@@ -70,7 +71,10 @@ def rloo_scalars_loop(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor
 
 @register("rloo", config=RLOOConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK, *KL_INPUTS],
           reference="arXiv:2402.14740; verl compute_rloo_outcome_advantage; OpenRLHF rloo",
-          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"))
+          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
+          # openrlhf: a on the last valid token, reverse cumsum (returns = advantages); KL makes it per token
+          per_sample=(("semantics = verl", BROADCAST_TIMES_MASK),
+                      ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID)))
 def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the mean reward of the other samples of the same prompt.
 

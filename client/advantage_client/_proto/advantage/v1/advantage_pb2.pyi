@@ -210,6 +210,42 @@ SCALE_REWARDS_NONE: ScaleRewards.ValueType  # 3
 """no scaling (Dr. GRPO)"""
 Global___ScaleRewards: _TypeAlias = ScaleRewards  # noqa: Y015
 
+class _ResultLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ResultLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResultLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RESULT_LAYOUT_UNSPECIFIED: _ResultLayout.ValueType  # 0
+    """Dense: the tensors are the [B, T] result itself."""
+    RESULT_LAYOUT_BROADCAST: _ResultLayout.ValueType  # 1
+    """A[b, t] = a[b] for every t (NeMo RL GRPO: masked columns included)."""
+    RESULT_LAYOUT_BROADCAST_TIMES_MASK: _ResultLayout.ValueType  # 2
+    """A[b, t] = a[b] where mask[b, t] = 1, 0 where mask[b, t] = 0 (verl)."""
+    RESULT_LAYOUT_UP_TO_LAST_VALID: _ResultLayout.ValueType  # 3
+    """A[b, t] = a[b] for t <= the row's last mask = 1 position, 0 after it and
+    in a row without one (OpenRLHF's cumulative return of a last-token value).
+    """
+
+class ResultLayout(_ResultLayout, metaclass=_ResultLayoutEnumTypeWrapper):
+    """How a per-sample result ([B] values a) stands for the documented [B, T]
+    tensor A (ComputeAdvantageRequest.per_sample). mask is the request's mask
+    (or the prefix mask its lengths stand for); the rebuilt tensor equals the
+    dense one exactly, in the output dtype.
+    """
+
+RESULT_LAYOUT_UNSPECIFIED: ResultLayout.ValueType  # 0
+"""Dense: the tensors are the [B, T] result itself."""
+RESULT_LAYOUT_BROADCAST: ResultLayout.ValueType  # 1
+"""A[b, t] = a[b] for every t (NeMo RL GRPO: masked columns included)."""
+RESULT_LAYOUT_BROADCAST_TIMES_MASK: ResultLayout.ValueType  # 2
+"""A[b, t] = a[b] where mask[b, t] = 1, 0 where mask[b, t] = 0 (verl)."""
+RESULT_LAYOUT_UP_TO_LAST_VALID: ResultLayout.ValueType  # 3
+"""A[b, t] = a[b] for t <= the row's last mask = 1 position, 0 after it and
+in a row without one (OpenRLHF's cumulative return of a last-token value).
+"""
+Global___ResultLayout: _TypeAlias = ResultLayout  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense n-dimensional array.
@@ -391,7 +427,7 @@ class GDPOConfig(_message.Message):
     that have it, and a sample without it contributes 0 to the weighted sum
     (a sample missing every component sums to 0 and is still standardised
     with the batch). Default false: NaN is INVALID_ARGUMENT. Infinity is
-    always rejected.
+    always rejected. nemo_rl only.
     """
     semantics: Global___Semantics.ValueType
     """nemo_rl (default) or verl. verl (compute_gdpo_outcome_advantage, verl PR
@@ -400,8 +436,9 @@ class GDPOConfig(_message.Message):
     when normalize_rewards = false), the weighted sum is taken under the mask
     and whitened over the mask = 1 tokens (verl masked_whiten: unbiased
     variance, rsqrt(var + 1e-8); var = 0 where verl raises, i.e. fewer than
-    two valid tokens), 0 where mask = 0. use_leave_one_out_baseline,
-    allow_missing_rewards and exclude_empty_responses do not apply to verl.
+    two valid tokens), 0 where mask = 0. use_leave_one_out_baseline and
+    allow_missing_rewards do not apply to verl (INVALID_ARGUMENT);
+    exclude_empty_responses does (empty rows leave each component's groups).
     """
     epsilon: _builtins.float
     """verl only: added to each component's group std. Default 1e-6."""
@@ -1280,9 +1317,28 @@ class ComputeAdvantageRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
     CU_SEQLENS_FIELD_NUMBER: _builtins.int
+    PER_SAMPLE_FIELD_NUMBER: _builtins.int
+    MASK_COLUMNS_FIELD_NUMBER: _builtins.int
     output_dtype: Global___DType.ValueType
     """dtype of the returned tensors: float32 (default), float64, bfloat16 or
     float16.
+    """
+    per_sample: _builtins.bool
+    """Ask for per-sample results: where the estimator under this config gives
+    one value per row (EstimatorInfo.per_sample lists where), the result's
+    advantages (and returns, when present) come back as [B] values with
+    AdvantageResult.layout saying how to rebuild the [B, T] tensors exactly;
+    everywhere else (with cu_seqlens too, and in ComputeAdvantageShm, which
+    writes dense results into the region) the result stays dense, layout
+    unset. False (default): always dense [B, T], as before this field.
+    """
+    mask_columns: _builtins.int
+    """The column count T of the mask when inputs["lengths"] is sent in place
+    of inputs["mask"]: lengths [B] (any integer type, 0 <= lengths[b] <= T)
+    stands for the prefix mask mask[b, t] = (t < lengths[b]) of shape
+    [B, T], for every estimator. 0 or unset: T = max(lengths). Sending both
+    mask and lengths, lengths with cu_seqlens, or mask_columns without lengths
+    is INVALID_ARGUMENT.
     """
     @_builtins.property
     def grpo(self) -> Global___GRPOConfig: ...
@@ -1326,7 +1382,9 @@ class ComputeAdvantageRequest(_message.Message):
         is an INVALID_ARGUMENT. Float inputs may be float32, float64, bfloat16 or
         float16 and are computed in float32 (float64 when any input is float64);
         prompt_ids must be an integer type; mask may be bool, integer or float
-        holding only 0 and 1.
+        holding only 0 and 1 (bool or uint8: one byte per token). Every estimator
+        also takes "lengths" [B] (integer) in place of "mask", a prefix mask
+        (see mask_columns).
         """
 
     @_builtins.property
@@ -1366,10 +1424,12 @@ class ComputeAdvantageRequest(_message.Message):
         inputs: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
         output_dtype: Global___DType.ValueType = ...,
         cu_seqlens: Global___Tensor | None = ...,
+        per_sample: _builtins.bool = ...,
+        mask_columns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "mask_columns", b"mask_columns", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "per_sample", b"per_sample", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_estimator: _TypeAlias = _typing.Literal["grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline"]  # noqa: Y015
     _WhichOneofArgType_estimator: _TypeAlias = _typing.Literal["estimator", b"estimator"]  # noqa: Y015
@@ -1404,6 +1464,13 @@ class AdvantageResult(_message.Message):
     ADVANTAGES_FIELD_NUMBER: _builtins.int
     RETURNS_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    DENSE_SHAPE_FIELD_NUMBER: _builtins.int
+    layout: Global___ResultLayout.ValueType
+    """Unset: advantages and returns are dense [B, T] (or [N] packed). Set (only
+    when the request asked for per_sample): they are [B] per-sample values,
+    rebuilt to [B, T] as the layout says.
+    """
     @_builtins.property
     def advantages(self) -> Global___Tensor:
         """[B, T]. Always present."""
@@ -1419,16 +1486,22 @@ class AdvantageResult(_message.Message):
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Scalar diagnostics reported by the estimator (OPD); empty otherwise."""
 
+    @_builtins.property
+    def dense_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With a layout: the [B, T] shape the per-sample values stand for."""
+
     def __init__(
         self,
         *,
         advantages: Global___Tensor | None = ...,
         returns: Global___Tensor | None = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        layout: Global___ResultLayout.ValueType = ...,
+        dense_shape: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "returns", b"returns"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "metrics", b"metrics", "returns", b"returns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantages", b"advantages", "dense_shape", b"dense_shape", "layout", b"layout", "metrics", b"metrics", "returns", b"returns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1534,6 +1607,7 @@ class EstimatorInfo(_message.Message):
     PRODUCES_RETURNS_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     RETURNS_WHEN_FIELD_NUMBER: _builtins.int
+    PER_SAMPLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name as used by NeMo RL and by the client ("grpo", "gae", ...)."""
     config_field: _builtins.str
@@ -1557,6 +1631,14 @@ class EstimatorInfo(_message.Message):
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputSpec]: ...
     @_builtins.property
     def metrics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def per_sample(self) -> _containers.RepeatedCompositeFieldContainer[Global___PerSampleRule]:
+        """Where the estimator's advantages (and returns, when it fills them) are
+        one value per row, and how the [B, T] tensors follow from them: the
+        first rule whose condition holds applies (per_sample requests get that
+        layout); none: always dense. Empty when it never is.
+        """
+
     def __init__(
         self,
         *,
@@ -1570,14 +1652,43 @@ class EstimatorInfo(_message.Message):
         produces_returns: _builtins.bool = ...,
         metrics: _abc.Iterable[_builtins.str] | None = ...,
         returns_when: _builtins.str = ...,
+        per_sample: _abc.Iterable[Global___PerSampleRule] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_field", b"config_field", "config_fields", b"config_fields", "config_message", b"config_message", "description", b"description", "inputs", b"inputs", "metrics", b"metrics", "name", b"name", "produces_returns", b"produces_returns", "reference", b"reference", "returns_when", b"returns_when"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_field", b"config_field", "config_fields", b"config_fields", "config_message", b"config_message", "description", b"description", "inputs", b"inputs", "metrics", b"metrics", "name", b"name", "per_sample", b"per_sample", "produces_returns", b"produces_returns", "reference", b"reference", "returns_when", b"returns_when"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EstimatorInfo: _TypeAlias = EstimatorInfo  # noqa: Y015
+
+@_typing.final
+class PerSampleRule(_message.Message):
+    """One per-sample declaration of an estimator (EstimatorInfo.per_sample)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WHEN_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    when: _builtins.str
+    """Config condition, in the syntax of InputSpec.required_when ("semantics =
+    verl", "semantics = nemo_rl and use_kl_in_reward = false"); empty =
+    always.
+    """
+    layout: Global___ResultLayout.ValueType
+    def __init__(
+        self,
+        *,
+        when: _builtins.str = ...,
+        layout: Global___ResultLayout.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "when", b"when"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PerSampleRule: _TypeAlias = PerSampleRule  # noqa: Y015
 
 @_typing.final
 class ConfigField(_message.Message):

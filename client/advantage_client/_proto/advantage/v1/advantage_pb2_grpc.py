@@ -82,8 +82,9 @@ class AdvantageServiceServicer:
 
     def ListEstimators(self, request, context):
         """Describes every estimator the server runs: its config message and fields
-        with defaults, its required and optional input tensors with shapes, and
-        whether it fills `returns` and which metrics it reports.
+        with defaults, its required and optional input tensors with shapes,
+        whether it fills `returns` and which metrics it reports, and where its
+        results are one value per row (per_sample).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -84,8 +84,9 @@ class AdvantageServiceStub:
     """
     ListEstimators: _grpc.UnaryUnaryMultiCallable[_advantage_pb2.ListEstimatorsRequest, _advantage_pb2.ListEstimatorsResponse]
     """Describes every estimator the server runs: its config message and fields
-    with defaults, its required and optional input tensors with shapes, and
-    whether it fills `returns` and which metrics it reports.
+    with defaults, its required and optional input tensors with shapes,
+    whether it fills `returns` and which metrics it reports, and where its
+    results are one value per row (per_sample).
     """
     ComputeAdvantageStream: _grpc.StreamStreamMultiCallable[_advantage_pb2.ComputeAdvantageChunk, _advantage_pb2.AdvantageResultChunk]
     """ComputeAdvantage for large batches, and the only way past protobuf's
@@ -119,8 +120,9 @@ class AdvantageServiceAsyncStub(AdvantageServiceStub):
     """
     ListEstimators: _aio.UnaryUnaryMultiCallable[_advantage_pb2.ListEstimatorsRequest, _advantage_pb2.ListEstimatorsResponse]  # type: ignore[assignment]
     """Describes every estimator the server runs: its config message and fields
-    with defaults, its required and optional input tensors with shapes, and
-    whether it fills `returns` and which metrics it reports.
+    with defaults, its required and optional input tensors with shapes,
+    whether it fills `returns` and which metrics it reports, and where its
+    results are one value per row (per_sample).
     """
     ComputeAdvantageStream: _aio.StreamStreamMultiCallable[_advantage_pb2.ComputeAdvantageChunk, _advantage_pb2.AdvantageResultChunk]  # type: ignore[assignment]
     """ComputeAdvantage for large batches, and the only way past protobuf's
@@ -163,8 +165,9 @@ class AdvantageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_advantage_pb2.ListEstimatorsResponse, _abc.Awaitable[_advantage_pb2.ListEstimatorsResponse]]:
         """Describes every estimator the server runs: its config message and fields
-        with defaults, its required and optional input tensors with shapes, and
-        whether it fills `returns` and which metrics it reports.
+        with defaults, its required and optional input tensors with shapes,
+        whether it fills `returns` and which metrics it reports, and where its
+        results are one value per row (per_sample).
         """
 
     @_abc_1.abstractmethod
