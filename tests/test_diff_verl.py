@@ -12,17 +12,29 @@ service's output must be finite everywhere.
 
 The comparison rule, per batch:
 
-1. Agreement: ``|service - verl| <= rtol * |verl| + atol * scale`` (``scale`` = max(1, max |verl|))
-   with the precision verl computed in: float64 (rtol = atol = 1e-9) or float32 (rtol = 2e-4,
-   atol = 2e-5), float32 where the inputs are float32 and where verl computes in float32 whatever the
-   input (``grpo_vectorized``: ``group_mean_std`` casts to float32; ``gdpo`` with reward components:
-   verl reads them as ``np.float32``).
-2. Float32 cancellation: where (1) fails, the reference is run in float64 (the same function on the
-   batch cast to float64; for the two float32-internal cases, verl's own float64 path of the same
-   formula: ``compute_grpo_outcome_advantage`` on ``as_torch_index``'s labels, and the composition of
-   verl's ``compute_grpo_outcome_advantage`` and ``masked_whiten`` that ``compute_gdpo_outcome_advantage``
-   runs). The service must then agree with that float64 answer (float32 tolerance), and the float32
-   reference must itself disagree with it: the reference lost the answer. Otherwise the test fails.
+1. Agreement: ``|service - oracle| <= rtol * |oracle| + atol * scale`` (``scale`` = max(1, max |oracle|))
+   at the tolerance of the batch's dtype: float64 (rtol = atol = 1e-9) or float32 (rtol = 2e-4,
+   atol = 2e-5). The oracle is verl's function on the batch where verl computes in the batch's dtype.
+   Two cases compute in float32 whatever the input:
+   * ``grpo_vectorized`` (``group_mean_std`` casts to float32): for a float64 batch the oracle is verl's
+     float64 path of the same formula (``reference_f64``: ``compute_grpo_outcome_advantage`` on
+     ``as_torch_index``'s labels), at float64 tolerance, since the service computes in float64; verl's
+     released float32 answer is compared with that oracle only to count the batches where it lost the
+     answer (rule 2). A float32 batch takes the general rule.
+   * ``gdpo`` with reward components (verl reads them and the weights as float32, whatever the batch's
+     dtype, and returns float32): the oracle y64 is the composition of verl's
+     ``compute_grpo_outcome_advantage`` and ``masked_whiten`` that ``compute_gdpo_outcome_advantage``
+     runs, in float64 on the components and weights rounded to float32 as verl reads them
+     (``gdpo_oracle``, with rule 3's variance 0 where verl raises). The service computes in float64 from
+     the same float32 values and rounds once to float32, so at each position
+     ``|service - y64| <= spacing32(y64) / 2 + 16 u64 max(1, max |y64|) + 16 s`` (``check_gdpo_components``:
+     one rounding, float64 arithmetic, s the oracle's own sensitivity to the last bit of its inputs).
+     verl's released answer is compared with y64 only to count the batches where it lost the answer.
+2. Float32 cancellation: where verl computed in float32 (a float32 batch) and its answer differs from the
+   service's, the reference is run in float64 (the same function on the batch cast to float64;
+   ``reference_f64`` for ``grpo_vectorized``). The service must then agree with that float64 answer
+   (float32 tolerance), and the float32 reference must itself disagree with it: the reference lost the
+   answer. Otherwise the test fails.
 3. Reference raises, or returns NaN/inf from finite input: the service must be finite and give its
    documented answer: verl's ``masked_var`` raises with fewer than two valid tokens in the batch, where
    the service takes the variance as 0 (``whitening.whiten_unbiased``), so the oracle is verl's own
@@ -37,6 +49,7 @@ the terminal summary (tests/conftest.py, tests/references/counts.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +71,9 @@ from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.utils import as_torch_index  # noqa: E402
 
 EXAMPLES = 300
-F32_INTERNAL = {"grpo_vectorized"}  # verl computes these in float32 whatever the input dtype
+F32_INTERNAL = {"grpo_vectorized"}  # verl computes it in float32 whatever the input (gdpo with components too)
 TOL = {torch.float32: (2e-4, 2e-5), torch.float64: (1e-9, 1e-9)}
+U64 = float(np.finfo(np.float64).eps) / 2
 GROUP_ESTIMATORS = {"grpo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline", "rloo",
                     "rloo_vectorized", "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"}
 WHITENED = {"gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo"}  # verl masked_whiten
@@ -161,6 +175,20 @@ def _rewards(draw, m: torch.Tensor, rng: np.random.Generator, dtype: torch.dtype
     return torch.from_numpy(r).to(dtype), kind
 
 
+def _component(draw, index: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """One gdpo reward component [B] (float64, as a reward function returns it): scores from a few values,
+    or near-ties: each group's rows at base + k * 1e-9 (k = 0, 1, 2), far below float32's spacing at
+    these bases (e.g. acc = [0.1, 0.1 + 1e-9, ...] per group), so verl's float32 reading of the
+    components ties the group: leaving that rounding out gives the group's rows about +-5e-4 instead of
+    0 (a spread of 1e-9 against epsilon 1e-6), which moves the whitened advantages by about 3e-4."""
+    B = len(index)
+    if draw(st.sampled_from(["scores", "scores", "near_tie"])) == "scores":
+        return np.round(rng.choice([0.0, 1.0, 0.5, rng.normal()], B), 3), "scores"
+    labels = index.tolist()
+    base = {lab: float(rng.choice([0.1, 0.7, 1 / 3, 1.0, np.round(rng.normal(), 3)])) for lab in labels}
+    return np.array([base[lab] + 1e-9 * int(rng.integers(0, 3)) for lab in labels]), "near_tie"
+
+
 @st.composite
 def cases(draw, name: str) -> Case:
     B = draw(st.integers(1, 10))
@@ -191,7 +219,9 @@ def cases(draw, name: str) -> Case:
                                             if draw(st.booleans()) else None)
     if name == "gdpo" and draw(st.booleans()):  # per-component rewards, as verl's trainer passes them
         keys = [f"k{i}_reward" for i in range(draw(st.integers(1, 3)))]
-        case.components = {k: np.round(rng.choice([0.0, 1.0, 0.5, rng.normal()], B), 3) for k in keys}
+        drawn = {k: _component(draw, index, rng) for k in keys}
+        case.components = {k: v for k, (v, _) in drawn.items()}
+        case.kinds += " components=" + ",".join(kind for _, kind in drawn.values())
         weights = draw(st.sampled_from([None, "random"]))
         case.extra["config"] = AlgoConfig(
             gdpo_reward_keys=keys,
@@ -225,19 +255,29 @@ def reference_f64(case: Case):
         kw["index"] = as_torch_index(kw["index"]).numpy()
         kw = {k: v for k, v in kw.items() if k != "config"}
         return _run(CORE.compute_grpo_outcome_advantage, kw)
-    if case.name == "gdpo" and case.components is not None:  # verl's gdpo body, with float64 components
-        return _run(_gdpo_f64, kw)
     return _run(REGISTRY[case.name], kw)
 
 
+def last_bit(n: int, pattern: int) -> torch.Tensor:
+    """[n] float64 factors moving each value by about its last bit: pattern 0 all by (1 + 3 u64) (ties stay
+    ties), 1 and 2 by (1 +- 2 u64) alternating (opposite signs)."""
+    if pattern == 0:
+        return torch.full((n,), 1 + 3 * U64, dtype=torch.float64)
+    return 1 + 2 * U64 * torch.tensor([(-1.0) ** (i + pattern) for i in range(n)], dtype=torch.float64)
+
+
 def _gdpo_f64(token_level_rewards, response_mask, index, config, non_tensor_batch, batch,
-              norm_adv_by_std_in_grpo=True, **_):
+              norm_adv_by_std_in_grpo=True, perturb: int | None = None, **_):
+    """verl's gdpo body in float64, on the components and weights rounded to float32 as verl reads them
+    (components moved by :func:`last_bit` ``perturb``, for the sensitivity of rule 1)."""
     keys = config.get("gdpo_reward_keys")
     weights = config.get("gdpo_reward_weights") or [1.0] * len(keys)
     total = None
     for key, w in zip(keys, weights):
         comp = torch.zeros(response_mask.shape, dtype=torch.float64)
         comp[:, -1] = torch.tensor(np.asarray(non_tensor_batch[key], dtype=np.float32), dtype=torch.float64)
+        if perturb is not None:
+            comp[:, -1] *= last_bit(comp.shape[0], perturb)
         part, _ = CORE.compute_grpo_outcome_advantage(token_level_rewards=comp, response_mask=response_mask,
                                                       index=index, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
         w = float(np.float32(w))
@@ -268,9 +308,7 @@ def documented(case: Case, dtype: torch.dtype):
     """The service's documented finite answer where verl raises (rule 3), or None where none applies."""
     if case.name in WHITENED and int(case.mask.sum()) <= 1:
         with _variance_zero_where_verl_raises():
-            out = reference(case, dtype) if case.name != "gdpo" or case.components is None else \
-                _run(_gdpo_f64, case.kwargs(torch.float64))
-        return out
+            return reference(case, dtype)  # (gdpo with components: gdpo_oracle)
     if case.name == "opo":  # a group whose rows are all empty: verl's 0/0; documented: b = mean, A = 0 there
         out = reference(case, dtype)
         if isinstance(out, Exception):
@@ -326,25 +364,83 @@ def _pair_close(svc, ref, mask, dtype) -> tuple[bool, str]:
     return True, ""
 
 
+def gdpo_oracle(case: Case, perturb: int | None = None):
+    """gdpo with components (rule 1): verl's float64 path (:func:`_gdpo_f64`), with the service's documented
+    variance 0 where verl's ``masked_var`` raises (rule 3; the real ``masked_var`` everywhere else)."""
+    with _variance_zero_where_verl_raises():
+        return _run(functools.partial(_gdpo_f64, perturb=perturb), case.kwargs(torch.float64))
+
+
+def check_gdpo_components(case: Case, svc, ref) -> str:
+    """gdpo with reward components (rule 1). Whatever the batch's dtype, verl reads the components (and
+    weights) as float32 and returns float32; the service computes in float64 from the same float32 values
+    and rounds once to float32 (the components' dtype; the drop-in then gives it in token_level_rewards'
+    dtype). So at each compared position (advantages; verl's returns are the same tensor)
+        |service - y64| <= spacing32(y64) / 2 + 16 u64 max(1, max |y64|) + 16 s
+    y64 the float64 oracle (:func:`gdpo_oracle`): the first term is the one rounding to float32 (round to
+    nearest: at most half the float32 spacing at y64), the second the float64 arithmetic of the two
+    computations (a few operations, each off by u64 relative to the whitened batch's scale), and s the
+    oracle's own sensitivity to the last bit of its float64 inputs (the largest change of y64 when every
+    component moves by :func:`last_bit`): large only where the answer is ill-conditioned (a group's
+    spread below epsilon, a whitened batch whose variance is below verl's 1e-8)."""
+    want = gdpo_oracle(case)
+    assert _finite(want), f"gdpo: verl's float64 path gave {want!r} ({case.kinds})"
+    sens = torch.stack([(gdpo_oracle(case, p)[0].double() - want[0].double()).abs() for p in range(3)]).amax(0)
+    sel = case.mask.bool()
+    for label, got, y in (("advantages", svc[0], want[0]), ("returns", svc[1], want[1])):
+        g, w, sd = got.double()[sel].numpy(), y.double()[sel].numpy(), sens[sel].numpy()
+        if not g.size:
+            continue
+        tol = np.spacing(np.abs(w).astype(np.float32)).astype(np.float64) / 2 \
+            + 16 * U64 * max(1.0, float(np.abs(w).max())) + 16 * sd
+        bad = np.abs(g - w) > tol
+        if bad.any():
+            _fail(case, f"{label} vs verl's float64 path (one rounding to float32): {int(bad.sum())} of {g.size} "
+                        f"positions differ, e.g. service {g[bad][:3]} vs {w[bad][:3]} (tol {tol[bad][:3]})")
+    if not _finite(ref):
+        return "reference raised or non-finite: documented answer"
+    agrees, _ = _pair_close(ref, want, case.mask, torch.float32)
+    return "agree" if agrees else "float32 cancellation: matches verl in float64"
+
+
+def _fail(case: Case, why: str) -> None:
+    pytest.fail(f"{case.name}: service != verl 0.9.1: {why} ({case.kinds})\n"
+                f"rewards={case.rewards.tolist()}\nmask={case.mask.tolist()}\nindex={case.index.tolist()}\n"
+                f"extra={ {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in case.extra.items()} }\n"
+                f"components={case.components}")
+
+
 def check(case: Case, fn) -> str:
-    """Compare one batch (module docstring rules); returns the rule that accepted it, or fails."""
+    """Compare one batch (module docstring rules); returns the rule that accepted it, or fails. The
+    tolerance is the batch's dtype's (``TOL``): the service computes in float64 and rounds once to it."""
     svc = fn(**case.kwargs())
     assert all(bool(torch.isfinite(t.double()).all()) for t in svc), f"{case.name}: non-finite service output ({case.kinds})"
     assert svc[0].shape == case.mask.shape and svc[1].shape == case.mask.shape
-    compute_dtype = torch.float32 if (case.dtype == torch.float32 or case.name in F32_INTERNAL
-                                      or (case.name == "gdpo" and case.components is not None)) else torch.float64
+    dtype = case.dtype
     ref = reference(case)
+    if case.name == "gdpo" and case.components is not None:
+        return check_gdpo_components(case, svc, ref)
     if not _finite(ref):
         want = documented(case, case.dtype)
         assert want is not None and _finite(want), (
             f"{case.name}: verl gave {ref!r} from finite input and no documented service answer applies ({case.kinds})")
-        ok, why = _pair_close(svc, want, case.mask, compute_dtype)
+        ok, why = _pair_close(svc, want, case.mask, dtype)
         assert ok, f"{case.name}: verl raised/NaN ({ref!r}); service differs from its documented answer: {why} ({case.kinds})"
         return "reference raised or non-finite: documented answer"
-    ok, why = _pair_close(svc, ref, case.mask, compute_dtype)
+    if dtype == torch.float64 and case.name in F32_INTERNAL:
+        # rule 1 for a float64 batch verl computes in float32: the oracle is verl's float64 path, at float64
+        # tolerance; verl's float32 answer is checked against that oracle only to classify the batch
+        ref64 = reference_f64(case)
+        assert _finite(ref64), f"{case.name}: verl's float64 path gave {ref64!r} ({case.kinds})"
+        ok, why = _pair_close(svc, ref64, case.mask, torch.float64)
+        if not ok:
+            _fail(case, f"vs verl's float64 path (float64 tolerance): {why}")
+        agrees, _ = _pair_close(ref, ref64, case.mask, torch.float32)
+        return "agree" if agrees else "float32 cancellation: matches verl in float64"
+    ok, why = _pair_close(svc, ref, case.mask, dtype)
     if ok:
         return "agree"
-    if compute_dtype == torch.float32:
+    if dtype == torch.float32:  # verl computed in float32 (rule 2)
         ref64 = reference_f64(case)
         if _finite(ref64):
             lost, _ = _pair_close(ref, ref64, case.mask, torch.float32)
@@ -352,10 +448,7 @@ def check(case: Case, fn) -> str:
             if not lost and matches:
                 return "float32 cancellation: matches verl in float64"
             why += f"; float64 verl: reference {'lost the answer' if not lost else 'agrees with itself'}, service: {why64 or 'matches'}"
-    pytest.fail(f"{case.name}: service != verl 0.9.1: {why} ({case.kinds})\n"
-                f"rewards={case.rewards.tolist()}\nmask={case.mask.tolist()}\nindex={case.index.tolist()}\n"
-                f"extra={ {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in case.extra.items()} }\n"
-                f"components={case.components}")
+    _fail(case, why)
 
 
 # ------------------------------------------------------------------------------------------ tests

@@ -44,12 +44,15 @@ class KLInRewardConfig(EstimatorConfig):
 
 def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: str,
                input_clamp: float, output_clamp: float) -> torch.Tensor:
-    """Per-token KL estimate ``[B, T]`` (Schulman 2020, http://joschu.net/blog/kl-approx.html).
+    """Per-token KL estimate, float64 ``[B, T]`` (Schulman 2020, http://joschu.net/blog/kl-approx.html).
 
     With r = clamp(reference_logprobs - logprobs, +-input_clamp):
-    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp.
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp. Computed in
+    float64 whatever the log-probs' dtype: the log ratio of two close float32 log-probs and k3's
+    ``expm1(r) - r`` cancel, so the references' float32 arithmetic loses digits the float64 answer keeps
+    (the differential tests compare against the references run in float64).
     """
-    r = (reference_logprobs - logprobs).clamp(-input_clamp, input_clamp)
+    r = (reference_logprobs.to(torch.float64) - logprobs.to(torch.float64)).clamp(-input_clamp, input_clamp)
     if kl_type == "k1":
         kl = -r
     elif kl_type == "k2":
