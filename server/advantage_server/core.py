@@ -33,6 +33,15 @@ log = logging.getLogger("advantage_server")
 _FLOAT = {torch.float32, torch.float64, torch.bfloat16, torch.float16}
 _INTEGER = {torch.int64, torch.int32, torch.uint8}
 _KINDS = {"float": _FLOAT, "integer": _INTEGER, "mask": _FLOAT | _INTEGER | {torch.bool}}
+#: inputs of larger magnitude are refused (INVALID_ARGUMENT naming the input): 2^150 ~ 1.4e45. Squares
+#: and products of up to six such values (2^900), summed over up to 2^100 elements, stay below float64's
+#: 2^1024, so no statistic overflows to infinity (which used to turn every advantage into a silent 0).
+#: Only float64 inputs can exceed it (float32 ends at 3.4e38 ~ 2^128).
+MAX_INPUT_MAGNITUDE = 2.0 ** 150
+#: float32 (and float16/bfloat16) inputs of larger magnitude are computed in float64 and the results cast
+#: back: 2^40 ~ 1.1e12, from where a float32 sum of squares over a large batch could overflow
+#: (float32 statistics of 1e19..1e20 rewards used to come out as silent zeros). Below it nothing changes.
+FLOAT32_PROMOTE_MAGNITUDE = 2.0 ** 40
 _OUTPUT = {pb.DTYPE_UNSPECIFIED: torch.float32, pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_FLOAT64: torch.float64,
            pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}
 
@@ -143,6 +152,13 @@ class AdvantageCore:
             batch.output_provider = output_provider
         checkpoint("before computing")
         result = spec.fn(config, batch)
+        if batch._tensors["mask"].dtype == torch.float64 and not any(
+                torch.as_tensor(t).dtype == torch.float64 for t in tensors.values()):
+            # float32 inputs of huge magnitude computed in float64 (prepare): results in the callers' dtype
+            result.advantages = validate.cast(result.advantages, torch.float32)
+            if result.returns is not None:
+                result.returns = validate.cast(result.returns, torch.float32)
+            result.finite = False  # the narrowing may overflow: checked below
         if (result.returns is not None) != spec.returns_for(config):
             raise RuntimeError(f"{name} {'set' if result.returns is not None else 'did not set'} returns, "
                                "contrary to its registration")
@@ -155,7 +171,7 @@ class AdvantageCore:
         for label, t in (("advantages", result.advantages), ("returns", result.returns)):
             if t is not None and not result.finite and not validate.all_finite(t):
                 # every input is finite (checked above): only magnitudes near the dtype's limit get here
-                raise InvalidInput("inputs", f"{name} overflowed {str(t.dtype).replace('torch.', '')} arithmetic "
+                raise InvalidInput(_largest_input(batch), f"{name} overflowed {str(t.dtype).replace('torch.', '')} arithmetic "
                                              f"computing {label}: input magnitudes are too large; rescale the "
                                              "rewards/values or send float64 inputs")
         return result
@@ -164,7 +180,10 @@ class AdvantageCore:
     def prepare(self, spec: EstimatorSpec, cfg: Any, raw: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Check every input against ``spec`` and move it to the compute device and dtype.
 
-        Collects all violations and raises them together as one ``InvalidInput``.
+        Collects all violations and raises them together as one ``InvalidInput``. The compute dtype is
+        float64 when any input is float64, or when a float input holds a magnitude beyond
+        :data:`FLOAT32_PROMOTE_MAGNITUDE` (:meth:`run` casts such results back to float32); else float32.
+        A float input beyond :data:`MAX_INPUT_MAGNITUDE` is a violation naming it.
         """
         tensors = {k: torch.as_tensor(v) for k, v in raw.items()}
         owners: dict[str, InputSpec] = {}
@@ -195,6 +214,20 @@ class AdvantageCore:
             raise InvalidInput(violations)
 
         compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
+        for key, t in tensors.items():  # huge but finite values (issue 11 item 7): refuse, or compute in float64
+            if owners[key].kind != "float":
+                continue
+            biggest = validate.max_abs_over(t, FLOAT32_PROMOTE_MAGNITUDE)
+            if biggest is None:
+                continue
+            if biggest > MAX_INPUT_MAGNITUDE:
+                violations.append((f"inputs[{key!r}]", f"holds a value of magnitude {biggest:.3g}, beyond the "
+                                   f"{MAX_INPUT_MAGNITUDE:.3g} (2^150) this service computes with: its statistics "
+                                   "would overflow float64 arithmetic. Rescale the input (e.g. divide the rewards "
+                                   "by a constant)"))
+            compute_dtype = torch.float64
+        if violations:
+            raise InvalidInput(violations)
         out = {}
         for key, t in tensors.items():
             # casts on the CPU before a move (the smaller dtype crosses to the GPU) are rare; a tensor that
@@ -207,6 +240,19 @@ class AdvantageCore:
             else:
                 out[key] = validate.cast(t, compute_dtype)
         return out
+
+
+def _largest_input(batch: Batch) -> str:
+    """``inputs['<key>']`` of the float input with the largest magnitude (the one to rescale when the
+    arithmetic overflowed), or ``inputs`` when there is none."""
+    best, field = -1.0, "inputs"
+    for key, t in batch._tensors.items():
+        if key == "mask" or not t.is_floating_point() or t.numel() == 0:
+            continue
+        m = float(torch.nan_to_num(t.detach(), nan=0.0).abs().amax())
+        if m > best:
+            best, field = m, f"inputs[{key!r}]"
+    return field
 
 
 def lengths_to_mask(tensors: Mapping[str, Any], columns: int = 0, max_elements: int | None = None

@@ -14,6 +14,8 @@ returns the tensor itself when it already has the dtype.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -52,6 +54,31 @@ def _binary_rows(lo, hi, m, ok):  # pragma: no cover - compiled; tested through 
         ok[b] = bad == 0
 
 
+@jit.njit(reassoc=True)
+def _abs_sum_rows(lo, hi, a, out):  # pragma: no cover - compiled; tested through max_abs_over
+    """out[b] = sum of |x| over row b in float64 (NaN when the row holds a NaN): an upper bound of the
+    row's largest magnitude that runs on SIMD lanes, unlike a max (which numba does not vectorise)."""
+    C = a.shape[1]
+    for b in range(lo, hi):
+        acc = 0.0
+        for t in range(C):
+            acc += abs(a[b, t])
+        out[b] = acc
+
+
+@jit.njit
+def _abs_max_rows(lo, hi, a, out):  # pragma: no cover - compiled; tested through max_abs_over
+    """out[b] = the largest |x| of row b, NaN values skipped (0 for a row of NaN)."""
+    C = a.shape[1]
+    for b in range(lo, hi):
+        m = 0.0
+        for t in range(C):
+            x = abs(a[b, t])
+            if x > m:
+                m = x
+        out[b] = m
+
+
 def _rows(a: np.ndarray) -> np.ndarray:
     """A C-contiguous 2-D view: ``[B, ...]`` as ``[B, rest]``; a 1-D or 0-D array as one row, cut into
     rows when large so the check still splits over the cores."""
@@ -86,6 +113,32 @@ def all_finite(t: torch.Tensor) -> bool:
     if _numba_ok(t, _NUMBA_FLOAT):
         return _run(_finite_rows, t.detach().numpy())
     return bool(torch.isfinite(t).all())
+
+
+def max_abs_over(t: torch.Tensor, limit: float) -> float | None:
+    """The largest magnitude ``max |x|`` of the float tensor ``t`` (NaN values ignored) when it exceeds
+    ``limit``, else None (also for an empty or integer tensor).
+
+    On the CPU with numba: one vectorised pass of row sums of ``|x|`` (each an upper bound of its row's
+    maximum), and only when a sum exceeds ``limit`` (rare: huge values, or long rows of large ones) a
+    second, slower pass for the exact maximum. Elsewhere one torch reduction.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    if _numba_ok(t, _NUMBA_FLOAT):
+        r = _rows(t.detach().numpy())
+        sums = np.empty(r.shape[0])
+        jit.parallel_rows(_abs_sum_rows, r.shape[0], r.shape[1], r, sums)
+        if (sums <= limit).all():  # a NaN sum (a NaN in the row) is looked at below
+            return None
+        jit.parallel_rows(_abs_max_rows, r.shape[0], r.shape[1], r, sums)
+        biggest = float(sums.max())
+    else:  # one fused reduction (no [B, T] temporary); NaN (a missing reward) -> again without the NaNs
+        a = t.detach()
+        biggest = float(torch.linalg.vector_norm(a, ord=float("inf")))
+        if math.isnan(biggest):
+            biggest = float(torch.nan_to_num(a, nan=0.0).abs().amax())
+    return biggest if biggest > limit else None
 
 
 def is_binary(t: torch.Tensor) -> bool:

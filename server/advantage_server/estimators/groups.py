@@ -403,11 +403,25 @@ def group_relative_rows(group: torch.Tensor, rewards: torch.Tensor, leave_one_ou
     return out
 
 
+def _stacked(components: list[torch.Tensor]) -> np.ndarray:
+    """The ``[B]`` CPU components as one C-contiguous ``[C, B]`` numpy array of their (common) dtype.
+
+    The numba kernels take the components in this form so that one compiled variant per dtype serves
+    every component count C (a tuple of arrays would be a new type, and a new compilation, per C). One
+    copy of C * B elements in the input dtype (small next to the ``[B, T]`` result)."""
+    first = components[0]
+    out = np.empty((len(components), first.shape[0]), dtype=jit.np_dtype(first.dtype))
+    for i, c in enumerate(components):
+        out[i] = c.detach().numpy()
+    return out
+
+
 @jit.njit
 def _weighted_relative_rows_uniform(g_lo, g_hi, n, comps, weights, leave_one_out, normalize, epsilon,
                                     total):  # pragma: no cover - compiled; tested through gdpo
-    """:func:`_weighted_relative_uniform` read straight from the components (a tuple of ``[B]`` arrays,
-    groups of ``n`` back to back) on L2-sized float64 slices: bit for bit the same ``total``."""
+    """:func:`_weighted_relative_uniform` read straight from the components (one ``[C, B]`` array of
+    float32 or float64, groups of ``n`` back to back in each row) on L2-sized float64 slices: bit for
+    bit the same ``total``. One compiled variant per dtype, whatever C is."""
     step = 1024  # groups per slice
     m_max = min(step, g_hi - g_lo) * n
     loc = np.empty(m_max)
@@ -417,10 +431,9 @@ def _weighted_relative_rows_uniform(g_lo, g_hi, n, comps, weights, leave_one_out
         bw = min(step, g_hi - g0)
         base = g0 * n
         m = bw * n
-        for c in range(len(comps)):
-            r = comps[c]
+        for c in range(comps.shape[0]):
             for i in range(m):
-                loc[i] = r[base + i]
+                loc[i] = comps[c, base + i]
             _group_stats_uniform(0, bw, n, loc, leave_one_out, ob, os_)
             w = weights[c]
             for i in range(m):
@@ -459,10 +472,12 @@ def weighted_group_relative(group: torch.Tensor, components: list[torch.Tensor],
     ids = np.ascontiguousarray(jit.numpy_as(group, torch.int64))
     n = _in_order_size(ids) if B > 1 else 0
     if 0 < n <= _UNIFORM_MAX and len({c.dtype for c in components}) == 1 and all(c.dim() == 1 for c in components):
-        # prompts back to back in equal groups: straight from the inputs, no [C, B] copy, no [B] temporaries
+        # prompts back to back in equal groups: no [B] temporaries. The components go in as one [C, B]
+        # array of their own dtype (not a tuple of C arrays: numba compiles, and keeps, one machine-code
+        # variant per tuple length, ~1 s of CPU and tens of MiB per new component count; issue 11 item 3)
         total = np.empty(B)
         jit.parallel_rows(_weighted_relative_rows_uniform, B // n, n * len(components), n,
-                          tuple(jit.as_numpy(c) for c in components), np.asarray(weights, dtype=np.float64),
+                          _stacked(components), np.asarray(weights, dtype=np.float64),
                           bool(leave_one_out), bool(normalize), float(epsilon), total)
         return torch.from_numpy(total)
     rs2 = np.empty((len(components), B))  # the components as float64 rows, cast straight into place
