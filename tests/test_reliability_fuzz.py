@@ -29,7 +29,7 @@ from reliability_support import CALLS, report, request_for, start_server, stop_s
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 1000         # per strategy
+EXAMPLES = 3400         # per strategy (10,200 requests in all)
 CHECK_EVERY = 50        # a correct request after every this many inputs
 ALLOWED = {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
 FDESC = FieldDescriptor
