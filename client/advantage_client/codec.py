@@ -48,6 +48,27 @@ class CodecError(ValueError):
     """Bytes that are not a valid message of the schema."""
 
 
+class CodecFieldError(CodecError):
+    """A request the server refuses for one field (too many inputs, too many dimensions), found while
+    parsing: ``field`` names it (``inputs``, ``inputs['x'].shape``), ``description`` says why."""
+
+    def __init__(self, field: str, description: str):
+        super().__init__(f"{field}: {description}")
+        self.field, self.description = field, description
+
+
+# Parsing a request costs Python work per protobuf field, not per byte (tensor payloads are sliced, not
+# read). These caps bound that work whatever the bytes hold (issue 11 item 9: 30 MB of empty unknown
+# fields were 17 s of server CPU, a 5-million-dimension shape 5.5 s, 200k input keys 3 s):
+#: fields of every level a request may hold (known, unknown and inside groups): a request with 1,024
+#: inputs holds about 6,200
+MAX_FIELDS = 1 << 15
+#: entries of ``inputs`` (as sent: a repeated key counts each time)
+MAX_INPUTS = 1024
+#: dimensions of one tensor (numpy's limit; ``wire.MAX_DIMS``)
+MAX_DIMS = wire.MAX_DIMS
+
+
 # ------------------------------------------------------------------------------------------- varints
 def varint(value: int) -> bytes:
     """Protobuf base-128 varint of ``value`` (negative int64/int32 as 10-byte two's complement)."""
@@ -78,10 +99,22 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     raise CodecError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview, pos: int, end: int) -> Iterable[tuple[int, int, Any, int, int]]:
+def _spend(budget: list[int] | None) -> None:
+    if budget is not None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise CodecError(f"more than {budget[1]} protobuf fields in one message (unknown ones and group "
+                             "contents included), more than the server reads; a request holds a few per input")
+
+
+def _fields(buf: memoryview, pos: int, end: int, budget: list[int] | None = None
+            ) -> Iterable[tuple[int, int, Any, int, int]]:
     """(field number, wire type, value or None, start, stop) for each field in ``buf[pos:end]``;
-    for LEN fields the value is None and ``[start, stop)`` is the payload."""
+    for LEN fields the value is None and ``[start, stop)`` is the payload. ``budget``:
+    ``[fields left, cap]``, shared by a whole message's parse (each field, skipped ones included, spends one;
+    CodecError past the cap)."""
     while pos < end:
+        _spend(budget)
         key, pos = _read_varint(buf, pos, end)
         number, wt = key >> 3, key & 7
         if number == 0 or number > 536870911:
@@ -106,17 +139,19 @@ def _fields(buf: memoryview, pos: int, end: int) -> Iterable[tuple[int, int, Any
             yield number, wt, None, pos, pos + n
             pos += n
         elif wt == _SGROUP:
-            pos = _skip_group(buf, pos, end, number)
+            pos = _skip_group(buf, pos, end, number, budget=budget)
         else:
             raise CodecError(f"field {number}: unexpected wire type {wt}")
 
 
-def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int = 0) -> int:
+def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int = 0,
+                budget: list[int] | None = None) -> int:
     if depth > 100:
         raise CodecError("groups nested too deeply")
     while True:
         if pos >= end:
             raise CodecError(f"group {number} is not closed")
+        _spend(budget)
         key, pos = _read_varint(buf, pos, end)
         num, wt = key >> 3, key & 7
         if num == 0:
@@ -137,7 +172,7 @@ def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int = 0
                 raise CodecError("length runs past the end of the message")
             pos += n
         elif wt == _SGROUP:
-            pos = _skip_group(buf, pos, end, num, depth + 1)
+            pos = _skip_group(buf, pos, end, num, depth + 1, budget)
         else:
             raise CodecError(f"unexpected wire type {wt}")
 
@@ -172,6 +207,9 @@ class TensorView:
     dtype: int = 0
     shape: list[int] = field(default_factory=list)
     data: Any = b""
+    #: dimensions sent beyond those kept in ``shape`` (a request decoded with a dimension cap: the request is
+    #: refused, and the count is only for its message)
+    more_dims: int = 0
 
     def numpy(self, name: str = "tensor") -> np.ndarray:
         return wire.decode_numpy(self, name)  # type: ignore[arg-type]
@@ -194,12 +232,40 @@ def _add_int64s(out: list[int], buf: memoryview, wt: int, value: Any, start: int
         out.append(_int64(v))
 
 
-def _merge_tensor(t: TensorView, buf: memoryview, pos: int, end: int) -> TensorView:
-    for number, wt, value, start, stop in _fields(buf, pos, end):
+def _add_dims(t: TensorView, buf: memoryview, wt: int, value: Any, start: int, stop: int) -> None:
+    """:func:`_add_int64s` into ``t.shape`` keeping at most ``MAX_DIMS + 1`` dimensions: the others are
+    counted in ``t.more_dims`` without decoding them one by one (a packed run holds one varint per byte
+    below 0x80), so a shape of millions of dimensions costs no Python loop over them."""
+    if len(t.shape) > MAX_DIMS:
+        if wt == _VARINT:
+            t.more_dims += 1
+            return
+        rest = np.frombuffer(buf[start:stop], np.uint8)
+        if rest.size and rest[-1] & 0x80:
+            raise CodecError("truncated varint")
+        t.more_dims += int(np.count_nonzero(rest < 0x80))
+        return
+    if wt == _VARINT:
+        t.shape.append(_int64(value))
+        return
+    p = start
+    while p < stop and len(t.shape) <= MAX_DIMS:
+        v, p = _read_varint(buf, p, stop)
+        t.shape.append(_int64(v))
+    if p < stop:
+        _add_dims(t, buf, wt, None, p, stop)
+
+
+def _merge_tensor(t: TensorView, buf: memoryview, pos: int, end: int, budget: list[int] | None = None
+                  ) -> TensorView:
+    for number, wt, value, start, stop in _fields(buf, pos, end, budget):
         if number == 1 and wt == _VARINT:
             t.dtype = _int32(value)
         elif number == 2 and wt in (_VARINT, _LEN):
-            _add_int64s(t.shape, buf, wt, value, start, stop)
+            if budget is None:
+                _add_int64s(t.shape, buf, wt, value, start, stop)
+            else:  # a request (the server's side): the dimension cap applies
+                _add_dims(t, buf, wt, value, start, stop)
         elif number == 3 and wt == _LEN:
             t.data = buf[start:stop]
     return t
@@ -375,17 +441,18 @@ class DecodedRequest:
         return msg
 
 
-def _map_entry(buf: memoryview, start: int, stop: int) -> tuple[str, TensorView] | None:
+def _map_entry(buf: memoryview, start: int, stop: int, budget: list[int] | None = None
+               ) -> tuple[str, TensorView] | None:
     """(key, value) of one ``map<string, Tensor>`` entry; None for an entry protobuf (upb) moves to the
     unknown fields because it holds a field other than key and value (it is then ignored)."""
     key: Any = b""
     value = TensorView()
     unknown = False
-    for number, wt, _, s, e in _fields(buf, start, stop):
+    for number, wt, _, s, e in _fields(buf, start, stop, budget):
         if number == 1 and wt == _LEN:
             key = buf[s:e]
         elif number == 2 and wt == _LEN:
-            _merge_tensor(value, buf, s, e)
+            _merge_tensor(value, buf, s, e, budget)
         else:
             unknown = True
     try:
@@ -396,12 +463,18 @@ def _map_entry(buf: memoryview, start: int, stop: int) -> tuple[str, TensorView]
 
 
 def decode_request(data: Any) -> DecodedRequest:
-    """Parse a serialized ``ComputeAdvantageRequest`` without copying tensor payloads."""
+    """Parse a serialized ``ComputeAdvantageRequest`` without copying tensor payloads.
+
+    The work is bounded whatever the bytes hold: at most :data:`MAX_FIELDS` fields (else ``CodecError``),
+    :data:`MAX_INPUTS` input entries and :data:`MAX_DIMS` dimensions per tensor (else
+    :class:`CodecFieldError` naming the field), each refused as soon as it is passed."""
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     req = DecodedRequest()
     req.nbytes = buf.nbytes
     cu: list[tuple[int, int]] = []
-    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes):
+    budget = [MAX_FIELDS, MAX_FIELDS]
+    entries = 0
+    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes, budget):
         if number in ONEOF and wt == _LEN:
             name = ONEOF[number]
             if name != req.estimator:
@@ -413,7 +486,11 @@ def decode_request(data: Any) -> DecodedRequest:
                 raise CodecError(f"{name}: not a valid {_CONFIG_CLS[name].DESCRIPTOR.full_name} ({err})") from None
             req._config_bytes.append(segment)
         elif number == 10 and wt == _LEN:
-            entry = _map_entry(buf, start, stop)
+            entries += 1
+            if entries > MAX_INPUTS:
+                raise CodecFieldError("inputs", f"holds more than {MAX_INPUTS} entries; send at most {MAX_INPUTS} "
+                                                "input tensors (each name once)")
+            entry = _map_entry(buf, start, stop, budget)
             if entry is not None:
                 req.inputs[entry[0]] = entry[1]  # a repeated key: the last entry wins
         elif number == 11 and wt == _VARINT:
@@ -427,7 +504,11 @@ def decode_request(data: Any) -> DecodedRequest:
     if cu:
         req.cu_seqlens = TensorView()
         for s, e in cu:
-            _merge_tensor(req.cu_seqlens, buf, s, e)
+            _merge_tensor(req.cu_seqlens, buf, s, e, budget)
+    for name, t in req.tensor_fields().items():
+        if t.more_dims:
+            raise CodecFieldError(f"{name}.shape", f"has {len(t.shape) + t.more_dims} dimensions; at most "
+                                                   f"{MAX_DIMS} are supported")
     req.config()  # invalid config bytes are an invalid request
     return req
 
@@ -572,11 +653,16 @@ def iter_chunks(pieces: list[Any], chunk_bytes: int, total: int | None = None) -
         raise ValueError(f"the pieces hold more than the announced {total} bytes")
 
 
+#: fields one chunk message may hold (it has two; unknown ones count): a chunk of megabytes of empty fields
+#: is refused after these instead of costing a Python loop over them
+MAX_CHUNK_FIELDS = 1024
+
+
 def decode_chunk(data: Any) -> tuple[int, memoryview]:
     """(total_size, data view) of a serialized chunk message."""
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     total, payload = 0, buf[0:0]
-    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes):
+    for number, wt, value, start, stop in _fields(buf, 0, buf.nbytes, [MAX_CHUNK_FIELDS, MAX_CHUNK_FIELDS]):
         if number == 1 and wt == _VARINT:
             total = value
         elif number == 2 and wt == _LEN:

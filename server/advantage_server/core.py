@@ -362,19 +362,75 @@ def _symbols(pattern: str) -> list[str]:
     return [s.strip() for s in pattern.strip("[]").split(",") if s.strip()]
 
 
+#: elements of the padded batch one step of the packed layout's unpack / repack moves; the call's checkpoint
+#: (deadline, cancellation: :func:`~advantage_server.limits.checkpoint`) runs between steps, so a call that
+#: expires while a large packed batch is unpacked stops within one step (a few ms), not after all of it
+PACK_STEP = 1 << 22
+
+
+def _pack_steps(cu: torch.Tensor, lengths: torch.Tensor, T: int):
+    """``(r0, r1, c0, c1, a)`` steps over the padded ``[B, T]`` batch, each at most :data:`PACK_STEP`
+    elements: rows ``r0:r1`` whole (several short rows), or columns ``c0:c1`` of one long row ``r0``
+    (``r1 = r0 + 1``); ``a`` = the flat position of the step's first token. A checkpoint after each."""
+    B = lengths.numel()
+    rows = max(1, PACK_STEP // max(T, 1))
+    for r0 in range(0, B, rows):
+        r1 = min(B, r0 + rows)
+        a = int(cu[r0])
+        if r1 - r0 > 1 or T <= PACK_STEP:
+            yield r0, r1, 0, T, a
+            checkpoint("while unpacking the packed layout (cu_seqlens)")
+        else:
+            n = int(lengths[r0])
+            for c0 in range(0, max(n, 1), PACK_STEP):
+                yield r0, r1, c0, min(n, c0 + PACK_STEP), a + c0
+                checkpoint("while unpacking the packed layout (cu_seqlens)")
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-    """Where each of the N flat positions sits in the padded ``[B, T]`` batch."""
+    """Where the N flat positions sit in the padded ``[B, T]`` batch: row ``b`` holds ``lengths[b]`` tokens
+    in columns ``0 .. lengths[b] - 1``, rows one after the other (row-major order of the valid positions)."""
 
-    rows: torch.Tensor  # [N] int64
-    cols: torch.Tensor  # [N] int64
+    cu: torch.Tensor       # [B + 1] int64 row offsets (CPU)
+    lengths: torch.Tensor  # [B] int64 (CPU)
+    T: int
+
+    def scatter(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Flat ``[N]`` -> zero-padded ``[B, T]``; ``t`` None: the all-ones mask (``dtype`` bool)."""
+        B, T = self.lengths.numel(), self.T
+        padded = torch.zeros((B, T), dtype=t.dtype if t is not None else dtype)
+        cols = torch.arange(T) if T <= PACK_STEP else None  # only steps of several rows use it (then T is small)
+        for r0, r1, c0, c1, a in _pack_steps(self.cu, self.lengths, T):
+            if r1 - r0 == 1:  # one row, or columns of a long one: a contiguous copy
+                n = max(0, min(c1, int(self.lengths[r0])) - c0)
+                padded[r0, c0:c0 + n] = True if t is None else t[a:a + n]
+            else:
+                valid = cols[None, :] < self.lengths[r0:r1, None]
+                if t is None:
+                    padded[r0:r1] = valid
+                else:  # the step's tokens, in row-major order of its valid positions
+                    padded[r0:r1].masked_scatter_(valid, t[a:int(self.cu[r1])])
+        return padded
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Padded ``[B, T]`` -> flat ``[N]`` (the valid positions, row-major), on ``t``'s device."""
+        out = torch.empty(int(self.cu[-1]), dtype=t.dtype, device=t.device)
+        lengths = self.lengths.to(t.device)
+        cols = torch.arange(self.T, device=t.device) if self.T <= PACK_STEP else None
+        for r0, r1, c0, c1, a in _pack_steps(self.cu, self.lengths, self.T):
+            if r1 - r0 == 1:
+                n = max(0, min(c1, int(self.lengths[r0])) - c0)
+                out[a:a + n] = t[r0, c0:c0 + n]
+            else:  # the valid positions' flat indices, then one index_select (faster than boolean indexing)
+                where = (cols[None, :] < lengths[r0:r1, None]).view(-1).nonzero().squeeze(1)
+                out[a:int(self.cu[r1])] = t[r0:r1].reshape(-1).index_select(0, where)
+        return out
 
     def repack(self, result: AdvantageResult) -> AdvantageResult:
         """Padded ``[B, T]`` advantages/returns -> flat ``[N]`` (the valid positions, row-major)."""
         def gather(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t[self.rows.to(t.device), self.cols.to(t.device)]
+            return None if t is None else self.gather(t)
         return AdvantageResult(gather(result.advantages), gather(result.returns), dict(result.metrics))
 
 
@@ -395,15 +451,19 @@ def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any], max_ele
     if cu.dim() != 1 or cu.numel() < 2:
         raise InvalidInput("cu_seqlens", f"must be [B + 1] row offsets with B >= 1, got shape {list(cu.shape)}: "
                                          "send [0, len_0, len_0 + len_1, ...]")
-    cu = cu.to("cpu", torch.int64)
+    stage = "while unpacking the packed layout (cu_seqlens)"  # checked between the steps below (cu_seqlens
+    cu = cu.to("cpu", torch.int64)                          # may hold up to --max-batch-elements offsets)
+    checkpoint(stage)
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0:
         raise InvalidInput("cu_seqlens", f"must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    checkpoint(stage)
     if bool((lengths < 0).any()):
         row = int(torch.nonzero(lengths < 0)[0, 0])
         raise InvalidInput("cu_seqlens", f"must be non-decreasing, but cu_seqlens[{row + 1}] = {int(cu[row + 1])} < "
                                          f"cu_seqlens[{row}] = {int(cu[row])}")
     B, N = cu.numel() - 1, int(cu[-1])
+    checkpoint(stage)
     T = max(int(lengths.max()), 1)
     # Every size this request implies is checked before anything is allocated: the flat [N] inputs and
     # results (N = cu_seqlens[B], e.g. the all-ones mask made when none is sent) and the padded [B, T]
@@ -417,8 +477,9 @@ def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any], max_ele
                             f"than the server's {MAX_PADDED_ELEMENTS}; split the batch or send it padded")
 
     tensors = {k: torch.as_tensor(v) for k, v in raw.items()}
-    if "mask" not in tensors:
-        tensors["mask"] = torch.ones(N, dtype=torch.bool)
+    default_mask = "mask" not in tensors
+    if default_mask:  # all ones over the N tokens: made padded below, never as an [N] tensor
+        tensors["mask"] = torch.ones(1, dtype=torch.bool).expand(N)
     violations: list[tuple[str, str]] = []
     flat: list[str] = []
     for key, t in tensors.items():
@@ -442,23 +503,29 @@ def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any], max_ele
     if violations:
         raise InvalidInput(violations)
 
-    rows = torch.repeat_interleave(torch.arange(B), lengths)
-    cols = torch.arange(N) - cu[:-1][rows]
+    # scattered step by step, with the call's checkpoint between steps (PACK_STEP)
+    layout = PackedLayout(cu, lengths, T)
+    checkpoint(stage)
     for key in flat:
-        t = tensors[key]
-        padded = torch.zeros((B, T), dtype=t.dtype)
-        padded[rows, cols] = t
-        tensors[key] = padded
-    return tensors, PackedLayout(rows, cols)
+        tensors[key] = layout.scatter(None if key == "mask" and default_mask else tensors[key], torch.bool)
+    return tensors, layout
 
 
 # ---------------------------------------------------------------------- configs
+#: values a repeated config field may hold (GDPO's reward_weights: one per reward input, and a request has
+#: at most codec.MAX_INPUTS inputs)
+MAX_CONFIG_ITEMS = 1024
+
+
 def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
     """Typed proto config message -> the estimator's config dataclass (unset fields take defaults)."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(spec.config):
         fd = msg.DESCRIPTOR.fields_by_name[f.name]
         if fd.is_repeated:
+            if len(getattr(msg, f.name)) > MAX_CONFIG_ITEMS:  # bounded work before any loop over it
+                raise InvalidInput(f"config.{f.name}", f"holds {len(getattr(msg, f.name))} values; at most "
+                                                       f"{MAX_CONFIG_ITEMS} (one per input) are read")
             items = tuple(getattr(msg, f.name))
             for i, v in enumerate(items):  # the config's own validate() checks scalars, not lists
                 if isinstance(v, float) and not math.isfinite(v):

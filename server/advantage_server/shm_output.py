@@ -1,20 +1,24 @@
-"""The output room of a ``ComputeAdvantageShm`` call: results written straight into the client's region.
+"""The output room of a ``ComputeAdvantageShm`` call: where the results go in the client's region.
 
 The client reserves ``[output_offset, output_offset + output_byte_size)`` of its registered region for
 the results. :class:`OutputRoom` is the output provider the shared-memory handler passes to
 ``AdvantageCore.compute_result``: an estimator that writes its ``[B, T]`` result densely asks
-:meth:`Batch.output <advantage_server.estimators.registry.Batch.output>` for memory and gets a view of
-the room, so the result needs no copy afterwards. :meth:`OutputRoom.place` then records where each
-result lies, and copies the ones that were not written in place (an estimator that does not use the
-provider, a compute dtype other than the requested output dtype, the packed layout) into the room as
-before. Every view is bounds-checked against the room and the region, and never overlaps an input
-read from the same region (the inputs must stay intact while the estimator reads them).
+:meth:`Batch.output <advantage_server.estimators.registry.Batch.output>` for memory and gets a buffer
+that stands for a place in the room, so the result needs no copy afterwards. :meth:`OutputRoom.place`
+then records where each result lies (an estimator that did not use the provider, a compute dtype other
+than the requested output dtype, the packed layout: the next free place). Every place is bounds-checked
+against the room and the region, and never overlaps an input read from the same region.
 
-Writing in place means a call writes into the room while it computes, not only at its end; a call
-whose client gave up (deadline, cancel) cannot stop a running kernel. :func:`region_lock` serialises
-the calls that write into one region, so a client's next call never has its results overwritten by
-the tail of an abandoned one (and two concurrent calls sharing a room no longer interleave their
-writes).
+The server never maps a client's segment (a segment shrunk during a call would kill it with SIGBUS:
+see ``transport.Region``), so on the server the room is *staged*: ``buf=None``, the handed-out buffers
+are the server's own memory, and :attr:`OutputRoom.pending` lists what :meth:`Region.write
+<advantage_server.transport.Region.write>` then writes into the segment, once the call has computed.
+Given a ``buf`` (a ``uint8`` numpy array: in-process use, tests), the room is that memory and the
+results are written straight into it.
+
+:func:`region_lock` serialises the calls that write into one region, so a client's next call never has
+its results overwritten by the tail of an abandoned one (and two concurrent calls sharing a room do not
+interleave their writes).
 """
 from __future__ import annotations
 
@@ -51,16 +55,21 @@ def _align(n: int) -> int:
 
 
 class OutputRoom:
-    """Output provider over ``buf[start:limit]`` (``buf``: the region's bytes as a numpy uint8 array).
+    """Output provider over region bytes ``[start, limit)``.
 
-    dtype:  the requested output dtype; only results computed in it are written in place.
+    buf:    the region's bytes as a numpy uint8 array (written in place), or None: staged (``size`` = the
+            region's size; the results are listed in :attr:`pending` for the caller to write).
+    dtype:  the requested output dtype; only results computed in it use the handed-out memory.
     inputs: ``(begin, end)`` byte ranges of the inputs read from this region: never handed out.
     """
 
-    def __init__(self, buf: np.ndarray, start: int, limit: int, dtype: torch.dtype,
-                 inputs: list[tuple[int, int]] = ()):
+    def __init__(self, buf: np.ndarray | None, start: int, limit: int, dtype: torch.dtype,
+                 inputs: list[tuple[int, int]] = (), size: int | None = None):
         self.buf, self.start, self.limit, self.dtype = buf, int(start), int(limit), dtype
+        self.size = int(buf.size if buf is not None else size)
         self.inputs = list(inputs)
+        #: staged: ``(offset, uint8 array)`` of each placed result, to be written into the region
+        self.pending: list[tuple[int, np.ndarray]] = []
         self.next = _align(self.start)  # first free byte for the next view
         self.handed: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (view, offset, nbytes)
         self.cursor: int | None = None  # where the next copied result goes
@@ -71,11 +80,12 @@ class OutputRoom:
             return None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         begin, end = self.next, self.next + nbytes
-        if nbytes == 0 or end > self.limit or end > self.buf.size:
+        if nbytes == 0 or end > self.limit or end > self.size:
             return None
         if any(begin < hi and lo < end for lo, hi in self.inputs):
             return None
-        view = torch.from_numpy(self.buf[begin:end].view(_NP[dtype]).reshape(tuple(shape)))
+        raw = self.buf[begin:end] if self.buf is not None else np.empty(nbytes, np.uint8)
+        view = torch.from_numpy(raw.view(_NP[dtype]).reshape(tuple(shape)))
         self.handed[name] = (view, begin, nbytes)
         self.next = _align(end)
         return view
@@ -89,6 +99,8 @@ class OutputRoom:
             view, offset, nbytes = entry
             if (t.data_ptr() == view.data_ptr() and t.dtype == view.dtype and tuple(t.shape) == tuple(view.shape)
                     and t.is_contiguous()):
+                if self.buf is None:
+                    self.pending.append((offset, view.numpy().reshape(-1).view(np.uint8)))
                 return offset  # written in place
         t = t.contiguous()
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
@@ -98,12 +110,15 @@ class OutputRoom:
             if self.cursor is None:  # after the views handed out; at the room's start when there are none
                 self.cursor = self.next if self.handed else self.start
             pos = self.cursor
-            limit = min(self.limit, self.buf.size)
+            limit = min(self.limit, self.size)
             if pos + raw.nbytes > limit:
                 raise InvalidInput("output_byte_size", f"the result needs {raw.nbytes} bytes for {name} at offset "
                                                        f"{pos}, but the output room ends at {limit}")
             self.cursor = pos + _align(raw.nbytes)
-        self.buf[pos:pos + raw.nbytes] = raw
+        if self.buf is None:
+            self.pending.append((pos, raw))
+        else:
+            self.buf[pos:pos + raw.nbytes] = raw
         return pos
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

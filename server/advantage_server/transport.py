@@ -11,19 +11,22 @@
 * **Shared memory** (``RegisterSharedMemory`` / ``UnregisterSharedMemory`` / ``ComputeAdvantageShm``): a
   co-located client registers a POSIX shared-memory segment it created and gets a region id and a
   secret key; calls carrying the key read inputs from and write results to the region, every tensor
-  bounds-checked against the registered size.
+  bounds-checked against the registered size. The server reaches a segment through its file descriptor
+  (``preadv`` / ``pwritev``), never through a mapping: a segment its client shrinks during a call fails
+  that call (INVALID_ARGUMENT) instead of killing the server with SIGBUS (:class:`Region`).
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
 import os
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any, Iterator
 
 import grpc
@@ -31,7 +34,6 @@ import numpy as np
 import torch
 
 from advantage_client import codec, wire
-from advantage_client.shm import close_mapping, map_segment
 from advantage_client.streaming import TIMING_KEY
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_server import logs
@@ -53,7 +55,8 @@ MAX_REGIONS = 256
 #: cannot take every region, nor push other clients' pending challenges out of MAX_CHALLENGES.
 MAX_REGIONS_PER_SEGMENT, MAX_CHALLENGES_PER_SEGMENT = 4, 4
 ALIGN = 64
-_ATTACH_LOCK = threading.Lock()
+#: bytes per preadv/pwritev call on a segment (Linux moves at most ~2 GiB per call)
+_IO_STEP = 1 << 30
 log = logging.getLogger("advantage_server")
 
 
@@ -68,6 +71,8 @@ def decode_request(data: Any) -> codec.DecodedRequest:
     """Request bytes -> :class:`codec.DecodedRequest`; bytes protobuf would reject are ``InvalidInput``."""
     try:
         return codec.decode_request(data)
+    except codec.CodecFieldError as err:  # too many inputs or dimensions: refused as soon as they were passed
+        raise InvalidInput(err.field, err.description) from None
     except codec.CodecError as err:
         raise InvalidInput("request", f"the {memoryview(data).nbytes} request bytes are not a valid "
                                       f"advantage.v1.ComputeAdvantageRequest message ({err}); serialize the "
@@ -109,42 +114,99 @@ def response_serializer(response_cls: type):
 
 # -------------------------------------------------------------------------------- shared memory
 class Region:
+    """A registered segment, reached through its file descriptor only: the server never maps it.
+
+    A client may shrink its segment (``ftruncate``) at any moment, also while a call reads it; a page of a
+    mapping past the file's new end kills the reading process with SIGBUS, and no Python code can catch
+    that. So inputs are read with ``preadv`` into the server's own memory (a segment that shrank gives a
+    short read: INVALID_ARGUMENT for that call) and results written with ``pwritev`` once computed, after
+    the segment's size was checked again. One trainer's bug fails its own call, never the server."""
+
     def __init__(self, name: str, size: int, key: str):
-        # The client owns the segment: this process must never unlink it, but Python < 3.13 registers
-        # every attached segment with the resource tracker (which unlinks it at exit), so attach without.
-        from multiprocessing import resource_tracker
-        with _ATTACH_LOCK:
-            register, resource_tracker.register = resource_tracker.register, lambda *a, **k: None
-            try:
-                self.shm = shared_memory.SharedMemory(name=name, create=False)
-            except (FileNotFoundError, ValueError, OSError) as err:
-                raise InvalidInput("name", f"cannot open shared-memory segment {name!r} on the server's host "
-                                           f"({err}); shared memory works only with a server on the same host") from None
-            finally:
-                resource_tracker.register = register
-        if size > self.shm.size:
+        import _posixshmem  # what multiprocessing.shared_memory opens segments with (O_NOFOLLOW, O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._fd = -1
+        try:
+            self._fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            st = os.fstat(self._fd)
+        except (FileNotFoundError, ValueError, OSError) as err:
             self.close()
-            raise InvalidInput("byte_size", f"{size} bytes registered but segment {name!r} has {self.shm.size}")
-        self.size = size or self.shm.size
+            raise InvalidInput("name", f"cannot open shared-memory segment {name!r} on the server's host "
+                                       f"({err}); shared memory works only with a server on the same host") from None
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise InvalidInput("name", f"{name!r} is not a shared-memory segment")
+        if size > st.st_size:
+            self.close()
+            raise InvalidInput("byte_size", f"{size} bytes registered but segment {name!r} has {st.st_size}")
+        self.size = size or st.st_size
         self.key = key
         self.name = name
-        st = os.fstat(self.shm._fd)
         self.inode = (st.st_dev, st.st_ino)
-        self.buf = map_segment(self.shm, self.size)  # unmapped with its last view, never by SharedMemory
+
+    @contextlib.contextmanager
+    def fd(self, field: str) -> Iterator[int]:
+        """A descriptor of the segment for the block (a duplicate: unregistering the region meanwhile cannot
+        hand its number to another file)."""
+        with self._lock:
+            if self._fd < 0:
+                raise InvalidInput(field, f"shared-memory region of segment {self.name!r} was unregistered")
+            fd = os.dup(self._fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def current_size(self, fd: int) -> int:
+        try:
+            return os.fstat(fd).st_size
+        except (OSError, ValueError, TypeError):
+            return -1
+
+    def shrunk(self, field: str, size: int) -> InvalidInput:
+        return InvalidInput(field, f"shared-memory segment {self.name!r} now has {max(size, 0)} bytes, fewer than "
+                                   f"the {self.size} registered; register the region again")
 
     def check_size(self, field: str) -> None:
-        """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration.
-
-        Reading or writing a mapped page past the end of a truncated segment kills the process with SIGBUS,
-        so every call checks the segment's current size first. (A client that shrinks its segment while a
-        call is running can still crash the server: shared memory is for trusted co-located trainers.)"""
-        try:
-            size = os.fstat(self.shm._fd).st_size
-        except (OSError, ValueError, TypeError):
-            size = -1
+        """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration."""
+        with self.fd(field) as fd:
+            size = self.current_size(fd)
         if size < self.size:
-            raise InvalidInput(field, f"shared-memory segment {self.name!r} now has {max(size, 0)} bytes, fewer "
-                                      f"than the {self.size} registered; register the region again")
+            raise self.shrunk(field, size)
+
+    def read(self, offset: int, nbytes: int, field: str) -> np.ndarray:
+        """``nbytes`` bytes at ``offset`` into a new ``uint8`` array of the server's (INVALID_ARGUMENT naming
+        ``field`` when the segment ends before them: it shrank)."""
+        out = np.empty(nbytes, np.uint8)
+        view = memoryview(out)
+        with self.fd(field) as fd:
+            done = 0
+            while done < nbytes:
+                try:
+                    n = os.preadv(fd, [view[done:done + _IO_STEP]], offset + done)
+                except OSError as err:
+                    raise InvalidInput(field, f"cannot read shared-memory segment {self.name!r} ({err})") from None
+                if n <= 0:
+                    raise self.shrunk(field, self.current_size(fd))
+                done += n
+        return out
+
+    def write(self, pieces: list[tuple[int, Any]], field: str) -> None:
+        """Each ``(offset, bytes-like)`` of ``pieces`` written into the segment, which must still have its
+        registered size (a shrunk segment is not grown back: INVALID_ARGUMENT naming ``field``)."""
+        with self.fd(field) as fd:
+            size = self.current_size(fd)
+            if size < self.size:
+                raise self.shrunk(field, size)
+            for offset, data in pieces:
+                view = memoryview(data).cast("B")
+                done = 0
+                while done < view.nbytes:
+                    try:
+                        done += os.pwritev(fd, [view[done:done + _IO_STEP]], offset + done)
+                    except OSError as err:
+                        raise InvalidInput(field, f"cannot write the results into shared-memory segment "
+                                                  f"{self.name!r} ({err})") from None
 
     def stale(self) -> bool:
         """True when the segment's name is gone from /dev/shm or names another segment (the client unlinked it
@@ -160,8 +222,14 @@ class Region:
         return (st.st_dev, st.st_ino) != self.inode
 
     def close(self) -> None:
-        self.buf = None
-        close_mapping(self.shm)  # while a call still reads it, the mapping goes with its last view
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a region dropped without close() (e.g. a server collected) keeps no descriptor
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
 
 
 def _shm_layout(t: pb.SharedMemoryTensor, field: str) -> tuple[int, tuple[int, ...]]:
@@ -171,6 +239,24 @@ def _shm_layout(t: pb.SharedMemoryTensor, field: str) -> tuple[int, tuple[int, .
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{field}.shape", f"negative dimension in shape {list(shape)}")
     return math.prod(shape) * wire._NP[t.dtype].itemsize, shape
+
+
+def _check_counts(request: pb.ComputeAdvantageShmRequest) -> None:
+    """The codec's caps on a ``ComputeAdvantageShmRequest`` (protobuf parsed it, in C): at most
+    ``codec.MAX_INPUTS`` inputs and ``codec.MAX_DIMS`` dimensions per tensor, checked on the containers'
+    lengths before anything iterates over them."""
+    inner = request.request
+    for field, inputs in (("inputs", request.inputs), ("request.inputs", inner.inputs)):
+        if len(inputs) > codec.MAX_INPUTS:
+            raise InvalidInput(field, f"holds {len(inputs)} entries; send at most {codec.MAX_INPUTS} input tensors")
+    tensors = [(f"inputs[{k!r}]", t) for k, t in request.inputs.items()]
+    tensors += [(f"request.inputs[{k!r}]", t) for k, t in inner.inputs.items()]
+    if inner.HasField("cu_seqlens"):
+        tensors.append(("request.cu_seqlens", inner.cu_seqlens))
+    for field, t in tensors:
+        if len(t.shape) > codec.MAX_DIMS:
+            raise InvalidInput(f"{field}.shape", f"has {len(t.shape)} dimensions; at most {codec.MAX_DIMS} are "
+                                                 "supported")
 
 
 class TransportMethods:
@@ -332,8 +418,13 @@ class TransportMethods:
                 region = Region(request.name, 0, secrets.token_urlsafe(24))  # all of it; byte_size checked below
             except InvalidInput:
                 region = None
-        if region is None or region.size < len(proof) or \
-                not hmac.compare_digest(region.buf[:len(proof)].tobytes(), proof):
+        proven = False
+        if region is not None and region.size >= len(proof):
+            try:
+                proven = hmac.compare_digest(region.read(0, len(proof), "proof").tobytes(), proof)
+            except InvalidInput:  # shrank meanwhile
+                proven = False
+        if not proven:
             # one answer whether the segment does not exist, cannot be opened by the server or does not hold
             # the challenge: a caller that cannot write a segment learns nothing about it
             if region is not None:
@@ -347,7 +438,7 @@ class TransportMethods:
             region.close()
             raise InvalidInput("byte_size", f"{size} bytes registered but segment {request.name!r} has {region.size}")
         if size:
-            region.size, region.buf = size, region.buf[:size]
+            region.size = size
         region_id = secrets.token_hex(8)
         with lock:
             if sum(r.inode == region.inode for r in regions.values()) >= MAX_REGIONS_PER_SEGMENT:
@@ -368,6 +459,7 @@ class TransportMethods:
 
     def ComputeAdvantageShm(self, request: pb.ComputeAdvantageShmRequest, context: Any):  # noqa: N802
         inner = request.request
+        _check_counts(request)  # before any Python loop over the inputs or their shapes
         decoded = codec.DecodedRequest()
         decoded.estimator = inner.WhichOneof("estimator")
         _label_call(decoded.estimator)
@@ -378,6 +470,8 @@ class TransportMethods:
         if inner.HasField("cu_seqlens"):
             c = inner.cu_seqlens
             decoded.cu_seqlens = codec.TensorView(c.dtype, list(c.shape), c.data)
+        alive = grpc_liveness(context)
+        placed: list[tuple[str, pb.SharedMemoryTensor, int, tuple[int, ...], Region]] = []
         for key, t in request.inputs.items():
             field = f"inputs[{key!r}]"
             nbytes, shape = _shm_layout(t, field)
@@ -385,22 +479,35 @@ class TransportMethods:
             if t.offset + nbytes > region.size:
                 raise InvalidInput(f"{field}.offset", f"[{t.offset}, {t.offset + nbytes}) is outside the region's "
                                                       f"{region.size} registered bytes")
-            decoded.inputs[key] = codec.TensorView(t.dtype, list(shape), region.buf[t.offset:t.offset + nbytes])
+            placed.append((key, t, nbytes, shape, region))
+        # every size is checked before a byte is read into the server's memory
+        check_batch_elements({f"inputs[{key!r}]": t for key, t, *_ in placed}, self.limits.max_batch_elements)
+        total, cap = sum(p[2] for p in placed), self.max_stream_bytes or self.limits.max_stream_bytes
+        if total > cap:
+            raise ResourceLimit(f"the shared-memory inputs hold {total} bytes, more than the server's "
+                                f"--max-stream-mb={cap >> 20} ({cap} bytes: the most request bytes it takes in for one "
+                                "call); split the batch into smaller requests")
+        for key, t, nbytes, shape, region in placed:
+            # read through the descriptor into the server's memory: never a mapping of the client's segment
+            data = region.read(int(t.offset), nbytes, f"inputs[{key!r}]")
+            decoded.inputs[key] = codec.TensorView(t.dtype, list(shape), memoryview(data))
+            alive("while reading the inputs from shared memory")
+        del placed
         out_region = self._region(request.output_region_id, request.key, "output_region_id")
-        # results are written straight into the output room where the estimator allows it (OutputRoom:
-        # bounds-checked views that never overlap an input in the region); the rest is copied there
+        # results are computed into the server's memory (an estimator that writes densely gets buffers that
+        # stand for places in the output room: OutputRoom, staged) and written into the region at the end
         from advantage_server.core import _OUTPUT
         from advantage_server.shm_output import OutputRoom, input_spans, region_lock
-        room = OutputRoom(out_region.buf, request.output_offset,
+        room = OutputRoom(None, request.output_offset,
                           min(out_region.size, request.output_offset + request.output_byte_size),
                           _OUTPUT.get(inner.output_dtype, torch.float32),
-                          input_spans(request, request.output_region_id))
-        alive = grpc_liveness(context)
+                          input_spans(request, request.output_region_id), size=out_region.size)
         lock = region_lock(out_region)  # one call writes into a region at a time (see shm_output)
         while not lock.acquire(timeout=0.05):
             alive("waiting for another call writing into this shared-memory region")
         try:
             payload = self.compute_payload(decoded, context, output_provider=room)
+            del decoded
             adv, ret = payload.tensors()
             response = pb.ComputeAdvantageShmResponse()
             response.metrics.update({k: float(v) for k, v in payload.result.metrics.items()})
@@ -411,6 +518,8 @@ class TransportMethods:
                 getattr(response, name).CopyFrom(pb.SharedMemoryTensor(
                     dtype=wire._FROM_TORCH[t.dtype], shape=list(t.shape), region_id=request.output_region_id,
                     offset=pos))
+            alive("before writing the results into shared memory")  # nobody waits for them: leave the region be
+            out_region.write(room.pending, "output_region_id")
         finally:
             lock.release()
         return response
