@@ -173,9 +173,13 @@ def test_auto_size_limits_and_busy_region(make_server, monkeypatch):
         mid = _batch(8, 4096)
         c.compute("gae", None, **mid)
         assert c.last_transport == "shm"
-        with c._shm_lock:  # another thread is using the region: this call does not wait for it
+        c.shm_regions = 1  # a pool of one region, which another thread is using: this call does not wait for it
+        held = c._shm_take(0)
+        try:
             c.compute("gae", None, **mid)
             assert c.last_transport == "unary"
+        finally:
+            c._shm_give(held)
         monkeypatch.setattr(shm, "room_for", lambda nbytes, path="/dev/shm": False)
         c.compute("gae", None, **large)  # the region must grow, /dev/shm has no room: not this time
         assert c.last_transport == "unary" and c._shm_works is True

@@ -47,7 +47,7 @@ class AsyncAdvantageClient:
     """Connection to the advantage service for asyncio code; use ``async with`` or ``await client.close()``.
 
     target, timeout, max_message_mb, tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file,
-    retry, wait_for_ready, stream_threshold_mb, chunk_mb: as :class:`advantage_client.AdvantageClient`.
+    retry, wait_for_ready, stream_threshold_mb, chunk_mb, compact: as :class:`advantage_client.AdvantageClient`.
     channel: a ``grpc.aio.Channel`` to use instead of making one (closed by :meth:`close`).
     transport: ``"auto"`` (default), ``"unary"`` or ``"stream"``; ``"shm"`` raises ``ValueError`` (see the
              module docstring).
@@ -60,7 +60,8 @@ class AsyncAdvantageClient:
                  tls_key: Any = None, tls_server_name: str | None = None, token: str | None = None,
                  token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
-                 chunk_mb: float = streaming.DEFAULT_CHUNK_MB):
+                 chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True):
+        self.compact = bool(compact)
         self.transport = self._checked_transport(transport)
         self.target = channel_target(target)
         self.timeout = check_timeout(timeout)
@@ -124,14 +125,15 @@ class AsyncAdvantageClient:
         """
         transport = self._checked_transport(transport or self.transport)
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
-                                as_lengths=self._lengths_ok)
+                                compact=self.compact, as_lengths=self._lengths_ok)
         try:
             return await self._send_prepared(prepared, transport, as_numpy)
         except AdvantageServiceError as err:
             if not lengths_refused(err, prepared):
                 raise
             self._lengths_ok = False  # a server that predates `lengths`: masks go as bytes from now on
-            prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors, as_lengths=False)
+            prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
+                                    compact=self.compact, as_lengths=False)
             return await self._send_prepared(prepared, transport, as_numpy)
 
     async def _send_prepared(self, prepared: Any, transport: str, as_numpy: bool) -> AdvantageResult:

@@ -13,6 +13,7 @@ INVALID_ARGUMENT as its subclass :class:`InvalidArgumentError`, which is also a 
 """
 from __future__ import annotations
 
+import collections
 import errno
 import math
 import numbers
@@ -37,6 +38,8 @@ except ImportError:  # pragma: no cover
 
 #: transport="auto": how many times the server may forget this client's region before shared memory is off
 MAX_SHM_FORGOTTEN = 3
+#: regions the shared-memory pool of one client grows to (one call per region at a time)
+DEFAULT_SHM_REGIONS = 8
 
 
 class AdvantageServiceError(Exception):
@@ -149,8 +152,9 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
       a ``[B, T]`` mask and no ``cu_seqlens``: where the estimator gives them, ``[B]`` values come back
       instead of ``[B, T]`` (``ResultLayout``), and :func:`finish_result` rebuilds the dense tensor unless
       the caller asked for ``per_sample``;
-    * ``compact``: a float (or int32/int64) mask holding only 0 and 1 is sent as ``lengths`` ``[B]`` when it
-      is a prefix mask (and ``as_lengths``), else as one byte per token
+    * ``compact`` (default True; False: the tensors go as given and a dense result comes back unless the caller
+      asked for ``per_sample``): a float (or int32/int64) mask holding only 0 and 1 is sent as ``lengths``
+      ``[B]`` when it is a prefix mask (and ``as_lengths``), else as one byte per token
       (:func:`advantage_client.masks.compact_mask`).
     Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded.
     """
@@ -173,7 +177,7 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
         value = tensors["lengths"]
         own_lengths = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
         columns = mask_columns or (int(own_lengths.max(initial=0)) if own_lengths.size else 0)
-    ask = cu_seqlens is None and (mask is not None or own_lengths is not None)
+    ask = (compact or per_sample) and cu_seqlens is None and (mask is not None or own_lengths is not None)
     pieces = streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, per_sample=ask,
                                             mask_columns=mask_columns, **tensors)
     return PreparedCall(streaming.Request(pieces), per_sample, mask if ask else None, columns, own_lengths,
@@ -311,6 +315,17 @@ def build_request(estimator: str, config: Any = None, output_dtype: Any = None, 
     return request
 
 
+class _Waiter:
+    """A call waiting for a shared-memory region: handed a region, or leave to register one (``may_create``)."""
+
+    __slots__ = ("ready", "region", "may_create")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.region: Any = None
+        self.may_create = False
+
+
 class AdvantageClient:
     """Connection to the advantage service. Thread-safe; use as a context manager or call :meth:`close`.
 
@@ -332,9 +347,16 @@ class AdvantageClient:
              ``"auto"`` uses shared memory when the server is on this host: the first call registers a region
              (RegisterSharedMemory); if that fails (a server on another host or in another container,
              UNIMPLEMENTED, no token, several replicas) the client remembers it and never tries again (a
-             /dev/shm too small for one request only sends that request another way). Otherwise, and for requests above ``shm_max_mb`` or while another thread uses the
-             region, it sends requests of ``stream_threshold_mb`` MiB or more with ``"stream"`` and smaller
+             /dev/shm too small for one request only sends that request another way). Otherwise, and for requests above ``shm_max_mb`` or while every region of the
+             pool is busy (``shm_regions``), it sends requests of ``stream_threshold_mb`` MiB or more with ``"stream"`` and smaller
              ones with ``"unary"``. ``shm_min_mb``: smaller requests go unary even when shared memory works.
+    shm_regions: concurrent calls over shared memory each take a region of their own from a pool the client
+             grows on demand up to this many regions (default 8; each sized for the largest request it has
+             carried and kept until :meth:`close`, which unregisters and unlinks them). When all are busy,
+             ``transport="shm"`` waits for one and ``"auto"`` sends the call another way.
+    compact: send 0/1 masks as one byte per token or as ``lengths`` and ask for per-sample results, rebuilt
+             to the dense tensors here (default True); False sends the tensors as given and gets the dense
+             result over the wire (the behaviour of clients before per-sample results; for comparisons).
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
@@ -343,7 +365,9 @@ class AdvantageClient:
                  token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, shm_min_mb: float = streaming.DEFAULT_SHM_MIN_MB,
-                 shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB):
+                 shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB, compact: bool = True,
+                 shm_regions: int = DEFAULT_SHM_REGIONS):
+        self.compact = bool(compact)
         self.target = channel_target(target)
         self.timeout = check_timeout(timeout)
         self.max_message_bytes = int(max_message_mb * (1 << 20))
@@ -362,8 +386,15 @@ class AdvantageClient:
             raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
         self.transport, self.stream_threshold_bytes = transport, int(stream_threshold_mb * (1 << 20))
         self._calls = streaming.Calls(self._channel, chunk_mb, stream_channel)
-        self._shm: Any = None  # the region transport="shm" uses, created on first use
-        self._shm_lock = threading.Lock()  # one call at a time uses that region
+        # the regions transport="shm" / "auto" use: a pool grown on demand, one call per region at a time
+        if int(shm_regions) < 1:
+            raise ValueError(f"shm_regions={shm_regions!r}: at least 1")
+        self.shm_regions = int(shm_regions)
+        self._shm_free: list[Any] = []  # idle regions, the most recently used last
+        self._shm_count = 0  # regions in use, idle or being registered
+        self._shm_waiters: collections.deque[_Waiter] = collections.deque()  # calls waiting for a region, in order
+        self._shm_lock = threading.Lock()
+        self._shm_closed = False
         self.shm_min_bytes, self.shm_max_bytes = int(shm_min_mb * (1 << 20)), int(shm_max_mb * (1 << 20))
         # transport="auto": does shared memory work with this server? None = not tried yet
         self._shm_works: bool | None = False if "," in self.target else None
@@ -407,26 +438,23 @@ class AdvantageClient:
                              "dense into the region): use transport='auto', 'unary' or 'stream'")
         shm_kwargs = dict(output_dtype=output_dtype, as_numpy=as_numpy, cu_seqlens=cu_seqlens, **tensors)
         if transport == "shm":
-            with self._shm_lock:
-                return self._compute_shm(estimator, config, **shm_kwargs)
+            return self._compute_shm(estimator, config, **shm_kwargs)
         if transport == "auto" and self._shm_works is not False and not per_sample and "lengths" not in tensors:
             size = streaming.payload_estimate(tensors)
-            if self.shm_min_bytes <= size <= self.shm_max_bytes and self._shm_lock.acquire(blocking=False):
-                try:
-                    result = self._auto_shm(estimator, config, shm_kwargs)
-                finally:
-                    self._shm_lock.release()
+            if self.shm_min_bytes <= size <= self.shm_max_bytes:
+                result = self._auto_shm(estimator, config, shm_kwargs)
                 if result is not None:
                     return result
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
-                                as_lengths=self._lengths_ok)
+                                compact=self.compact, as_lengths=self._lengths_ok)
         try:
             return self._send_prepared(prepared, transport, as_numpy)
         except AdvantageServiceError as err:
             if not lengths_refused(err, prepared):
                 raise
             self._lengths_ok = False
-            prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors, as_lengths=False)
+            prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
+                                    compact=self.compact, as_lengths=False)
             return self._send_prepared(prepared, transport, as_numpy)
 
     def _send_prepared(self, prepared: PreparedCall, transport: str, as_numpy: bool) -> AdvantageResult:
@@ -468,26 +496,106 @@ class AdvantageClient:
         elems = max((streaming.numel_estimate(v) for v in tensors), default=0)
         return inputs + 2 * (elems * itemsize + 64) + (1 << 20)
 
-    def _region_for(self, need: int) -> Any:
-        if self._shm is None or self._shm.size < need:
-            if self._shm is not None:
-                self._shm.close()
-                self._shm = None
-            self._shm = self.shared_memory(need)
-        return self._shm
+    @property
+    def _shm(self) -> Any:
+        """The idle region used last (None when the pool holds no idle region)."""
+        with self._shm_lock:
+            return self._shm_free[-1] if self._shm_free else None
 
-    def _compute_shm(self, estimator: str, config: Any, **kwargs: Any) -> AdvantageResult:
+    @property
+    def shm_region_count(self) -> int:
+        """Shared-memory regions this client holds now (in use or idle)."""
+        return self._shm_count
+
+    def _shm_take(self, need: int, wait: bool = True, fits: Any = None) -> Any:
+        """A region of at least ``need`` bytes for one call, for this caller alone until :meth:`_shm_give`:
+        an idle one that is large enough, else a larger one in place of an idle smaller one, else a new one
+        while the pool has fewer than ``shm_regions``. When every region is busy: wait for one (``wait``; the
+        waiters are served in arrival order, each region handed over as it is given back), or None.
+        ``fits(need)``: whether a new region of ``need`` bytes can be made now (else None). Registration
+        errors propagate."""
+        replace, waiter = None, None
+        with self._shm_lock:
+            if self._shm_closed:
+                raise ValueError("the client is closed")
+            if not self._shm_waiters:
+                for i in range(len(self._shm_free) - 1, -1, -1):
+                    if self._shm_free[i].size >= need:
+                        return self._shm_free.pop(i)
+            if not self._shm_waiters and (self._shm_free or self._shm_count < self.shm_regions):
+                if fits is not None and not fits(need):
+                    return None
+                if self._shm_free:  # an idle one too small: a larger one replaces it (the pool stays as large
+                    replace = self._shm_free.pop(0)  # as the calls at once need); the least recently used
+                else:
+                    self._shm_count += 1
+            elif not wait:
+                return None
+            else:
+                waiter = _Waiter()
+                self._shm_waiters.append(waiter)
+        if waiter is not None:
+            waiter.ready.wait()
+            if waiter.region is None and not waiter.may_create:
+                raise ValueError("the client is closed")
+            if waiter.region is not None:
+                if waiter.region.size >= need:
+                    return waiter.region
+                replace = waiter.region
+        if replace is not None:
+            replace.close()
+        try:
+            return self.shared_memory(need)
+        except BaseException:
+            self._shm_forget_one()
+            raise
+
+    def _shm_forget_one(self) -> None:
+        """One region fewer in the pool: the first waiter, if any, may register one in its place."""
+        with self._shm_lock:
+            if self._shm_waiters and not self._shm_closed:
+                waiter = self._shm_waiters.popleft()
+                waiter.may_create = True
+                waiter.ready.set()
+            else:
+                self._shm_count -= 1
+
+    def _shm_give(self, region: Any, drop: bool = False) -> None:
+        """Return a region taken with :meth:`_shm_take` to the pool (to the first waiter, if any); ``drop``
+        (or an abandoned call on it, or a closed client): close it instead."""
+        drop = drop or bool(region.abandoned)
+        if not drop:
+            with self._shm_lock:
+                if not self._shm_closed:
+                    if self._shm_waiters:
+                        waiter = self._shm_waiters.popleft()
+                        waiter.region = region
+                        waiter.ready.set()
+                    else:
+                        self._shm_free.append(region)
+                    return
+        self._shm_forget_one()
+        # After an abandoned call the server may still write that call's results into the region: it is never
+        # used again. No Unregister call then (the server may be gone: it must not block); the server forgets
+        # a region whose segment is unlinked at its next registration.
+        region.close()
+
+    def _shm_drop_idle(self) -> None:
+        """Close every idle region (the server forgot one: it restarted, or another replica answered)."""
+        with self._shm_lock:
+            idle, self._shm_free = self._shm_free, []
+            self._shm_count -= len(idle)
+        for region in idle:
+            region.close()
+
+    def _compute_shm(self, estimator: str, config: Any, region: Any = None, **kwargs: Any) -> AdvantageResult:
         self.last_transport = "shm"
-        region = self._region_for(self._shm_need(kwargs))
+        if region is None:
+            region = self._shm_take(self._shm_need(kwargs))
         try:
             return region.compute(estimator, config, **kwargs)
         finally:
-            if region.abandoned and self._shm is region:
-                # the server may still write that call's results into it: the next call gets a new region.
-                # No Unregister call (the server may be gone: it must not block); the server forgets a
-                # region whose segment is unlinked at its next registration.
-                self._shm = None
-                region.close()
+            self._shm_give(region)
 
     def _auto_shm(self, estimator: str, config: Any, kwargs: dict[str, Any]) -> AdvantageResult | None:
         """transport="auto" through shared memory; None when it cannot be used (then the caller streams or
@@ -497,34 +605,34 @@ class AdvantageClient:
         ``MAX_SHM_FORGOTTEN`` times per client, after which shared memory stays off for it."""
         from advantage_client import shm as shm_mod
         need = self._shm_need(kwargs)
-        if self._shm is None or self._shm.size < need:
-            if not shm_mod.room_for(need):
-                return None  # /dev/shm too small for this request (writing past it would be SIGBUS)
-            try:
-                self._region_for(need)
-            except AdvantageServiceError as err:
-                if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    grpc.StatusCode.CANCELLED):
-                    self._shm_works = False
-                return None
-            except OSError as err:  # no /dev/shm (remembered), or no room now (ENOSPC: tried again later)
-                if err.errno != errno.ENOSPC:
-                    self._shm_works = False
-                return None
-            except ValueError:
-                self._shm_works = False
-                return None
+        # every region busy: this call does not wait for one; /dev/shm too small for a new region of this
+        # size (writing past it would be SIGBUS): not this time either
         try:
-            result = self._compute_shm(estimator, config, **kwargs)
+            region = self._shm_take(need, wait=False, fits=shm_mod.room_for)
+        except AdvantageServiceError as err:
+            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.CANCELLED):
+                self._shm_works = False
+            return None
+        except OSError as err:  # no /dev/shm (remembered), or no room now (ENOSPC: tried again later)
+            if err.errno != errno.ENOSPC:
+                self._shm_works = False
+            return None
+        except ValueError:
+            self._shm_works = False
+            return None
+        if region is None:
+            return None
+        forgotten = False
+        try:
+            result = self._compute_shm(estimator, config, region=region, **kwargs)
         except AdvantageServiceError as err:
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and "no shared-memory region" in str(err):
                 # the server forgot the region (restarted, or another replica answered): register anew on the
                 # next call, but after MAX_SHM_FORGOTTEN such answers (replicas behind one address) stop trying
                 self._shm_forgotten += 1
                 self._shm_works = False if self._shm_forgotten >= MAX_SHM_FORGOTTEN else None
-                region, self._shm = self._shm, None
-                if region is not None:
-                    region.close()
+                forgotten = True
                 return None
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and any(
                     f.startswith("output_") for f, _ in err.field_violations):
@@ -532,6 +640,9 @@ class AdvantageClient:
             raise
         except MemoryError:  # the inputs did not fit the region
             return None
+        finally:
+            if forgotten:  # this region and the idle ones were registered with a server that forgot them
+                self._shm_drop_idle()
         self._shm_works = True
         return result
 
@@ -572,9 +683,17 @@ class AdvantageClient:
         return self._calls.last_timing
 
     def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        """Unregister and unlink the shared-memory regions (a region still in use by a call is closed when
+        that call ends), then close the channels."""
+        with self._shm_lock:
+            self._shm_closed = True
+            idle, self._shm_free = self._shm_free, []
+            self._shm_count -= len(idle)
+            waiters, self._shm_waiters = self._shm_waiters, collections.deque()
+        for waiter in waiters:  # they raise ValueError: the client is closed
+            waiter.ready.set()
+        for region in idle:
+            region.close()
         self._calls.close()
         self._channel.close()
 

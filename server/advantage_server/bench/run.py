@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from advantage_server import tuning
-from advantage_server.bench import measure, references, transports, workloads
+from advantage_server.bench import groups, measure, references, transports, workloads
 from advantage_server.core import AdvantageCore, config_from_dict
 from advantage_server.estimators import REGISTRY, Batch, jit
 from advantage_server.estimators.gae import gae_kernel, token_level_rewards
@@ -32,7 +32,7 @@ DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8,65536x256x8"
 QUICK_SIZES = "64x256x8,256x1024x8"
 QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
-SECTIONS = ("kernel", "concurrency", "memory", "e2e")
+SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups")
 MiB = 1 << 20
 
 
@@ -49,6 +49,13 @@ class Row:
     extra_mib: float | None = None   # peak RSS above the RSS before the call
     err: float | None = None         # max |this - reference| / max(1, max |reference|)
     note: str = ""
+    # the groups section (per-group traffic): concurrent callers, p99, throughput, bytes per call each way
+    callers: int | None = None
+    p99_ms: float | None = None
+    calls_s: float | None = None
+    bytes_in: float | None = None
+    bytes_out: float | None = None
+    compact: str | None = None
 
 
 @dataclass
@@ -506,7 +513,8 @@ def render(report: Report) -> str:
     header = ["section", "estimator", "BxTxG", "implementation", "ms", "x ours", "x floor", "GB/s", "+RSS MiB", "err",
               "note"]
     table = [[r.section, r.estimator, r.size, r.impl, fmt(r.ms, ".3f"), fmt(r.vs_ours, ".2f"), fmt(r.vs_floor, ".2f"),
-              fmt(r.gbps, ".2f"), fmt(r.extra_mib, ".1f"), fmt(r.err, ".1e"), r.note] for r in report.rows]
+              fmt(r.gbps, ".2f"), fmt(r.extra_mib, ".1f"), fmt(r.err, ".1e"), r.note] for r in report.rows
+             if r.section != "groups"]
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
     numeric = {4, 5, 6, 7, 8, 9}
 
@@ -516,6 +524,7 @@ def render(report: Report) -> str:
     lines.append(line(header))
     lines.append("-+-".join("-" * w for w in widths))
     lines.extend(line(r) for r in table)
+    lines.extend(groups.render([r for r in report.rows if r.section == "groups"]))
     return "\n".join(lines)
 
 
@@ -568,6 +577,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run with THP_MEM_ALLOC_ENABLE=1 (torch backs allocations >= 2 MiB with transparent huge "
                          "pages: far fewer page faults for fresh outputs > 32 MiB, which glibc always maps anew); "
                          "the bench re-executes itself so the setting reaches torch, its server and its probes")
+    def ints(values: tuple[int, ...]) -> str:
+        return ",".join(map(str, values))
+    ap.add_argument("--group-tokens", default=None,
+                    help="groups section: T values of the one group of 16 per call (default "
+                         f"{ints(groups.DEFAULT_TOKENS)}; quick {ints(groups.QUICK_TOKENS)})")
+    ap.add_argument("--group-callers", default=None,
+                    help="groups section: numbers of concurrent callers (default "
+                         f"{ints(groups.DEFAULT_CALLERS)}; quick {ints(groups.QUICK_CALLERS)})")
+    ap.add_argument("--group-seconds", type=float, default=None,
+                    help="groups section: about this many seconds of calls per row and caller count "
+                         "(default 1; quick 0.25)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
@@ -680,6 +700,13 @@ def main(argv: list[str] | None = None) -> Report:
                     e2e_section(report, server, tr, size, args, in_process_ms, ref_ms)
         finally:
             server.close()
+
+    if "groups" in sections:  # per-group traffic: one group of 16 per call, many callers (bench/groups.py)
+        tokens = groups.parse_ints(args.group_tokens) if args.group_tokens else (
+            groups.QUICK_TOKENS if args.quick else groups.DEFAULT_TOKENS)
+        callers = groups.parse_ints(args.group_callers) if args.group_callers else (
+            groups.QUICK_CALLERS if args.quick else groups.DEFAULT_CALLERS)
+        groups.groups_section(report, Row, tokens, callers, args.group_seconds or (0.25 if args.quick else 1.0))
 
     report.load_after = measure.loadavg()
     report.peak_rss_mib = measure.peak_bytes() / MiB

@@ -196,8 +196,11 @@ def parallel_rows(kernel: Callable[..., Any], B: int, T: int, *args: Any) -> Non
     when every chunk is done; a pool task that starts later finds none left.
     """
     global _in_flight
+    if B < 2 or B * T < PARALLEL_MIN_ELEMENTS or not _row_parallel:  # small calls first: workers() reads the
+        kernel(0, B, *args)                                           # environment and the CPU affinity
+        return
     n = workers()
-    if n <= 1 or B < 2 or B * T < PARALLEL_MIN_ELEMENTS or not _row_parallel:
+    if n <= 1:
         kernel(0, B, *args)
         return
     with _in_flight_lock:
