@@ -18,99 +18,26 @@ import errno
 import math
 import numbers
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import grpc
 import numpy as np
-from grpc_status import rpc_status
 
 from advantage_client import layout, masks, streaming, wire
 from advantage_client.channel import auth_metadata, channel_target, make_channel
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
-
-try:
-    from google.rpc import error_details_pb2
-except ImportError:  # pragma: no cover
-    error_details_pb2 = None
+# defined with the modules that own them (shm and streaming use them too), and importable from here as before
+from advantage_client.errors import AdvantageServiceError, InvalidArgumentError, hint  # noqa: F401
+from advantage_client.result import AdvantageResult
+from advantage_client.wire import reduce_prompt_ids
 
 
 #: transport="auto": how many times the server may forget this client's region before shared memory is off
 MAX_SHM_FORGOTTEN = 3
 #: regions the shared-memory pool of one client grows to (one call per region at a time)
 DEFAULT_SHM_REGIONS = 8
-
-
-class AdvantageServiceError(Exception):
-    """A call to the service failed.
-
-    code:             the ``grpc.StatusCode`` (INVALID_ARGUMENT for bad input, UNAVAILABLE when no server
-                      answers, DEADLINE_EXCEEDED after ``timeout``, ...).
-    field_violations: ``[(field, description), ...]`` from the ``google.rpc.BadRequest`` detail, if any.
-    ``str(error)`` is the server's message.
-
-    An error whose code is INVALID_ARGUMENT is created as :class:`InvalidArgumentError`, which is also a
-    ``ValueError`` (``AdvantageServiceError(grpc.StatusCode.INVALID_ARGUMENT, ...)`` gives one too), so a
-    trainer's ``except ValueError`` catches bad input sent to the service as it catches it from an
-    in-process estimator (NeMo RL's and verl's raise ``ValueError``). Every other code stays a plain
-    ``AdvantageServiceError``, not a ``ValueError``.
-    """
-
-    def __new__(cls, code: Any = None, *args: Any, **kwargs: Any) -> "AdvantageServiceError":
-        if cls is AdvantageServiceError and code == grpc.StatusCode.INVALID_ARGUMENT:
-            cls = InvalidArgumentError
-        return super().__new__(cls, code, *args, **kwargs)
-
-    def __init__(self, code: grpc.StatusCode, message: str, field_violations: list[tuple[str, str]] | None = None):
-        super().__init__(message)
-        self.code = code
-        self.field_violations = field_violations or []
-
-    def __reduce__(self) -> tuple:
-        # pickled (e.g. raised in a Ray worker) with its code and violations, and unpickled as the same type
-        return AdvantageServiceError, (self.code, str(self), self.field_violations)
-
-    @classmethod
-    def from_rpc_error(cls, err: grpc.RpcError, target: str | None = None,
-                       timeout: float | None = None) -> "AdvantageServiceError":
-        """The ``grpc.RpcError`` of a failed call -> :class:`AdvantageServiceError` with its code, message and
-        ``BadRequest`` field violations: an :class:`InvalidArgumentError` (also a ``ValueError``) for
-        INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code. ``target`` and ``timeout``
-        (the client's): UNAVAILABLE and DEADLINE_EXCEEDED messages say what to check (:func:`hint`)."""
-        violations = []
-        try:
-            status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
-        except ValueError:  # a status detail that disagrees with the call's code (e.g. cut by a proxy)
-            status = None
-        if status is not None and error_details_pb2 is not None:
-            for detail in status.details:
-                bad = error_details_pb2.BadRequest()
-                if detail.Unpack(bad):
-                    violations += [(v.field, v.description) for v in bad.field_violations]
-        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations)
-
-
-class InvalidArgumentError(AdvantageServiceError, ValueError):
-    """INVALID_ARGUMENT from the service (bad input or config: see ``field_violations``): an
-    :class:`AdvantageServiceError` and a ``ValueError`` at once, whichever transport (unary, stream, shared
-    memory) carried the call. ``code`` is always ``grpc.StatusCode.INVALID_ARGUMENT``."""
-
-
-@dataclass
-class AdvantageResult:
-    """What every estimator returns (NeMo RL's result type).
-
-    advantages: ``[B, T]``; returns: ``[B, T]`` for GAE, else ``None``; metrics: OPD's three, else ``{}``.
-    layout:     ``"dense"``, or for a per-sample result (``compute(..., per_sample=True)``) how the ``[B]``
-                advantages/returns stand for the ``[B, T]`` ones: ``"broadcast"``, ``"broadcast_times_mask"``
-                or ``"up_to_last_valid"`` (see ``advantage_client.layout``).
-    """
-
-    advantages: Any
-    returns: Any = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    layout: str = "dense"
 
 
 def decode_result(msg: pb.AdvantageResult, as_numpy: bool = False) -> AdvantageResult:
@@ -222,18 +149,6 @@ def not_ready(target: str, timeout: float) -> AdvantageServiceError:
                                  "start advantage-server there, or check the address and port and that it is running")
 
 
-def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
-    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (gRPC's own text names
-    the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and DEADLINE_EXCEEDED."""
-    if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
-        return (f"{message} (no advantage service answered at {target}: start advantage-server there, or check "
-                "the address and port and that the server is running and reachable)")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
-        return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
-                "timeout= to the client, or timeout=None for no deadline)")
-    return message
-
-
 def check_timeout(timeout: Any) -> Any:
     """``timeout``: None (no deadline) or a finite number of seconds > 0; anything else is a ``ValueError``
     (gRPC would take a negative or zero deadline as already expired, and NaN as no deadline)."""
@@ -250,46 +165,6 @@ def stream_refused(error: AdvantageServiceError, nbytes: int, max_message_bytes:
     message: ``transport="auto"`` then sends it unary (an explicit ``"stream"`` is not second-guessed)."""
     return (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-stream-mb" in str(error)
             and nbytes < max_message_bytes)
-
-
-def _factorize(labels: np.ndarray) -> np.ndarray:
-    """Hashable labels -> int64 ids, equal labels (``==``) sharing an id, in order of first appearance."""
-    ids: dict[Any, int] = {}
-    return np.fromiter((ids.setdefault(x, len(ids)) for x in labels), dtype=np.int64, count=len(labels))
-
-
-def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
-    """Group labels -> ``[B]`` int64 group ids (equal labels share an id, different labels never do).
-
-    * ``[B]`` integer ids pass through unchanged;
-    * ``[B]`` labels of any other kind: a NumPy ``str``/``bytes``/``object`` array or a list of strings
-      (verl's uid strings). Labels are compared as given, so ``"007"`` and ``"7"`` are two groups;
-    * ``[B, L]`` prompt token rows (integers, or strings): equal rows share an id.
-    """
-    if hasattr(prompt_ids, "detach"):
-        arr = prompt_ids.detach().cpu().numpy()
-    else:
-        arr = np.asarray(prompt_ids)
-        if arr.dtype.kind in "US" and isinstance(prompt_ids, (list, tuple)):
-            labels = np.asarray(prompt_ids, dtype=object)
-            if not all(isinstance(x, (str, bytes)) for x in labels.ravel()):
-                arr = labels  # a list mixing 7 and "7": numpy would turn both into "7"
-    if arr.dtype.kind in "USO":
-        if arr.ndim == 2:
-            if arr.dtype.kind == "O":
-                return _factorize(np.fromiter((tuple(row) for row in arr), dtype=object, count=len(arr)))
-            return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
-        if arr.ndim != 1:
-            raise wire.WireError("inputs['prompt_ids']", f"group labels must be [B] or [B, L], got shape {list(arr.shape)}")
-        if arr.dtype.kind == "O":
-            try:
-                return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
-            except TypeError:  # labels of mixed, unorderable types
-                return _factorize(arr)
-        return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
-    if arr.ndim == 2:
-        return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
-    return arr
 
 
 def build_request(estimator: str, config: Any = None, output_dtype: Any = None, cu_seqlens: Any = None,

@@ -23,6 +23,8 @@ import numpy as np
 
 from advantage_client import codec, wire
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client.errors import AdvantageServiceError
+from advantage_client.result import AdvantageResult
 
 try:
     import torch
@@ -151,8 +153,6 @@ class SharedMemoryRegion:
         The region is therefore marked :attr:`abandoned` and refuses further calls (RuntimeError): close it
         and register a new one (``AdvantageClient`` does that by itself for the region it manages).
         """
-        from advantage_client.client import AdvantageResult, AdvantageServiceError, reduce_prompt_ids
-
         if self.abandoned:
             raise RuntimeError(f"a call on this shared-memory region was abandoned ({self.abandoned}) and the server "
                                "may still write its results here: close the region and register a new one")
@@ -170,7 +170,7 @@ class SharedMemoryRegion:
             if value is None:
                 continue
             if name == "prompt_ids":
-                value = reduce_prompt_ids(value)
+                value = wire.reduce_prompt_ids(value)
             code, shape, payload = codec.tensor_parts(value, f"inputs[{name!r}]")
             raw = np.frombuffer(payload, dtype=np.uint8) if payload.nbytes else np.zeros(0, np.uint8)
             offset = self._offset_of(raw)

@@ -6,7 +6,8 @@ One module for the whole mapping, used by both the client and the server:
   C-contiguous bytes; see the .proto);
 * estimator configs: ``dict`` with NeMo RL key names <-> the typed ``*Config`` messages of the
   ``ComputeAdvantageRequest.estimator`` oneof;
-* the estimator name <-> oneof field table.
+* the estimator name <-> oneof field table;
+* group labels (``prompt_ids`` as ``[B, L]`` rows or strings) -> ``[B]`` int64 ids (:func:`reduce_prompt_ids`).
 
 Errors: :class:`WireError` (a ``ValueError``) names the offending field; the server turns it into
 INVALID_ARGUMENT, the client raises it before sending anything.
@@ -59,6 +60,8 @@ _NP = {
     pb.DTYPE_BOOL: np.dtype("?"),
     pb.DTYPE_UINT8: np.dtype("u1"),
 }
+#: ``advantage.v1.DType`` code -> the numpy dtype its bytes are viewed as (bfloat16: raw ``<u2``)
+NUMPY_DTYPES = _NP
 DTYPE_NAMES = {
     pb.DTYPE_FLOAT32: "float32",
     pb.DTYPE_FLOAT64: "float64",
@@ -83,6 +86,8 @@ if torch is not None:
         pb.DTYPE_UINT8: torch.uint8,
     }
     _FROM_TORCH = {v: k for k, v in _TORCH.items()}
+    #: torch dtype -> ``advantage.v1.DType`` code (only where torch is installed)
+    TORCH_DTYPE_CODES = _FROM_TORCH
 
 _KL_TYPES = {"k1": pb.KL_TYPE_K1, "k2": pb.KL_TYPE_K2, "k3": pb.KL_TYPE_K3}
 KL_TYPE_NAMES = {v: k for k, v in _KL_TYPES.items()} | {pb.KL_TYPE_UNSPECIFIED: None}
@@ -276,3 +281,43 @@ def config_to_dict(msg: Any) -> dict[str, Any]:
         elif msg.HasField(fd.name):
             out[fd.name] = getattr(msg, fd.name)
     return out
+
+
+def _factorize(labels: np.ndarray) -> np.ndarray:
+    """Hashable labels -> int64 ids, equal labels (``==``) sharing an id, in order of first appearance."""
+    ids: dict[Any, int] = {}
+    return np.fromiter((ids.setdefault(x, len(ids)) for x in labels), dtype=np.int64, count=len(labels))
+
+
+def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
+    """Group labels -> ``[B]`` int64 group ids (equal labels share an id, different labels never do).
+
+    * ``[B]`` integer ids pass through unchanged;
+    * ``[B]`` labels of any other kind: a NumPy ``str``/``bytes``/``object`` array or a list of strings
+      (verl's uid strings). Labels are compared as given, so ``"007"`` and ``"7"`` are two groups;
+    * ``[B, L]`` prompt token rows (integers, or strings): equal rows share an id.
+    """
+    if hasattr(prompt_ids, "detach"):
+        arr = prompt_ids.detach().cpu().numpy()
+    else:
+        arr = np.asarray(prompt_ids)
+        if arr.dtype.kind in "US" and isinstance(prompt_ids, (list, tuple)):
+            labels = np.asarray(prompt_ids, dtype=object)
+            if not all(isinstance(x, (str, bytes)) for x in labels.ravel()):
+                arr = labels  # a list mixing 7 and "7": numpy would turn both into "7"
+    if arr.dtype.kind in "USO":
+        if arr.ndim == 2:
+            if arr.dtype.kind == "O":
+                return _factorize(np.fromiter((tuple(row) for row in arr), dtype=object, count=len(arr)))
+            return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        if arr.ndim != 1:
+            raise WireError("inputs['prompt_ids']", f"group labels must be [B] or [B, L], got shape {list(arr.shape)}")
+        if arr.dtype.kind == "O":
+            try:
+                return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+            except TypeError:  # labels of mixed, unorderable types
+                return _factorize(arr)
+        return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    if arr.ndim == 2:
+        return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    return arr

@@ -20,7 +20,7 @@ import torch
 from advantage_client import layout as layout_mod
 from advantage_client import wire
 from advantage_client.references import REFERENCES
-from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client.proto import advantage_pb2 as pb
 from advantage_server import validate
 from advantage_server.errors import InvalidInput, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult, Batch, EstimatorSpec, InputSpec
@@ -581,7 +581,7 @@ def encode_result(result: AdvantageResult, dtype: torch.dtype, consume: bool = F
         if consume:
             setattr(result, label, None)
         t = t.to(dtype)
-        code, shape = wire._FROM_TORCH[t.dtype], list(t.shape)
+        code, shape = wire.TORCH_DTYPE_CODES[t.dtype], list(t.shape)
         t = t.detach().to("cpu").contiguous()
         data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
         del t  # with consume: the result tensor's last reference

@@ -43,8 +43,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
-from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.proto import advantage_pb2 as pb
+from advantage_client.proto import advantage_pb2_grpc as pb_grpc
 from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
@@ -57,6 +57,7 @@ from advantage_server.limits import (
     grpc_liveness, is_out_of_memory,
 )
 from advantage_server import transport
+from advantage_server.transport import tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
 
 log = logging.getLogger("advantage_server")
@@ -117,22 +118,6 @@ def _decode(cls: type, data: bytes) -> Any:
         name = cls.DESCRIPTOR.full_name
         raise InvalidInput("request", f"the {len(data)} request bytes are not a valid {name} message ({err}); "
                                       "serialize the request with the advantage.v1 schema") from None
-
-
-def tensor_fields(msg: Any) -> dict[str, Any]:
-    """Every ``advantage.v1.Tensor`` at the top level of ``msg`` (fields and map values), by field path."""
-    if hasattr(msg, "tensor_fields"):  # a codec-decoded request (advantage_server.transport)
-        return msg.tensor_fields()
-    out: dict[str, Any] = {}
-    for fd, value in msg.ListFields():
-        if fd.message_type is None:
-            continue
-        if fd.message_type.GetOptions().map_entry:
-            if fd.message_type.fields_by_name["value"].message_type is pb.Tensor.DESCRIPTOR:
-                out.update({f"{fd.name}[{k!r}]": v for k, v in value.items()})
-        elif fd.message_type is pb.Tensor.DESCRIPTOR and not fd.is_repeated:
-            out[fd.name] = value
-    return out
 
 
 def _summary(method: str, request: Any) -> str:

@@ -132,6 +132,6 @@ def input_spans(request: Any, region_id: str) -> list[tuple[int, int]]:
     spans = []
     for t in request.inputs.values():
         if t.region_id == region_id:
-            itemsize = wire._NP[t.dtype].itemsize if t.dtype in wire._NP else 8
+            itemsize = wire.NUMPY_DTYPES[t.dtype].itemsize if t.dtype in wire.NUMPY_DTYPES else 8
             spans.append((int(t.offset), int(t.offset) + math.prod(int(d) for d in t.shape) * itemsize))
     return spans

@@ -35,7 +35,7 @@ import torch
 
 from advantage_client import codec, wire
 from advantage_client.streaming import TIMING_KEY
-from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client.proto import advantage_pb2 as pb
 from advantage_server import logs
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import AdvantageResult
@@ -233,12 +233,12 @@ class Region:
 
 
 def _shm_layout(t: pb.SharedMemoryTensor, field: str) -> tuple[int, tuple[int, ...]]:
-    if t.dtype not in wire._NP:
+    if t.dtype not in wire.NUMPY_DTYPES:
         raise InvalidInput(f"{field}.dtype", f"dtype {t.dtype} is not supported")
     shape = tuple(int(d) for d in t.shape)
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{field}.shape", f"negative dimension in shape {list(shape)}")
-    return math.prod(shape) * wire._NP[t.dtype].itemsize, shape
+    return math.prod(shape) * wire.NUMPY_DTYPES[t.dtype].itemsize, shape
 
 
 def _check_counts(request: pb.ComputeAdvantageShmRequest) -> None:
@@ -259,6 +259,22 @@ def _check_counts(request: pb.ComputeAdvantageShmRequest) -> None:
                                                  "supported")
 
 
+def tensor_fields(msg: Any) -> dict[str, Any]:
+    """Every ``advantage.v1.Tensor`` at the top level of ``msg`` (fields and map values), by field path."""
+    if hasattr(msg, "tensor_fields"):  # a codec-decoded request (codec.DecodedRequest)
+        return msg.tensor_fields()
+    out: dict[str, Any] = {}
+    for fd, value in msg.ListFields():
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            if fd.message_type.fields_by_name["value"].message_type is pb.Tensor.DESCRIPTOR:
+                out.update({f"{fd.name}[{k!r}]": v for k, v in value.items()})
+        elif fd.message_type is pb.Tensor.DESCRIPTOR and not fd.is_repeated:
+            out[fd.name] = value
+    return out
+
+
 class TransportMethods:
     """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status`` of the
     servicer it is mixed into."""
@@ -270,11 +286,7 @@ class TransportMethods:
     def compute_payload(self, request: Any, context: Any, output_provider: Any = None) -> ResultPayload:
         """check_batch_elements, a compute slot, the core; the result left for the codec to encode (or, with
         ``output_provider``, written where the provider put it: see ``AdvantageCore.run``)."""
-        fields = request.tensor_fields() if hasattr(request, "tensor_fields") else None
-        if fields is None:
-            from advantage_server.server import tensor_fields
-            fields = tensor_fields(request)
-        check_batch_elements(fields, self.limits.max_batch_elements)
+        check_batch_elements(tensor_fields(request), self.limits.max_batch_elements)
         alive = grpc_liveness(context)
         with self.gate.compute_slot(alive), checkpoints(alive):
             return ResultPayload(*self.core.compute_result(request, output_provider=output_provider))
@@ -516,7 +528,7 @@ class TransportMethods:
                     continue
                 pos = room.place(name, t)
                 getattr(response, name).CopyFrom(pb.SharedMemoryTensor(
-                    dtype=wire._FROM_TORCH[t.dtype], shape=list(t.shape), region_id=request.output_region_id,
+                    dtype=wire.TORCH_DTYPE_CODES[t.dtype], shape=list(t.shape), region_id=request.output_region_id,
                     offset=pos))
             alive("before writing the results into shared memory")  # nobody waits for them: leave the region be
             out_region.write(room.pending, "output_region_id")

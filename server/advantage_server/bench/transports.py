@@ -44,7 +44,7 @@ def _unary_compute(client: Any, estimator: str, config: dict, tensors: dict[str,
 
 def _stub_open(address: str) -> Any:
     import grpc
-    from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+    from advantage_client.proto import advantage_pb2_grpc as pb_grpc
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
                                                       ("grpc.max_send_message_length", -1)])
     channel.stub = pb_grpc.AdvantageServiceStub(channel)

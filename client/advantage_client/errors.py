@@ -1,0 +1,83 @@
+"""The client's errors: :class:`AdvantageServiceError` for every failed call, :class:`InvalidArgumentError`
+(also a ``ValueError``) for INVALID_ARGUMENT. Importable from ``advantage_client`` (and, as before, from
+``advantage_client.client``); defined here so that every transport module raises the same classes without
+importing the client.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from grpc_status import rpc_status
+
+try:
+    from google.rpc import error_details_pb2
+except ImportError:  # pragma: no cover
+    error_details_pb2 = None
+
+
+class AdvantageServiceError(Exception):
+    """A call to the service failed.
+
+    code:             the ``grpc.StatusCode`` (INVALID_ARGUMENT for bad input, UNAVAILABLE when no server
+                      answers, DEADLINE_EXCEEDED after ``timeout``, ...).
+    field_violations: ``[(field, description), ...]`` from the ``google.rpc.BadRequest`` detail, if any.
+    ``str(error)`` is the server's message.
+
+    An error whose code is INVALID_ARGUMENT is created as :class:`InvalidArgumentError`, which is also a
+    ``ValueError`` (``AdvantageServiceError(grpc.StatusCode.INVALID_ARGUMENT, ...)`` gives one too), so a
+    trainer's ``except ValueError`` catches bad input sent to the service as it catches it from an
+    in-process estimator (NeMo RL's and verl's raise ``ValueError``). Every other code stays a plain
+    ``AdvantageServiceError``, not a ``ValueError``.
+    """
+
+    def __new__(cls, code: Any = None, *args: Any, **kwargs: Any) -> "AdvantageServiceError":
+        if cls is AdvantageServiceError and code == grpc.StatusCode.INVALID_ARGUMENT:
+            cls = InvalidArgumentError
+        return super().__new__(cls, code, *args, **kwargs)
+
+    def __init__(self, code: grpc.StatusCode, message: str, field_violations: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.field_violations = field_violations or []
+
+    def __reduce__(self) -> tuple:
+        # pickled (e.g. raised in a Ray worker) with its code and violations, and unpickled as the same type
+        return AdvantageServiceError, (self.code, str(self), self.field_violations)
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError, target: str | None = None,
+                       timeout: float | None = None) -> "AdvantageServiceError":
+        """The ``grpc.RpcError`` of a failed call -> :class:`AdvantageServiceError` with its code, message and
+        ``BadRequest`` field violations: an :class:`InvalidArgumentError` (also a ``ValueError``) for
+        INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code. ``target`` and ``timeout``
+        (the client's): UNAVAILABLE and DEADLINE_EXCEEDED messages say what to check (:func:`hint`)."""
+        violations = []
+        try:
+            status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+        except ValueError:  # a status detail that disagrees with the call's code (e.g. cut by a proxy)
+            status = None
+        if status is not None and error_details_pb2 is not None:
+            for detail in status.details:
+                bad = error_details_pb2.BadRequest()
+                if detail.Unpack(bad):
+                    violations += [(v.field, v.description) for v in bad.field_violations]
+        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations)
+
+
+class InvalidArgumentError(AdvantageServiceError, ValueError):
+    """INVALID_ARGUMENT from the service (bad input or config: see ``field_violations``): an
+    :class:`AdvantageServiceError` and a ``ValueError`` at once, whichever transport (unary, stream, shared
+    memory) carried the call. ``code`` is always ``grpc.StatusCode.INVALID_ARGUMENT``."""
+
+
+def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
+    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (gRPC's own text names
+    the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and DEADLINE_EXCEEDED."""
+    if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
+        return (f"{message} (no advantage service answered at {target}: start advantage-server there, or check "
+                "the address and port and that the server is running and reachable)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
+                "timeout= to the client, or timeout=None for no deadline)")
+    return message
