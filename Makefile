@@ -1,4 +1,5 @@
-# `make demo`: set up .venv and train PPO on CartPole through the service.
+# `make demo`: set up .venv and train a small transformer on addition with GRPO through the service
+# (`make demo-cartpole`: PPO on CartPole through the service's GAE).
 # `make test`: set up .venv and run the test suite (what CI runs).
 # `make lint`: only the deployment checks (hadolint, Kubernetes schemas, buf lint and breaking); `make test` runs them too.
 VENV ?= .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt $(REFS) |
 NODE_EXAMPLE := examples/node
 NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modules/.installed)
 
-.PHONY: demo test lint proto setup clean
+.PHONY: demo demo-cartpole test lint proto setup clean
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -26,6 +27,10 @@ $(NODE_EXAMPLE)/node_modules/.installed: $(NODE_EXAMPLE)/package.json $(NODE_EXA
 	touch $@
 
 demo: $(STAMP)
+	mkdir -p runs
+	$(VENV)/bin/advantage-demo lm --csv runs/lm.csv --plot runs/lm.png
+
+demo-cartpole: $(STAMP)
 	mkdir -p runs
 	$(VENV)/bin/advantage-demo cartpole --csv runs/cartpole.csv --plot runs/cartpole.png
 
