@@ -649,3 +649,91 @@ def test_a_call_that_expires_while_unpacking_stops_there(tmp_path, capsys):
     assert max(unpacking) < 0.5, after  # one step (2**22 elements) and the idle threads' ticks
     report(capsys, "packed 2**27-token grpo call, server CPU in the 2 s after the client's DEADLINE_EXCEEDED: " +
            "; ".join(f"deadline {t} s: {1e3 * c:.0f} ms, stopped {stage[:40]}" for t, c, stage in after))
+
+
+# ------------------------------------------------------------------ review: calls outside admission, empty chunks
+def _silent_reflection(channel, release):
+    """A reflection stream that sends one request, then goes silent until ``release``."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def requests():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        release.wait(30)
+    return reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(requests(), timeout=30)
+
+
+def test_calls_outside_admission_cannot_take_every_thread(make_server):
+    """Silent reflection streams and other uncounted calls share 8 places: the 9th is refused at once, health
+    checks and compute calls are still served, and a silent reflection stream is cut by --stream-idle-timeout
+    (before: 10 of them held every thread of this server for ever)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from advantage_server.limits import LIGHT_CALLS
+    srv = make_server(max_concurrent_requests=2, workers=1, stream_idle_timeout=2.0)
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            streams = [_silent_reflection(channel, release) for _ in range(LIGHT_CALLS + 4)]
+            answered = [next(s, None) for s in streams[:LIGHT_CALLS]]  # the first ones are served
+            assert all(r is not None and r.list_services_response.service for r in answered)
+            refused = 0
+            for s in streams[LIGHT_CALLS:]:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(s)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+                assert "reflection" in err.value.details()
+                refused += 1
+            assert refused == 4
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:  # ListEstimators shares the places: refused at once
+                pb_grpc.AdvantageServiceStub(channel).ListEstimators(pb.ListEstimatorsRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "ListEstimators" in err.value.details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reply = pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(
+                build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=5)
+            assert len(reply.advantages.data) == 8
+            assert time.monotonic() - t0 < 5
+            for s in streams[:LIGHT_CALLS]:  # the silent streams are cut after --stream-idle-timeout
+                with pytest.raises(grpc.RpcError) as err:
+                    list(s)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--stream-idle-timeout=2" in err.value.details()
+            estimators = pb_grpc.AdvantageServiceStub(channel).ListEstimators(pb.ListEstimatorsRequest(), timeout=5)
+            assert estimators.ListFields()  # the places came back
+    finally:
+        release.set()
+
+
+def test_a_trickle_of_empty_chunks_is_cut(make_server):
+    """Only request bytes restart the idle clock: a stream that sends empty chunks is still idle and is cut
+    (before: it kept its --max-concurrent-requests place for as long as it trickled)."""
+    srv = make_server(stream_idle_timeout=1.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]).SerializeToString()
+    stop = threading.Event()
+
+    def trickle():
+        yield pb.ComputeAdvantageChunk(total_size=len(request), data=request[:4]).SerializeToString()
+        while not stop.wait(0.2):
+            yield pb.ComputeAdvantageChunk().SerializeToString()
+    t0 = time.monotonic()
+    try:
+        with grpc.insecure_channel(srv.address) as channel, pytest.raises(grpc.RpcError) as err:
+            list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(trickle(), timeout=8))
+    finally:
+        stop.set()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert "--stream-idle-timeout=1" in err.value.details()
+    assert time.monotonic() - t0 < 4
+
+
+@pytest.mark.parametrize("method", ["ListEstimators", "UnregisterSharedMemory", "RegisterSharedMemory"])
+def test_uncounted_methods_refuse_large_bodies_before_parsing(target, method):
+    """ListEstimators and the shared-memory (un)registrations take a few bytes: a body over 64 KiB (here
+    unknown fields, which protobuf would parse and keep) is INVALID_ARGUMENT (before: parsed and served)."""
+    junk = b"\x7a" + bytes([0x80, 0x80, 0x08]) + bytes(128 << 10)  # field 15, 128 KiB
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary(f"/{SERVICE}/{method}")(junk, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "65536 bytes at most" in err.value.details()

@@ -33,8 +33,15 @@ from advantage_server.errors import ResourceLimit
 
 log = logging.getLogger("advantage_server")
 
-#: threads beyond ``max(workers, max_concurrent_requests)`` for health checks, ListEstimators and
-#: refusals, so these never wait behind computations.
+#: calls outside ``--max-concurrent-requests`` (ListEstimators, RegisterSharedMemory,
+#: UnregisterSharedMemory, reflection streams) served at once; the next one is refused at once with
+#: RESOURCE_EXHAUSTED, so silent or slow clients of these methods cannot take every thread
+LIGHT_CALLS = 8
+#: the largest request body of ListEstimators / RegisterSharedMemory / UnregisterSharedMemory (all a few
+#: bytes); a larger one is INVALID_ARGUMENT before it is parsed
+LIGHT_BODY_BYTES = 64 << 10
+#: threads beyond ``max(workers, max_concurrent_requests) + LIGHT_CALLS`` for health checks and
+#: refusals, so these never wait behind computations or the calls above.
 SPARE_THREADS = 8
 #: gRPC's own cap on calls of any kind inside the server (``maximum_concurrent_rpcs``) is this many
 #: times the thread pool: a hard bound on what can queue for a thread even under a flood.
@@ -86,7 +93,7 @@ class Limits:
 
     @property
     def thread_pool_size(self) -> int:
-        return max(self.workers, self.max_concurrent_requests) + SPARE_THREADS
+        return max(self.workers, self.max_concurrent_requests) + LIGHT_CALLS + SPARE_THREADS
 
     @property
     def grpc_max_concurrent_rpcs(self) -> int:
@@ -179,6 +186,7 @@ class RequestGate:
         self._cond = threading.Condition()
         self._in_flight = 0   # every admitted call of the service (ComputeAdvantage and the rest)
         self._limited = 0     # admitted ComputeAdvantage calls
+        self._light = 0       # calls holding a LIGHT_CALLS place (see light())
         self._draining = False
         self._slots = threading.BoundedSemaphore(workers)
 
@@ -222,6 +230,23 @@ class RequestGate:
                 self._limited -= limited
             if on_termination is None or not on_termination(leave):
                 leave()
+
+    @contextlib.contextmanager
+    def light(self, what: str) -> Iterator[None]:
+        """Hold one of the ``LIGHT_CALLS`` places of the methods outside ``--max-concurrent-requests``
+        (``what``: the method); ``ResourceLimit`` at once when they are all taken."""
+        with self._cond:
+            if self._light >= LIGHT_CALLS:
+                raise ResourceLimit(
+                    f"the server is busy: {LIGHT_CALLS} calls of ListEstimators, RegisterSharedMemory, "
+                    f"UnregisterSharedMemory and server reflection are already in progress (the most at once), "
+                    f"so this {what} call was refused; retry with backoff")
+            self._light += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._light -= 1
 
     @contextlib.contextmanager
     def compute_slot(self, check: Callable[[str], None], poll: float = 0.05) -> Iterator[None]:

@@ -28,6 +28,7 @@ Logs carry method, estimator, status, timing and shapes, never tensor contents o
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ from google.protobuf import any_pb2, message_factory
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from advantage_client.proto import advantage_pb2 as pb
@@ -52,8 +53,9 @@ from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
-    DEFAULT_STREAM_IDLE_TIMEOUT,
-    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadWatch, check_batch_elements, checkpoints,
+    DEFAULT_STREAM_IDLE_TIMEOUT, LIGHT_BODY_BYTES,
+    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadCut, UploadWatch, check_batch_elements,
+    checkpoints,
     grpc_liveness, is_out_of_memory,
 )
 from advantage_server import transport
@@ -63,7 +65,8 @@ from advantage_server.metrics import HealthPort, ObservabilityInterceptor, Serve
 log = logging.getLogger("advantage_server")
 _SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"]
 SERVICE_NAME = _SERVICE.full_name
-#: methods that count against ``--max-concurrent-requests`` (the others are cheap descriptions)
+#: methods that count against ``--max-concurrent-requests``; the others (ListEstimators, (Un)RegisterSharedMemory,
+#: and server reflection) share ``LIGHT_CALLS`` places of their own and take bodies of at most ``LIGHT_BODY_BYTES``
 LIMITED_METHODS = frozenset({"ComputeAdvantage", "ComputeAdvantageShm"})
 
 # Keepalive: the server pings a silent connection every 60 s and drops it when no answer comes within
@@ -172,8 +175,13 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             started = time.monotonic()
             what, status = method.name, None
             try:
-                with self.gate.admit(limited, context.add_callback):
+                with self.gate.admit(limited, context.add_callback), \
+                        (contextlib.nullcontext() if limited else self.gate.light(method.name)):
                     data = self._receive(requests, context)
+                    if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
+                        raise InvalidInput("request", f"the {len(data)}-byte request is larger than {method.name} "
+                                                      f"takes ({LIGHT_BODY_BYTES} bytes at most); send only the "
+                                                      f"fields of {request_cls.DESCRIPTOR.full_name}")
                     grpc_liveness(context)("before decoding")  # the client may have gone during the upload
                     try:
                         request = transport.decode_request(data) if codec_decoded else _decode(request_cls, data)
@@ -231,6 +239,30 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         handlers = {m.name: self.handler(m) for m in _SERVICE.methods}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class GatedReflection(reflection.ReflectionServicer):
+    """Server reflection whose streams hold one of the gate's ``LIGHT_CALLS`` places (refused at once with
+    RESOURCE_EXHAUSTED when they are all taken) and are cut, like uploads, when no request message arrives
+    for ``--stream-idle-timeout`` seconds: a silent reflection stream does not hold a thread for ever."""
+
+    def __init__(self, service_names: Any, gate: RequestGate, uploads: UploadWatch):
+        super().__init__(service_names)
+        self._gate, self._uploads = gate, uploads
+
+    def ServerReflectionInfo(self, request_iterator, context):  # noqa: N802
+        try:
+            with self._gate.light("ServerReflectionInfo"), self._uploads.watch(context) as touch:
+                for request in request_iterator:
+                    touch()
+                    yield from super().ServerReflectionInfo(iter((request,)), context)
+                    touch()  # the idle clock runs while the stream waits for the client's next request
+        except UploadCut:  # already ended with RESOURCE_EXHAUSTED by the watch
+            return
+        except ResourceLimit as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except grpc.RpcError:  # the client went away, or the server is stopping
+            return
 
 
 class BoundServer:
@@ -359,8 +391,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(GatedReflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        servicer.gate, servicer.uploads), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

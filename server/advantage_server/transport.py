@@ -299,15 +299,17 @@ class TransportMethods:
 
     @staticmethod
     def _chunks(raw: Iterator[bytes], touch: Any) -> Iterator[tuple[int, memoryview]]:
-        """Serialized ``ComputeAdvantageChunk`` messages -> (total_size, data view); each one restarts the
-        upload's idle clock (``touch``)."""
+        """Serialized ``ComputeAdvantageChunk`` messages -> (total_size, data view); each one that carries
+        data bytes restarts the upload's idle clock (``touch``)."""
         for i, data in enumerate(raw):
-            touch()
             try:
-                yield codec.decode_chunk(data)
+                chunk = codec.decode_chunk(data)
             except (codec.CodecError, ValueError, TypeError, IndexError) as err:
                 raise InvalidInput("chunk", f"stream message {i} is not a valid advantage.v1.ComputeAdvantageChunk "
                                             f"({err}); send serialized ComputeAdvantageChunk messages") from None
+            if chunk[1].nbytes:  # only request bytes are progress: a trickle of empty chunks is still idle
+                touch()
+            yield chunk
 
     def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> np.ndarray:
         """The request's chunks -> one ``uint8`` numpy buffer allocated once from the declared total (numpy
