@@ -23,18 +23,41 @@ def _gae(B: int, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
             "values": torch.randn(B, T, generator=g)}
 
 
+def _abandon(c: AdvantageClient, region, tensors) -> None:
+    """Run past a 1 us deadline on ``region``: almost always the first call; one answered within it (rare) is
+    right and leaves the region usable, and the next one tries again."""
+    c.timeout = 1e-6
+    for _ in range(50):
+        try:
+            region.compute("gae", None, **tensors)
+        except AdvantageServiceError as err:
+            assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert region.abandoned == "DEADLINE_EXCEEDED"
+            return
+        assert not region.abandoned
+    pytest.fail("no call ran past a 1 us deadline in 50 tries")
+
+
 def test_an_abandoned_shm_call_drops_the_clients_region_and_the_next_call_is_right(make_server):
     srv = make_server()
     first, second = _gae(64, 1024, 0), _gae(64, 1024, 1)
     with AdvantageClient(srv.address, timeout=30.0) as c:
         want = c.compute("gae", None, transport="unary", **second).advantages
-        c.compute("gae", None, **first)
+        want_first = c.compute("gae", None, **first).advantages
         assert c.last_transport == "shm"
-        region = c._shm
-        c.timeout = 1e-6  # gives up before the server answers
-        with pytest.raises(AdvantageServiceError) as err:
-            c.compute("gae", None, **first)
-        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        c.timeout = 1e-6  # gives up before the server answers (almost always: a call that made it in time is
+        for _ in range(50):  # answered right, on its region, and the next one tries again)
+            region = c._shm
+            try:
+                got = c.compute("gae", None, **first)
+            except AdvantageServiceError as exc:
+                error = exc
+                break
+            assert not region.abandoned
+            assert torch.equal(got.advantages, want_first)
+        else:
+            pytest.fail("no call ran past a 1 us deadline in 50 tries")
+        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert region.abandoned == "DEADLINE_EXCEEDED" and c._shm is None  # dropped: never written into again
         c.timeout = 30.0
         got = c.compute("gae", None, **second)
@@ -45,9 +68,7 @@ def test_an_abandoned_shm_call_drops_the_clients_region_and_the_next_call_is_rig
 def test_a_region_with_an_abandoned_call_refuses_further_calls(make_server):
     srv = make_server()
     with AdvantageClient(srv.address, timeout=30.0) as c, c.shared_memory(4 << 20) as region:
-        c.timeout = 1e-6
-        with pytest.raises(AdvantageServiceError):
-            region.compute("gae", None, **_gae(8, 256))
+        _abandon(c, region, _gae(8, 256))
         c.timeout = 30.0
         with pytest.raises(RuntimeError, match="abandoned"):
             region.compute("gae", None, **_gae(8, 256))
@@ -192,9 +213,7 @@ def test_closing_an_abandoned_region_makes_no_call(make_server, monkeypatch):
     srv = make_server()
     with AdvantageClient(srv.address, timeout=30.0) as c:
         region = c.shared_memory(1 << 20)
-        c.timeout = 1e-6
-        with pytest.raises(AdvantageServiceError):
-            region.compute("gae", None, **_gae(4, 8))
+        _abandon(c, region, _gae(4, 8))
         calls = []
         monkeypatch.setattr(c, "_call", lambda method, *a, **k: calls.append(method))
         region.close()

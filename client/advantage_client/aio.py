@@ -39,6 +39,8 @@ from advantage_client.client import (
 
 #: the transports :class:`AsyncAdvantageClient` offers
 TRANSPORTS = ("auto", "unary", "stream")
+#: calls of one :class:`AsyncAdvantageClient` on the wire at once (the server's default --max-concurrent-requests)
+DEFAULT_MAX_IN_FLIGHT = 32
 
 _last_transport: contextvars.ContextVar[str | None] = contextvars.ContextVar("advantage_last_transport", default=None)
 
@@ -51,6 +53,10 @@ class AsyncAdvantageClient:
     channel: a ``grpc.aio.Channel`` to use instead of making one (closed by :meth:`close`).
     transport: ``"auto"`` (default), ``"unary"`` or ``"stream"``; ``"shm"`` raises ``ValueError`` (see the
              module docstring).
+    max_in_flight: at most this many calls of this client on the wire at once (default 32, the server's
+             default ``--max-concurrent-requests``); more (an ``asyncio.gather`` over many groups) wait
+             their turn here, in arrival order, instead of being refused (RESOURCE_EXHAUSTED). None: no limit.
+             A call's deadline (``timeout``) starts when it is sent.
     Raises ``ValueError`` for bad options (unknown transport, half a client certificate, an unreadable
     token file, ...). Create it inside the event loop that will await its calls.
     """
@@ -60,7 +66,13 @@ class AsyncAdvantageClient:
                  tls_key: Any = None, tls_server_name: str | None = None, token: str | None = None,
                  token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
-                 chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True):
+                 chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True,
+                 max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT):
+        if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                                          or max_in_flight < 1):
+            raise ValueError(f"max_in_flight={max_in_flight!r}: give an integer >= 1, or None for no limit")
+        self.max_in_flight = max_in_flight
+        self._in_flight = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
         self.compact = bool(compact)
         self.transport = self._checked_transport(transport)
         self.target = channel_target(target)
@@ -126,6 +138,16 @@ class AsyncAdvantageClient:
         transport = self._checked_transport(transport or self.transport)
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                 compact=self.compact, as_lengths=self._lengths_ok)
+        if self._in_flight is None:
+            return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
+                                                cu_seqlens, per_sample, tensors)
+        async with self._in_flight:  # queued here beyond max_in_flight calls at once
+            return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
+                                                cu_seqlens, per_sample, tensors)
+
+    async def _compute_prepared(self, prepared: Any, transport: str, as_numpy: bool, estimator: str, config: Any,
+                                output_dtype: Any, cu_seqlens: Any, per_sample: bool,
+                                tensors: dict[str, Any]) -> AdvantageResult:
         try:
             return await self._send_prepared(prepared, transport, as_numpy)
         except AdvantageServiceError as err:

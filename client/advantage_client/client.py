@@ -18,6 +18,7 @@ import errno
 import math
 import numbers
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,6 +37,10 @@ from advantage_client.wire import reduce_prompt_ids
 
 #: transport="auto": how many times the server may forget this client's region before shared memory is off
 MAX_SHM_FORGOTTEN = 3
+#: transport="auto": seconds after a refused registration before shared memory is tried again (the refusal may
+#: pass: another client's regions freed, a token set on the server); and before the pool tries to grow again
+#: after a refused growth (its regions keep working meanwhile)
+SHM_RETRY_S = 60.0
 #: regions the shared-memory pool of one client grows to (one call per region at a time)
 DEFAULT_SHM_REGIONS = 8
 
@@ -56,8 +61,9 @@ class PreparedCall:
 
     request:    the encoded request (pieces; joined for unary, chunked for stream).
     per_sample: the caller wants ``[B]`` values (where the server gives them) rather than ``[B, T]``.
-    mask:       the call's mask (as given, or the bool form the compaction made), to rebuild a per-sample
-                answer; None when the server is not asked for one (packed layout, no mask).
+    mask:       a bool numpy copy of the mask that was sent, to rebuild a per-sample answer (never the
+                caller's object, which it may reuse while the call is in flight); None when the server is
+                not asked for one (packed layout, no mask).
     lengths:    the caller's own ``lengths`` [B] (sent in place of a mask), from which the mask is made when
                 a per-sample answer needs it; ``columns``: the mask's width (``mask_columns``).
     """
@@ -86,6 +92,7 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
     Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded.
     """
     tensors = {k: v for k, v in tensors.items() if v is not None}
+    check_mask_columns(tensors)
     mask = tensors.get("mask")
     columns, mask_columns = None, 0
     if compact and mask is not None and "lengths" not in tensors:
@@ -102,13 +109,38 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
     if mask is None and "lengths" in tensors:  # the caller sends lengths (and mask_columns) themselves
         mask_columns = int(tensors.pop("mask_columns", 0) or 0)
         value = tensors["lengths"]
-        own_lengths = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+        # a copy: the caller may reuse its buffer while the call is in flight (asyncio, threads)
+        own_lengths = np.array(value.detach().cpu() if hasattr(value, "detach") else value, copy=True)
         columns = mask_columns or (int(own_lengths.max(initial=0)) if own_lengths.size else 0)
     ask = (compact or per_sample) and cu_seqlens is None and (mask is not None or own_lengths is not None)
     pieces = streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, per_sample=ask,
                                             mask_columns=mask_columns, **tensors)
-    return PreparedCall(streaming.Request(pieces), per_sample, mask if ask else None, columns, own_lengths,
+    # the rebuild of a per-sample answer reads the mask that was sent, never the caller's object, which the
+    # caller may reuse (write the next batch into) while the call is in flight: a bool snapshot of it
+    snapshot = _mask_snapshot(mask) if ask and mask is not None else None
+    return PreparedCall(streaming.Request(pieces), per_sample, snapshot, columns, own_lengths,
                         sent_lengths=own_lengths is None and "lengths" in tensors)
+
+
+def _mask_snapshot(mask: Any) -> np.ndarray:
+    """A bool numpy copy of ``mask`` (a copy also when the mask is bool already: it is the caller's)."""
+    m = layout.bool_mask(mask, like=np.empty(0))
+    return np.array(m, dtype=np.bool_, copy=True)
+
+
+def check_mask_columns(tensors: dict[str, Any]) -> None:
+    """``mask_columns`` gives the width of the mask that ``lengths`` stands for: with a ``mask`` (its width is
+    the mask's) or without ``lengths`` it makes no sense, a ``wire.WireError`` (a ValueError) names it."""
+    value = tensors.get("mask_columns")
+    if value is None:
+        tensors.pop("mask_columns", None)
+        return
+    if tensors.get("lengths") is None or tensors.get("mask") is not None:
+        where = "with mask= the width is the mask's" if tensors.get("mask") is not None else "no lengths= given"
+        raise wire.WireError("mask_columns", f"{value!r}: it is the width T of the mask that lengths= [B] stands "
+                             f"for and is given only with lengths= ({where}): drop mask_columns")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < 0:
+        raise wire.WireError("mask_columns", f"{value!r}: give the mask width as an integer >= 0")
 
 
 def finish_result(reply: Any, call: PreparedCall, as_numpy: bool = False) -> AdvantageResult:
@@ -190,6 +222,11 @@ def build_request(estimator: str, config: Any = None, output_dtype: Any = None, 
     return request
 
 
+def _no_room(need: int) -> bool:
+    """``fits`` while the pool's growth is paused: no new region."""
+    return False
+
+
 class _Waiter:
     """A call waiting for a shared-memory region: handed a region, or leave to register one (``may_create``)."""
 
@@ -221,7 +258,8 @@ class AdvantageClient:
              cap) or ``"shm"`` (shared memory, server on the same host; see :meth:`shared_memory`).
              ``"auto"`` uses shared memory when the server is on this host: the first call registers a region
              (RegisterSharedMemory); if that fails (a server on another host or in another container,
-             UNIMPLEMENTED, no token, several replicas) the client remembers it and never tries again (a
+             UNIMPLEMENTED, no token) the client remembers it for ``SHM_RETRY_S`` (60) seconds and then tries
+             again (several replicas: never; a refused growth of a working pool only pauses the growth; a
              /dev/shm too small for one request only sends that request another way). Otherwise, and for requests above ``shm_max_mb`` or while every region of the
              pool is busy (``shm_regions``), it sends requests of ``stream_threshold_mb`` MiB or more with ``"stream"`` and smaller
              ones with ``"unary"``. ``shm_min_mb``: smaller requests go unary even when shared memory works.
@@ -274,6 +312,9 @@ class AdvantageClient:
         # transport="auto": does shared memory work with this server? None = not tried yet
         self._shm_works: bool | None = False if "," in self.target else None
         self._shm_forgotten = 0  # answers "no such region" so far (see MAX_SHM_FORGOTTEN)
+        # _shm_works False: not before this time.monotonic() (inf: never again); growth: not before _shm_grow_at
+        self._shm_retry_at = math.inf if self._shm_works is False else 0.0
+        self._shm_grow_at = 0.0
         self._lengths_ok = True  # False once a server refused `lengths` (it predates them): masks go as bytes
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
@@ -311,10 +352,12 @@ class AdvantageClient:
         if per_sample and transport == "shm":
             raise ValueError("per_sample=True is not available over shared memory (its results are written "
                              "dense into the region): use transport='auto', 'unary' or 'stream'")
+        check_mask_columns({k: v for k, v in tensors.items() if v is not None})  # on every transport
         shm_kwargs = dict(output_dtype=output_dtype, as_numpy=as_numpy, cu_seqlens=cu_seqlens, **tensors)
         if transport == "shm":
             return self._compute_shm(estimator, config, **shm_kwargs)
-        if transport == "auto" and self._shm_works is not False and not per_sample and "lengths" not in tensors:
+        if (transport == "auto" and (self._shm_works is not False or time.monotonic() >= self._shm_retry_at)
+                and not per_sample and "lengths" not in tensors):
             size = streaming.payload_estimate(tensors)
             if self.shm_min_bytes <= size <= self.shm_max_bytes:
                 result = self._auto_shm(estimator, config, shm_kwargs)
@@ -364,7 +407,8 @@ class AdvantageClient:
         """Region bytes for the inputs and the results: advantages and returns are at most as many elements
         as the largest input (``[B, T]`` or packed ``[N]``), float32 unless a wider ``output_dtype`` is asked
         for (a bool mask's result is 4x its bytes)."""
-        tensors = [v for k, v in kwargs.items() if k not in ("output_dtype", "as_numpy", "cu_seqlens") and v is not None]
+        tensors = [v for k, v in kwargs.items()
+                   if k not in ("output_dtype", "as_numpy", "cu_seqlens", "mask_columns") and v is not None]
         inputs = sum(streaming.payload_estimate({"x": v}) + 64 for v in tensors)
         out_dtype = kwargs.get("output_dtype")
         itemsize = 8 if out_dtype is not None and wire.dtype_code(out_dtype) == pb.DTYPE_FLOAT64 else 4
@@ -474,27 +518,30 @@ class AdvantageClient:
 
     def _auto_shm(self, estimator: str, config: Any, kwargs: dict[str, Any]) -> AdvantageResult | None:
         """transport="auto" through shared memory; None when it cannot be used (then the caller streams or
-        sends one message). A failed registration is remembered (never tried again) unless it was a
-        transient UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED; a region the server no longer knows (the server
+        sends one message). A failed registration is remembered for ``SHM_RETRY_S`` seconds (shared memory is
+        off meanwhile, then tried again) unless it was a transient UNAVAILABLE / DEADLINE_EXCEEDED /
+        CANCELLED; one that only failed to grow the pool (other regions of it work) pauses the growth alone
+        for as long; a region the server no longer knows (the server
         restarted, or another replica answered) is registered anew on the next call, up to
         ``MAX_SHM_FORGOTTEN`` times per client, after which shared memory stays off for it."""
         from advantage_client import shm as shm_mod
         need = self._shm_need(kwargs)
         # every region busy: this call does not wait for one; /dev/shm too small for a new region of this
         # size (writing past it would be SIGBUS): not this time either
+        fits = shm_mod.room_for if time.monotonic() >= self._shm_grow_at else _no_room
         try:
-            region = self._shm_take(need, wait=False, fits=shm_mod.room_for)
+            region = self._shm_take(need, wait=False, fits=fits)
         except AdvantageServiceError as err:
             if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.CANCELLED):
-                self._shm_works = False
+                self._shm_refused()
             return None
-        except OSError as err:  # no /dev/shm (remembered), or no room now (ENOSPC: tried again later)
+        except OSError as err:  # no /dev/shm (remembered a while), or no room now (ENOSPC: tried again later)
             if err.errno != errno.ENOSPC:
-                self._shm_works = False
+                self._shm_refused()
             return None
-        except ValueError:
-            self._shm_works = False
+        except ValueError:  # the client is closed
+            self._shm_works, self._shm_retry_at = False, math.inf
             return None
         if region is None:
             return None
@@ -507,6 +554,8 @@ class AdvantageClient:
                 # next call, but after MAX_SHM_FORGOTTEN such answers (replicas behind one address) stop trying
                 self._shm_forgotten += 1
                 self._shm_works = False if self._shm_forgotten >= MAX_SHM_FORGOTTEN else None
+                if self._shm_works is False:
+                    self._shm_retry_at = math.inf
                 forgotten = True
                 return None
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and any(
@@ -520,6 +569,16 @@ class AdvantageClient:
                 self._shm_drop_idle()
         self._shm_works = True
         return result
+
+    def _shm_refused(self) -> None:
+        """A region could not be registered: with other regions in the pool that work, the pool stops growing
+        for ``SHM_RETRY_S`` seconds; else shared memory is off that long (then tried again)."""
+        now = time.monotonic()
+        if self._shm_works is True and self._shm_count > 0:
+            self._shm_grow_at = now + SHM_RETRY_S
+        else:
+            self._shm_works = False
+            self._shm_retry_at = now + SHM_RETRY_S
 
     def _call(self, method: str, request: Any, response_cls: type) -> Any:
         from advantage_client.shm import call

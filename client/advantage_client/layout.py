@@ -122,7 +122,8 @@ def rebuild(values: Any, layout: int, mask: Any = None, columns: int | None = No
             out = values[:, None].expand(B, T)
             return out if view else out.contiguous()
         out = np.broadcast_to(values[:, None], (B, T))
-        return out if view else np.ascontiguousarray(out)
+        # a copy always (ascontiguousarray would hand back the read-only view itself when T = 1)
+        return out if view else np.array(out, copy=True)
     if mask is None:
         raise ValueError(f"rebuild({layout_name(layout)}) needs the request's mask")
     if layout == UP_TO_LAST_VALID:

@@ -142,7 +142,7 @@ class SharedMemoryRegion:
 
     # ------------------------------------------------------------------ compute
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
-                copy: bool = True, cu_seqlens: Any = None, **tensors: Any) -> Any:
+                copy: bool = True, cu_seqlens: Any = None, mask_columns: int | None = None, **tensors: Any) -> Any:
         """Like ``AdvantageClient.compute``. Inputs already in the region (from :meth:`empty`) are read in
         place; others are copied in once. ``copy=False`` returns result tensors that are views of the
         region (valid until the next call on it).
@@ -165,6 +165,10 @@ class SharedMemoryRegion:
             inner.output_dtype = wire.dtype_code(output_dtype)
         if cu_seqlens is not None:
             inner.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
+        if mask_columns is not None:  # the width of the mask `lengths` stands for: a request field, not an input
+            from advantage_client.client import check_mask_columns
+            check_mask_columns({k: v for k, v in {**tensors, "mask_columns": mask_columns}.items() if v is not None})
+            inner.mask_columns = int(mask_columns)
         pos = self._next
         for name, value in tensors.items():
             if value is None:
