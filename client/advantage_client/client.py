@@ -32,7 +32,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 # defined with the modules that own them (shm and streaming use them too), and importable from here as before
 from advantage_client.errors import AdvantageServiceError, InvalidArgumentError, hint  # noqa: F401
 from advantage_client.result import AdvantageResult
-from advantage_client.wire import reduce_prompt_ids
+from advantage_client.wire import check_mask_columns, reduce_prompt_ids
 
 
 #: transport="auto": how many times the server may forget this client's region before shared memory is off
@@ -126,21 +126,6 @@ def _mask_snapshot(mask: Any) -> np.ndarray:
     """A bool numpy copy of ``mask`` (a copy also when the mask is bool already: it is the caller's)."""
     m = layout.bool_mask(mask, like=np.empty(0))
     return np.array(m, dtype=np.bool_, copy=True)
-
-
-def check_mask_columns(tensors: dict[str, Any]) -> None:
-    """``mask_columns`` gives the width of the mask that ``lengths`` stands for: with a ``mask`` (its width is
-    the mask's) or without ``lengths`` it makes no sense, a ``wire.WireError`` (a ValueError) names it."""
-    value = tensors.get("mask_columns")
-    if value is None:
-        tensors.pop("mask_columns", None)
-        return
-    if tensors.get("lengths") is None or tensors.get("mask") is not None:
-        where = "with mask= the width is the mask's" if tensors.get("mask") is not None else "no lengths= given"
-        raise wire.WireError("mask_columns", f"{value!r}: it is the width T of the mask that lengths= [B] stands "
-                             f"for and is given only with lengths= ({where}): drop mask_columns")
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < 0:
-        raise wire.WireError("mask_columns", f"{value!r}: give the mask width as an integer >= 0")
 
 
 def finish_result(reply: Any, call: PreparedCall, as_numpy: bool = False) -> AdvantageResult:

@@ -166,8 +166,7 @@ class SharedMemoryRegion:
         if cu_seqlens is not None:
             inner.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
         if mask_columns is not None:  # the width of the mask `lengths` stands for: a request field, not an input
-            from advantage_client.client import check_mask_columns
-            check_mask_columns({k: v for k, v in {**tensors, "mask_columns": mask_columns}.items() if v is not None})
+            wire.check_mask_columns({k: v for k, v in {**tensors, "mask_columns": mask_columns}.items() if v is not None})
             inner.mask_columns = int(mask_columns)
         pos = self._next
         for name, value in tensors.items():

@@ -15,6 +15,7 @@ INVALID_ARGUMENT, the client raises it before sending anything.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import warnings
 from typing import Any, Mapping
@@ -321,3 +322,18 @@ def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
     if arr.ndim == 2:
         return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
     return arr
+
+
+def check_mask_columns(tensors: dict[str, Any]) -> None:
+    """``mask_columns`` gives the width of the mask that ``lengths`` stands for: with a ``mask`` (its width is
+    the mask's) or without ``lengths`` it makes no sense, a ``WireError`` (a ValueError) names it."""
+    value = tensors.get("mask_columns")
+    if value is None:
+        tensors.pop("mask_columns", None)
+        return
+    if tensors.get("lengths") is None or tensors.get("mask") is not None:
+        where = "with mask= the width is the mask's" if tensors.get("mask") is not None else "no lengths= given"
+        raise WireError("mask_columns", f"{value!r}: it is the width T of the mask that lengths= [B] stands "
+                             f"for and is given only with lengths= ({where}): drop mask_columns")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < 0:
+        raise WireError("mask_columns", f"{value!r}: give the mask width as an integer >= 0")
