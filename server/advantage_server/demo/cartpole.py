@@ -23,7 +23,7 @@ import pathlib
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 try:
     import gymnasium as gym
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_server.demo.options import add_config_arguments
 from advantage_server.server import create_server
 
 RETURN_WINDOW = 20  # episodes averaged in "mean return"
@@ -357,16 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     cartpole = demos.add_parser("cartpole", help="PPO on CartPole-v1 with the service's GAE",
                                 description="PPO on gymnasium CartPole-v1; every advantage comes from the "
                                             "advantage service's GAE.")
-    for f in fields(PPOConfig):
-        if "flag" not in f.metadata:
-            continue
-        if f.type == "bool":
-            cartpole.add_argument(f.metadata["flag"], dest=f.name, action="store_true", help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            default = "" if f.default is None else f" (default {f.default})"
-            cartpole.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default,
-                                  help=f.metadata["help"] + default)
+    add_config_arguments(cartpole, PPOConfig)
     return parser
 
 

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_server.demo.options import add_config_arguments
 from advantage_server.server import create_server
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "opd", "reinforce_plus_plus")
@@ -672,16 +673,7 @@ def plot_curves(results: list[TrainResult], path: str, n_digits: int = 3) -> Non
 # --------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flag`` fields of :class:`LMConfig` as options."""
-    for f in fields(LMConfig):
-        if "flag" not in f.metadata:
-            continue
-        if f.type == "bool":
-            parser.add_argument(f.metadata["flag"], dest=f.name, action="store_true", help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            default = "" if f.default is None else f" (default {f.default})"
-            parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default,
-                                help=f.metadata["help"] + default)
+    add_config_arguments(parser, LMConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
