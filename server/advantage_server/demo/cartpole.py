@@ -35,7 +35,7 @@ from torch import nn
 
 from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_server.demo.options import add_config_arguments
-from advantage_server.server import create_server
+from advantage_server.demo.service import connect
 
 RETURN_WINDOW = 20  # episodes averaged in "mean return"
 NOT_ENDED, TERMINATED, TRUNCATED = 0, 1, 2  # how a step ended its episode
@@ -273,13 +273,7 @@ def train(cfg: PPOConfig) -> TrainResult:
     num_updates = max(cfg.total_steps // batch, 1)
     with ExitStack() as stack:
         stack.callback(torch.set_num_threads, threads)
-        target = cfg.server
-        if target is None:
-            srv = create_server("127.0.0.1", 0, device="auto").start()
-            stack.callback(srv.stop, 1.0)
-            target = srv.address
-        client = stack.enter_context(AdvantageClient(target, timeout=cfg.rpc_timeout))
-        client.wait_ready(timeout=10.0)
+        client = connect(stack, cfg.server, cfg.rpc_timeout)
         envs = [gym.make("CartPole-v1") for _ in range(cfg.num_envs)]
         for env in envs:
             stack.callback(env.close)

@@ -55,7 +55,7 @@ from torch import nn
 
 from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_server.demo.options import add_config_arguments
-from advantage_server.server import create_server
+from advantage_server.demo.service import connect
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "opd", "reinforce_plus_plus")
 KL_IN_REWARD = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")  # take use_kl_in_reward
@@ -615,13 +615,7 @@ def train(cfg: LMConfig) -> list[TrainResult]:
     torch.set_num_threads(cfg.threads)
     with ExitStack() as stack:
         stack.callback(torch.set_num_threads, threads)
-        target = cfg.server
-        if target is None:
-            srv = create_server("127.0.0.1", 0, device="auto").start()
-            stack.callback(srv.stop, 1.0)
-            target = srv.address
-        client = stack.enter_context(AdvantageClient(target, timeout=cfg.rpc_timeout))
-        client.wait_ready(timeout=10.0)
+        client = connect(stack, cfg.server, cfg.rpc_timeout)
         t0 = time.perf_counter()
         start = warm_start(cfg, with_teacher="opd" in estimators)
         if not cfg.quiet:
