@@ -51,6 +51,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from references.stubs import restore_modules
+
 __all__ = ["STUBS", "ESTIMATORS", "load", "version", "compute", "approx_kl"]
 
 #: every ``--algo.advantage.estimator`` value of OpenRLHF 0.11.2's CLI that computes from rewards alone
@@ -130,11 +132,7 @@ def load() -> types.ModuleType:
                 sys.modules[shell] = pkg
         _module = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
     finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+        restore_modules(saved)
     return _module
 
 

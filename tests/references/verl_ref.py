@@ -43,6 +43,8 @@ import sys
 import types
 from typing import Any, Callable
 
+from references.stubs import restore_modules
+
 __all__ = ["STUBS", "load", "registry", "version", "stubbed"]
 
 
@@ -150,11 +152,7 @@ def load() -> types.ModuleType:
                 _stubbed.append(top)
         _module = importlib.import_module("verl.trainer.ppo.core_algos")
     finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+        restore_modules(saved)
     return _module
 
 
