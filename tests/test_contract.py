@@ -29,7 +29,8 @@ from advantage_server.estimators.registry import EstimatorConfig, register
 
 NEMO_NAMES = {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd"}
 EXPECTED_NAMES = NEMO_NAMES | {"grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg",
-                               "optimal_token_baseline", "tir_optimal_token_baseline"}
+                               "optimal_token_baseline", "tir_optimal_token_baseline", "pkpo", "qae",
+                               "gigpo"}
 B, T = 6, 5
 PROMPT_IDS = np.array([3, 1, 3, 1, 1, 3], dtype=np.int64)  # two interleaved groups of 3
 GDPO_COMPONENTS = ("reward/a", "reward/b")
@@ -288,7 +289,7 @@ def test_optional_inputs_may_be_left_out(client, listing, name):
 def _proto_type(fd) -> str:
     if fd.enum_type is not None:
         return fd.enum_type.name
-    base = {fd.TYPE_BOOL: "bool", fd.TYPE_DOUBLE: "double"}[fd.type]
+    base = {fd.TYPE_BOOL: "bool", fd.TYPE_DOUBLE: "double", fd.TYPE_INT32: "int32"}[fd.type]
     return f"repeated {base}" if fd.is_repeated else base
 
 
@@ -364,9 +365,17 @@ VERL_DEFAULTS = {
     ("tir_optimal_token_baseline", "epsilon"): 1e-8,
     ("reinforce_plus_plus_baseline", "semantics"): "verl",
     ("rloo", "semantics"): "verl",
+    ("pkpo", "k"): "1",                 # rLLM algorithm.pass_at_k (PR #743)
+    ("qae", "quantile_k"): 0.4,         # the QAE release's recommended value
+    ("gigpo", "semantics"): "verl_agent",
+    ("gigpo", "gamma"): 0.95,           # verl-agent's GiGPO example scripts (trinity: 1.0)
+    ("gigpo", "step_advantage_weight"): 1.0,
+    ("gigpo", "mode"): "mean_norm",
+    ("gigpo", "epsilon"): 1e-6,
 }
 #: the full listed text of each default that depends on the semantics
 PER_SEMANTICS_TEXT = {
+    ("gigpo", "gamma"): "0.95 (verl_agent, roll); 1.0 (trinity)",
     ("grpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable otherwise",
     ("grpo", "epsilon"): "1e-06 (nemo_rl, verl); 1e-09 (openrlhf); 0.0001 (trl)",
     ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",

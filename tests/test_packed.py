@@ -54,6 +54,8 @@ def ragged_lengths(rng: np.random.Generator) -> np.ndarray:
 def random_values(name: str, kind: str, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if kind == "mask":
         return (rng.random(size) < 0.75).astype(np.float32)
+    if kind == "integer":  # ids (GiGPO trajectory_ids, anchor_ids, step_index)
+        return rng.integers(0, 3, size=size).astype(np.int64)
     if name.endswith("logprobs"):
         return (-rng.random(size) * 3).astype(np.float32)
     if name == "sum_pi_squared":

@@ -56,6 +56,8 @@ def batch(name: str, seed: int, token_rewards: bool = False) -> dict[str, torch.
             out[spec.name] = -torch.rand(B, T, generator=g) * 2
         elif spec.name in ("sum_pi_squared", "rollout_is_weights"):
             out[spec.name] = 0.05 + 0.95 * torch.rand(B, T, generator=g)
+        elif spec.kind == "integer":  # ids (GiGPO trajectory_ids, anchor_ids, step_index)
+            out[spec.name] = torch.randint(0, 3, (B,), generator=g)
         elif spec.shapes[0] == "[B]":
             out[spec.name] = torch.randn(B, generator=g)
         else:
@@ -125,7 +127,8 @@ def test_declarations_hold_and_are_complete(name, cfg):
 
 def test_every_estimator_the_issue_names_is_per_sample_under_each_semantics():
     want = {"grpo": 4, "rloo": 2, "opo": 1, "gpg": 1, "grpo_passk": 1, "gdpo": 2, "raw_reward": 1,
-            "reinforce_plus_plus": 1, "reinforce_plus_plus_baseline": 1}
+            "reinforce_plus_plus": 1, "reinforce_plus_plus_baseline": 1, "pkpo": 1, "qae": 1,
+            "gigpo": 1}
     assert {n: len(s.per_sample) for n, s in REGISTRY.items() if s.per_sample} == want
 
 

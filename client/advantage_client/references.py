@@ -17,9 +17,10 @@ class Reference:
     semantics: the ``Semantics`` enum's short name (``"verl"``).
     project:   the project's own name (``"verl"``).
     release:   the release reproduced: a PyPI version (``"0.9.1"``), or ``"main@<commit>"`` where the
-               project publishes no release containing the estimators (NeMo RL).
+               project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL).
     package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
-               produced at ``release``, ``shared/golden/nemo-rl``).
+               produced at ``release``, ``shared/golden/nemo-rl``; verl-agent and ROLL: golden cases
+               in ``tests/golden_gigpo``).
     code:      where the reproduced estimators live in that release.
     """
 
@@ -48,6 +49,10 @@ REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
     Reference("verl", "verl", "0.9.1", "verl", "verl/trainer/ppo/core_algos.py"),
     Reference("openrlhf", "OpenRLHF", "0.11.2", "openrlhf", "openrlhf/trainer/ppo_utils/experience_maker.py"),
     Reference("trl", "TRL", "1.16.0", "trl", "trl/trainer/grpo_trainer.py"),
+    Reference("verl_agent", "verl-agent", "main@29e3e8b3e3412aff53b1e4a461dac77a8eec19bd", None,
+              "gigpo/core_gigpo.py"),
+    Reference("trinity", "Trinity-RFT", "0.6.0", "trinity-rft", "trinity/algorithm/advantage_fn/gigpo_advantage.py"),
+    Reference("roll", "ROLL", "main@8eb27cc2dc34c4d1310b169d9b86d339004d811a", None, "roll/pipeline/agentic/utils.py"),
 )}
 
 #: the ``Semantics`` enum's short names

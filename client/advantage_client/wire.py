@@ -48,6 +48,9 @@ ESTIMATOR_FIELDS: dict[str, tuple[str, type]] = {
     "gpg": ("gpg", pb.GPGConfig),
     "optimal_token_baseline": ("optimal_token_baseline", pb.OptimalTokenBaselineConfig),
     "tir_optimal_token_baseline": ("tir_optimal_token_baseline", pb.TIROptimalTokenBaselineConfig),
+    "gigpo": ("gigpo", pb.GiGPOConfig),
+    "pkpo": ("pkpo", pb.PKPOConfig),
+    "qae": ("qae", pb.QAEConfig),
 }
 
 # dtype enum <-> (numpy dtype used to view the bytes, torch dtype, itemsize, name)
@@ -258,6 +261,10 @@ def config_message(estimator: str, config: Any = None) -> Any:
                 if not isinstance(value, (bool, np.bool_)):
                     raise WireError(f"config.{key}", f"expected a bool, got {value!r}")
                 setattr(msg, key, bool(value))
+            elif fields[key].type in (fields[key].TYPE_INT32, fields[key].TYPE_INT64):
+                if isinstance(value, (bool, np.bool_)) or not float(value).is_integer():
+                    raise WireError(f"config.{key}", f"expected an integer, got {value!r}")
+                setattr(msg, key, int(value))
             else:
                 setattr(msg, key, float(value))
         except (TypeError, ValueError) as exc:

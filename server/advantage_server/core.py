@@ -607,6 +607,8 @@ def _type_name(annotation: Any, metadata: Mapping[str, Any]) -> str:
         return "bool"
     if "str" in text:
         return "KLType"
+    if "int" in text:
+        return "int32"
     return "double"
 
 

@@ -30,3 +30,21 @@ TOKEN_REWARDS = InputSpec(
     "last mask = 1 position of its row.",
     fix="send token-level rewards [B, T], or one reward per sample [B]",
 )
+TRAJECTORY_IDS = InputSpec(
+    "trajectory_ids", ("[B]",), "integer",
+    "Trajectory of each step row (multi-turn: one row per step): rows with equal prompt_ids and equal "
+    "trajectory_ids are the steps of one trajectory, so ids need only be unique within a prompt group.",
+    fix="send one integer trajectory id per row ([B]; e.g. the index of the rollout within its task)",
+)
+STEP_INDEX = InputSpec(
+    "step_index", ("[B]",), "integer",
+    "Order of each step row within its trajectory (0, 1, ...; only the order matters). Optional: without "
+    "it, and between equal values, the rows' order in the batch is the step order.",
+    required=False,
+)
+ANCHOR_IDS = InputSpec(
+    "anchor_ids", ("[B]",), "integer",
+    "Anchor state of each step row: an integer hash of the observation the step acted on (without "
+    "history); equal ids = the same environment state.",
+    fix="send one integer hash of each step's observation ([B] int64; e.g. the first 8 bytes of its sha256)",
+)

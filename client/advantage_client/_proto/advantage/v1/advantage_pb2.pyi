@@ -156,13 +156,27 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     """OpenRLHF 0.11.2 (PyPI), openrlhf/trainer/ppo_utils/experience_maker.py"""
     SEMANTICS_TRL: _Semantics.ValueType  # 4
     """Hugging Face TRL 1.16.0 (PyPI), trl/trainer/grpo_trainer.py"""
+    SEMANTICS_VERL_AGENT: _Semantics.ValueType  # 5
+    """verl-agent (github langfengQ/verl-agent, no PyPI release)
+    main@29e3e8b3e3412aff53b1e4a461dac77a8eec19bd, gigpo/core_gigpo.py
+    """
+    SEMANTICS_TRINITY: _Semantics.ValueType  # 6
+    """Trinity-RFT 0.6.0 (PyPI),
+    trinity/algorithm/advantage_fn/gigpo_advantage.py
+    """
+    SEMANTICS_ROLL: _Semantics.ValueType  # 7
+    """alibaba ROLL (no PyPI release)
+    main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
+    roll/pipeline/agentic/utils.py
+    """
 
 class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     """Which public reference an estimator reproduces, where references that share
     an estimator name compute different numbers. Each config that has this field
     documents which values it accepts and what each one reproduces; unset means
-    nemo_rl for the six NeMo RL estimators and verl for the others. A value the
-    estimator does not offer is INVALID_ARGUMENT naming config.semantics.
+    nemo_rl for the six NeMo RL estimators, verl_agent for gigpo and verl for the
+    others. A value the estimator does not offer is INVALID_ARGUMENT naming
+    config.semantics.
     Each value names the release it reproduces (ListEstimatorsResponse.references
     reports the same, and the differential tests run against these releases).
     """
@@ -178,6 +192,19 @@ SEMANTICS_OPENRLHF: Semantics.ValueType  # 3
 """OpenRLHF 0.11.2 (PyPI), openrlhf/trainer/ppo_utils/experience_maker.py"""
 SEMANTICS_TRL: Semantics.ValueType  # 4
 """Hugging Face TRL 1.16.0 (PyPI), trl/trainer/grpo_trainer.py"""
+SEMANTICS_VERL_AGENT: Semantics.ValueType  # 5
+"""verl-agent (github langfengQ/verl-agent, no PyPI release)
+main@29e3e8b3e3412aff53b1e4a461dac77a8eec19bd, gigpo/core_gigpo.py
+"""
+SEMANTICS_TRINITY: Semantics.ValueType  # 6
+"""Trinity-RFT 0.6.0 (PyPI),
+trinity/algorithm/advantage_fn/gigpo_advantage.py
+"""
+SEMANTICS_ROLL: Semantics.ValueType  # 7
+"""alibaba ROLL (no PyPI release)
+main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
+roll/pipeline/agentic/utils.py
+"""
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
 
 class _ScaleRewards:
@@ -209,6 +236,30 @@ SCALE_REWARDS_BATCH: ScaleRewards.ValueType  # 2
 SCALE_REWARDS_NONE: ScaleRewards.ValueType  # 3
 """no scaling (Dr. GRPO)"""
 Global___ScaleRewards: _TypeAlias = ScaleRewards  # noqa: Y015
+
+class _GiGPOMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GiGPOModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GiGPOMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GIGPO_MODE_UNSPECIFIED: _GiGPOMode.ValueType  # 0
+    """default: mean_norm"""
+    GIGPO_MODE_MEAN_NORM: _GiGPOMode.ValueType  # 1
+    """x - group mean"""
+    GIGPO_MODE_MEAN_STD_NORM: _GiGPOMode.ValueType  # 2
+    """(x - group mean) / (group std + epsilon)"""
+
+class GiGPOMode(_GiGPOMode, metaclass=_GiGPOModeEnumTypeWrapper):
+    """GiGPOConfig.mode: how A_E and A_S are normalised within their groups."""
+
+GIGPO_MODE_UNSPECIFIED: GiGPOMode.ValueType  # 0
+"""default: mean_norm"""
+GIGPO_MODE_MEAN_NORM: GiGPOMode.ValueType  # 1
+"""x - group mean"""
+GIGPO_MODE_MEAN_STD_NORM: GiGPOMode.ValueType  # 2
+"""(x - group mean) / (group std + epsilon)"""
+Global___GiGPOMode: _TypeAlias = GiGPOMode  # noqa: Y015
 
 class _ResultLayout:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -853,6 +904,122 @@ class GRPOPassKConfig(_message.Message):
 Global___GRPOPassKConfig: _TypeAlias = GRPOPassKConfig  # noqa: Y015
 
 @_typing.final
+class PKPOConfig(_message.Message):
+    """PKPO (Pass@k Policy Optimization, arXiv:2505.15201), as rLLM PR #743
+    (commit 6b3b2da5, calculate_pkpo_advantages_per_group): each sample's
+    reward is replaced by its unbiased pass@k credit, (1 / C(n, k)) times the
+    sum over the group's k-subsets containing it of the subset's max reward
+    (tied rewards share credit equally), minus the group's mean credit.
+    k is clamped to the group size n per group: k >= n gives the group 0,
+    k = 1 gives (r - mean) / n; a group of one gets 0. Inputs: prompt_ids,
+    rewards [B] or [B, T] (summed over T), mask. Output: advantages [B, T],
+    0 where mask = 0; no returns.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    K_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    k: _builtins.int
+    """k of pass@k (rLLM algorithm.pass_at_k); default 1; k < 1 is
+    INVALID_ARGUMENT.
+    """
+    exclude_empty_responses: _builtins.bool
+    """As GRPOPassKConfig.exclude_empty_responses (default false)."""
+    sum_rewards_over_mask: _builtins.bool
+    """As GRPOPassKConfig.sum_rewards_over_mask (default false)."""
+    def __init__(
+        self,
+        *,
+        k: _builtins.int | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_k", b"_k", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "k", b"k", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_k", b"_k", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "exclude_empty_responses", b"exclude_empty_responses", "k", b"k", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofReturnType__k: _TypeAlias = _typing.Literal["k"]  # noqa: Y015
+    _WhichOneofArgType__k: _TypeAlias = _typing.Literal["_k", b"_k"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__k) -> _WhichOneofReturnType__k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
+
+Global___PKPOConfig: _TypeAlias = PKPOConfig  # noqa: Y015
+
+@_typing.final
+class QAEConfig(_message.Message):
+    """QAE (Quantile Advantage Estimation, arXiv:2509.22611; release
+    github junkangwu/QAE): verl's GRPO with the group baseline the
+    quantile_k-quantile of the group's rewards (torch.quantile, linear
+    interpolation) instead of the mean: A = (r - q) / (std + epsilon), or
+    r - q; a group of one has baseline 0 and std 1 (verl). Inputs: prompt_ids,
+    rewards [B] or [B, T] (summed over T), mask. Output: advantages [B, T],
+    0 where mask = 0; no returns.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUANTILE_K_FIELD_NUMBER: _builtins.int
+    NORMALIZE_REWARDS_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
+    EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
+    SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    quantile_k: _builtins.float
+    """K, strictly between 0 and 1 (else INVALID_ARGUMENT); default 0.4."""
+    normalize_rewards: _builtins.bool
+    """default true (verl norm_adv_by_std_in_grpo)"""
+    epsilon: _builtins.float
+    """default 1e-6"""
+    exclude_empty_responses: _builtins.bool
+    """As GRPOPassKConfig.exclude_empty_responses (default false)."""
+    sum_rewards_over_mask: _builtins.bool
+    """As GRPOPassKConfig.sum_rewards_over_mask (default false)."""
+    def __init__(
+        self,
+        *,
+        quantile_k: _builtins.float | None = ...,
+        normalize_rewards: _builtins.bool | None = ...,
+        epsilon: _builtins.float | None = ...,
+        exclude_empty_responses: _builtins.bool | None = ...,
+        sum_rewards_over_mask: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_quantile_k", b"_quantile_k", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "quantile_k", b"quantile_k", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_quantile_k", b"_quantile_k", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "quantile_k", b"quantile_k", "sum_rewards_over_mask", b"sum_rewards_over_mask"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
+    _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
+    _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__quantile_k: _TypeAlias = _typing.Literal["quantile_k"]  # noqa: Y015
+    _WhichOneofArgType__quantile_k: _TypeAlias = _typing.Literal["_quantile_k", b"_quantile_k"]  # noqa: Y015
+    _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__quantile_k) -> _WhichOneofReturnType__quantile_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
+
+Global___QAEConfig: _TypeAlias = QAEConfig  # noqa: Y015
+
+@_typing.final
 class ReinforcePlusPlusBaselineConfig(_message.Message):
     """Reinforce++-baseline (arXiv:2501.03262): reward minus the per-prompt mean,
     whitened over the batch. Inputs: prompt_ids, rewards [B] or [B, T], mask;
@@ -1276,6 +1443,100 @@ class TIROptimalTokenBaselineConfig(_message.Message):
 Global___TIROptimalTokenBaselineConfig: _TypeAlias = TIROptimalTokenBaselineConfig  # noqa: Y015
 
 @_typing.final
+class GiGPOConfig(_message.Message):
+    """GiGPO, group-in-group policy optimisation for multi-turn agents (Feng et
+    al. 2025, arXiv:2505.10978). One row per agent step (turn). Inputs:
+    prompt_ids [B] or [B, L] (the episode group: trajectories of the same
+    task), rewards [B] or [B, T] (the step's immediate reward r; [B, T] summed
+    over all T positions), mask [B, T], trajectory_ids [B] (rows with equal
+    prompt_ids and trajectory_ids are one trajectory), anchor_ids [B] (a hash
+    of the step's observation: equal ids = the same anchor state), optional
+    step_index [B] (order of the steps within a trajectory; ties and an absent
+    step_index keep the rows' batch order). Per trajectory: the episode return
+    R = sum of its steps' r, and the discounted step return
+    G_t = sum_{k >= t} gamma^(k - t) r_k over its steps in order.
+    A_E = R normalised within the episode group, A_S = G normalised within the
+    step group (rows sharing an anchor state), and
+    advantages = (A_E + step_advantage_weight * A_S) * mask; no returns (the
+    references return the advantages a second time).
+    Normalising x within a group: mean_norm: x - mean; mean_std_norm:
+    (x - mean) / (std + epsilon), std the sample (n - 1) std. Per semantics:
+      verl_agent  verl-agent compute_gigpo_outcome_advantage (+
+                  compute_step_discounted_returns): episode statistics over the
+                  group's step rows (each row counts its trajectory's R); a
+                  group of one row: mean 0, std 1 (A_E = R). Step groups:
+                  equal anchor_ids within one prompt group; a step group of one
+                  gets A_S = 0.
+      trinity     Trinity-RFT GiGPOAdvantageFn: episode statistics over the
+                  group's trajectories (one R each); every value is divided by
+                  (denominator + epsilon), the denominator 1 in mean_norm (its
+                  fnorm = none) and for a group of one trajectory (mean 0).
+                  Step groups: equal anchor_ids across the whole batch; a
+                  step group of one gets A_S = 0.
+      roll        ROLL compute_response_level_rewards (gigpo): episode
+                  statistics over the group's step rows; step groups: equal
+                  anchor_ids across the whole batch; a group of one gives 0
+                  (mean_norm: x - x), and mean_std_norm gives 0 where the
+                  group has one row or std <= epsilon (ROLL: 1e-6).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEMANTICS_FIELD_NUMBER: _builtins.int
+    GAMMA_FIELD_NUMBER: _builtins.int
+    STEP_ADVANTAGE_WEIGHT_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
+    semantics: Global___Semantics.ValueType
+    """Semantics: verl_agent (default), trinity or roll."""
+    gamma: _builtins.float
+    """Discount of the step returns G_t, in [0, 1]. Default 0.95 (verl_agent:
+    its GiGPO example scripts' algorithm.gamma; roll: step_reward_gamma);
+    1.0 (trinity).
+    """
+    step_advantage_weight: _builtins.float
+    """omega, the weight of the step advantage A_S (verl-agent
+    algorithm.gigpo.step_advantage_w, Trinity omega, ROLL
+    step_reward_weight). Default 1.0.
+    """
+    mode: Global___GiGPOMode.ValueType
+    """mean_norm (default: verl-agent algorithm.gigpo.mode, Trinity fnorm =
+    none, ROLL method = mean) or mean_std_norm (Trinity fnorm = std, ROLL
+    method = mean_std).
+    """
+    epsilon: _builtins.float
+    """Added to the std (trinity: to the denominator) before dividing. Default
+    1e-6.
+    """
+    def __init__(
+        self,
+        *,
+        semantics: Global___Semantics.ValueType = ...,
+        gamma: _builtins.float | None = ...,
+        step_advantage_weight: _builtins.float | None = ...,
+        mode: Global___GiGPOMode.ValueType = ...,
+        epsilon: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_gamma", b"_gamma", "_step_advantage_weight", b"_step_advantage_weight", "epsilon", b"epsilon", "gamma", b"gamma", "step_advantage_weight", b"step_advantage_weight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_gamma", b"_gamma", "_step_advantage_weight", b"_step_advantage_weight", "epsilon", b"epsilon", "gamma", b"gamma", "mode", b"mode", "semantics", b"semantics", "step_advantage_weight", b"step_advantage_weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
+    _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    _WhichOneofReturnType__gamma: _TypeAlias = _typing.Literal["gamma"]  # noqa: Y015
+    _WhichOneofArgType__gamma: _TypeAlias = _typing.Literal["_gamma", b"_gamma"]  # noqa: Y015
+    _WhichOneofReturnType__step_advantage_weight: _TypeAlias = _typing.Literal["step_advantage_weight"]  # noqa: Y015
+    _WhichOneofArgType__step_advantage_weight: _TypeAlias = _typing.Literal["_step_advantage_weight", b"_step_advantage_weight"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gamma) -> _WhichOneofReturnType__gamma | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_advantage_weight) -> _WhichOneofReturnType__step_advantage_weight | None: ...
+
+Global___GiGPOConfig: _TypeAlias = GiGPOConfig  # noqa: Y015
+
+@_typing.final
 class ComputeAdvantageRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1314,6 +1575,9 @@ class ComputeAdvantageRequest(_message.Message):
     GPG_FIELD_NUMBER: _builtins.int
     OPTIMAL_TOKEN_BASELINE_FIELD_NUMBER: _builtins.int
     TIR_OPTIMAL_TOKEN_BASELINE_FIELD_NUMBER: _builtins.int
+    GIGPO_FIELD_NUMBER: _builtins.int
+    PKPO_FIELD_NUMBER: _builtins.int
+    QAE_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
     CU_SEQLENS_FIELD_NUMBER: _builtins.int
@@ -1373,12 +1637,19 @@ class ComputeAdvantageRequest(_message.Message):
     @_builtins.property
     def tir_optimal_token_baseline(self) -> Global___TIROptimalTokenBaselineConfig: ...
     @_builtins.property
+    def gigpo(self) -> Global___GiGPOConfig: ...
+    @_builtins.property
+    def pkpo(self) -> Global___PKPOConfig: ...
+    @_builtins.property
+    def qae(self) -> Global___QAEConfig: ...
+    @_builtins.property
     def inputs(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]:
         """Input tensors by name. Names and shapes per estimator are listed by
         ListEstimators: prompt_ids, rewards, mask, values, bootstrap_values,
         logprobs, reference_logprobs, teacher_logprobs, prev_logprobs,
-        reward_baselines, sum_pi_squared, rollout_is_weights, std_rewards, and the
-        GDPO components "reward/<name>". A name the chosen estimator does not read
+        reward_baselines, sum_pi_squared, rollout_is_weights, std_rewards,
+        trajectory_ids, step_index, anchor_ids (GiGPO), and the GDPO components
+        "reward/<name>". A name the chosen estimator does not read
         is an INVALID_ARGUMENT. Float inputs may be float32, float64, bfloat16 or
         float16 and are computed in float32 (float64 when any input is float64);
         prompt_ids must be an integer type; mask may be bool, integer or float
@@ -1421,17 +1692,20 @@ class ComputeAdvantageRequest(_message.Message):
         gpg: Global___GPGConfig | None = ...,
         optimal_token_baseline: Global___OptimalTokenBaselineConfig | None = ...,
         tir_optimal_token_baseline: Global___TIROptimalTokenBaselineConfig | None = ...,
+        gigpo: Global___GiGPOConfig | None = ...,
+        pkpo: Global___PKPOConfig | None = ...,
+        qae: Global___QAEConfig | None = ...,
         inputs: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
         output_dtype: Global___DType.ValueType = ...,
         cu_seqlens: Global___Tensor | None = ...,
         per_sample: _builtins.bool = ...,
         mask_columns: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "mask_columns", b"mask_columns", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "per_sample", b"per_sample", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "mask_columns", b"mask_columns", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "per_sample", b"per_sample", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_estimator: _TypeAlias = _typing.Literal["grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline"]  # noqa: Y015
+    _WhichOneofReturnType_estimator: _TypeAlias = _typing.Literal["grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gigpo", "pkpo", "qae"]  # noqa: Y015
     _WhichOneofArgType_estimator: _TypeAlias = _typing.Literal["estimator", b"estimator"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_estimator) -> _WhichOneofReturnType_estimator | None: ...
 
