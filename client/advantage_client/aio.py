@@ -93,6 +93,19 @@ class AsyncAdvantageClient:
         self._stream: Any = None
         self._lengths_ok = True
 
+    @classmethod
+    async def from_ray(cls, name: str = "advantage", namespace: str = "advantage", *, address: str | None = None,
+                       refresh_s: float | None = 10.0, lookup_timeout: float = 5.0, wait_s: float = 30.0,
+                       **kwargs: Any) -> Any:
+        """``await AsyncAdvantageClient.from_ray(namespace=...)``: the asyncio twin of
+        :meth:`advantage_client.AdvantageClient.from_ray` (same arguments; ``kwargs`` are this class's options).
+        Returns an :class:`advantage_client.ray_discovery.AsyncRayClient`; the look-ups run in a thread, the
+        periodic one as a task of the running loop. ``ray`` is imported only here."""
+        from advantage_client import ray_discovery
+        return await ray_discovery.AsyncRayClient.create(
+            cls, name=name, namespace=namespace, address=address, refresh_s=refresh_s,
+            lookup_timeout=lookup_timeout, wait_s=wait_s, **kwargs)
+
     @staticmethod
     def _checked_transport(transport: str) -> str:
         if transport == "shm":

@@ -302,6 +302,25 @@ class AdvantageClient:
         self._shm_grow_at = 0.0
         self._lengths_ok = True  # False once a server refused `lengths` (it predates them): masks go as bytes
 
+    @classmethod
+    def from_ray(cls, name: str = "advantage", namespace: str = "advantage", *, address: str | None = None,
+                 refresh_s: float | None = 10.0, lookup_timeout: float = 5.0, wait_s: float = 30.0,
+                 **kwargs: Any) -> Any:
+        """A client on the replicas that ``advantage-ray up`` started on a Ray cluster (deployment ``name`` in Ray
+        namespace ``namespace``), balanced over them as a list of replicas is (round_robin, UNAVAILABLE retried
+        on another one), that follows them when Ray restarts one elsewhere: the addresses are looked up again
+        every ``refresh_s`` seconds and at once when a call fails with UNAVAILABLE (then sent once more on the
+        new set). Returns an :class:`advantage_client.ray_discovery.RayClient` (``compute``,
+        ``list_estimators``, ``close``, context manager, as this class).
+
+        Uses the process's Ray connection (a trainer's driver or actor), else ``ray.init(address=address)``
+        (None: ``$RAY_ADDRESS`` or ``"auto"``). ``kwargs``: this class's options (timeout, TLS, token,
+        transport, ...). ``ray`` is imported only here. Raises ``ImportError`` without Ray,
+        :class:`AdvantageServiceError` (UNAVAILABLE) when no replica answered within ``wait_s`` seconds."""
+        from advantage_client import ray_discovery
+        return ray_discovery.RayClient(cls, name=name, namespace=namespace, address=address, refresh_s=refresh_s,
+                                       lookup_timeout=lookup_timeout, wait_s=wait_s, **kwargs)
+
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
                 cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
                 **tensors: Any) -> AdvantageResult:

@@ -127,8 +127,8 @@ _clients_lock = threading.Lock()
 
 
 def _client_for(target: Any) -> AdvantageClient:
-    if isinstance(target, AdvantageClient):
-        return target
+    if isinstance(target, AdvantageClient) or callable(getattr(target, "compute", None)):
+        return target  # a client, or one that stands for several (AdvantageClient.from_ray)
     if target is None:
         target = os.environ.get(DEFAULT_TARGET_ENV, _DEFAULT_TARGET)
     if isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target):

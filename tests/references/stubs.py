@@ -10,6 +10,9 @@ def restore_modules(saved: dict[str, ModuleType | None]) -> None:
     other is set back, so one harness's stubs never leak into another's import."""
     for name, old in saved.items():
         if old is None:
+            current = sys.modules.get(name)
+            if current is not None and getattr(current, "__file__", None):
+                continue  # the real package was imported meanwhile (e.g. ray, when installed): keep it whole
             sys.modules.pop(name, None)
         else:
             sys.modules[name] = old

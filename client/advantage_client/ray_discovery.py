@@ -1,0 +1,431 @@
+"""Finding the service's replicas on a Ray cluster, and a client that follows them as Ray replaces them.
+
+    from advantage_client import AdvantageClient, AsyncAdvantageClient
+    client = AdvantageClient.from_ray(namespace="advantage")            # in a Ray driver or actor
+    client = await AsyncAdvantageClient.from_ray(namespace="advantage")  # asyncio twin
+
+``advantage-ray up`` (``advantage_server.ray_deploy``) starts each replica as a detached Ray actor named
+``<name>-replica-<i>`` in a Ray namespace; each runs ``advantage-server`` in its own process and answers
+``info()`` with its ``host:port`` (the node's IP and the port it bound). When a replica's process dies, Ray
+restarts the actor (``max_restarts``), the server starts again, and ``info()`` answers the new address
+(another node, or another port when the replica was started on ``--port 0``).
+
+The client side of that contract lives here, apart from :mod:`advantage_client.client` (which imports this
+module only inside :meth:`~advantage_client.AdvantageClient.from_ray`): ``ray`` is imported only when one of
+these functions runs, so ``advantage-client`` stays installable without Ray, and this module imports no
+client module (the client classes are handed in), so nothing here imports anything that imports it back.
+
+:class:`RayClient` / :class:`AsyncRayClient`: what ``from_ray`` returns. They hold an ordinary client built on
+the replicas' addresses (round_robin over the replicas that report SERVING, UNAVAILABLE retried with backoff
+on another one: :mod:`advantage_client.channel`), re-read the addresses every ``refresh_s`` seconds (a
+background thread, or task for asyncio) and at once when a call fails with UNAVAILABLE after those retries;
+when the set of addresses changed they build a new client on the new set (calls in progress finish on the
+old one, closed when its last call ends) and the call that failed is sent once more on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import grpc
+
+from advantage_client.errors import AdvantageServiceError
+
+#: ``advantage-ray``'s defaults: the deployment's name and its Ray namespace
+DEFAULT_NAME = "advantage"
+DEFAULT_NAMESPACE = "advantage"
+#: replica ``i`` of deployment ``name`` is the named actor ``f"{name}{REPLICA_INFIX}{i}"``
+REPLICA_INFIX = "-replica-"
+#: seconds between two look-ups of the replicas' addresses (also done at once on UNAVAILABLE)
+DEFAULT_REFRESH_S = 10.0
+#: seconds a look-up waits for the replicas' answers (a replica Ray is restarting answers later)
+DEFAULT_LOOKUP_TIMEOUT_S = 5.0
+
+
+def replica_actor_name(name: str, index: int) -> str:
+    """The Ray actor name of replica ``index`` of deployment ``name`` (``advantage-replica-0``)."""
+    return f"{name}{REPLICA_INFIX}{int(index)}"
+
+
+def replica_index(actor_name: str, name: str) -> int | None:
+    """The index of a replica of ``name`` from its actor name, or None for any other actor."""
+    prefix = f"{name}{REPLICA_INFIX}"
+    rest = actor_name[len(prefix):] if actor_name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def import_ray() -> Any:
+    """``import ray``, or an ``ImportError`` that says how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("from_ray and advantage-ray need Ray: pip install 'advantage-service[ray]' (the server) "
+                          "or pip install ray (a client)") from None
+    return ray
+
+
+def connect(address: str | None = None, namespace: str | None = None) -> Any:
+    """The ``ray`` module, connected: the process's connection when it has one (a trainer's driver or actor;
+    ``address`` is then ignored), else ``ray.init(address=address)`` with ``address`` None meaning
+    ``$RAY_ADDRESS`` or ``"auto"`` (the cluster this node belongs to), never a new local cluster.
+    Raises ``ConnectionError`` (Ray's) when no cluster is found there."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        _reachable(address)
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    return ray
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """A ``host:port`` Ray address that does not accept a TCP connection is a ``ConnectionError`` now (Ray
+    itself retries it for minutes); ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster at {address} ({exc.strerror or exc}): give the head node's GCS "
+                              "address (`ray status` there shows it; default port 6379)") from None
+
+
+def replica_handles(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE,
+                    address: str | None = None) -> list[tuple[int, Any]]:
+    """``[(index, actor handle), ...]`` of the replicas of ``name`` in ``namespace`` registered with Ray now
+    (alive, or being restarted), by index. A replica whose restarts are spent is no longer registered."""
+    ray = connect(address, namespace)
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        index = replica_index(entry["name"], name) if entry["namespace"] == namespace else None
+        if index is None:
+            continue
+        try:
+            out.append((index, ray.get_actor(entry["name"], namespace=namespace)))
+        except ValueError:  # gone between the listing and the look-up
+            continue
+    return sorted(out, key=lambda item: item[0])
+
+
+def replica_infos(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
+                  timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> list[dict[str, Any]]:
+    """What each replica of ``name`` reports (its ``info()``: ``index``, ``address`` ``"host:port"``, ``pid``,
+    ``node_id``, ``node_ip``, ``device``, ``restarted``, ``serving``, ``requests``), plus ``state``:
+    ``"ALIVE"`` (answered), ``"PENDING"`` (no answer within ``timeout`` seconds: being started or restarted by
+    Ray, or busy stopping) or ``"DEAD"`` (its actor died for good); the last two carry ``index`` only.
+    The answers are awaited together: the whole look-up takes ``timeout`` seconds at most."""
+    ray = connect(address, namespace)
+    handles = replica_handles(name, namespace, address)
+    refs = [handle.info.remote() for _, handle in handles]
+    ready: set = set()
+    if refs:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready = set(done)
+    out = []
+    for (index, _), ref in zip(handles, refs):
+        if ref not in ready:
+            out.append({"index": index, "state": "PENDING"})
+            continue
+        try:
+            out.append({**ray.get(ref), "state": "ALIVE"})
+        except ray.exceptions.RayError:
+            out.append({"index": index, "state": "DEAD"})
+    return out
+
+
+def replica_addresses(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
+                      timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> list[str]:
+    """The ``host:port`` of every replica of ``name`` that answered within ``timeout`` seconds and serves
+    (not stopping), sorted; empty when none did."""
+    return sorted(info["address"] for info in replica_infos(name, namespace, address=address, timeout=timeout)
+                  if info["state"] == "ALIVE" and info.get("serving", True))
+
+
+def _none_found(name: str, namespace: str, waited: float) -> AdvantageServiceError:
+    return AdvantageServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"no replica of {name!r} in Ray namespace {namespace!r} answered within {waited:g}s: start them with "
+        f"`advantage-ray up --name {name} --namespace {namespace}`, or check `advantage-ray status --name {name} "
+        f"--namespace {namespace}` (and that this process is connected to the same Ray cluster)")
+
+
+def _check(refresh_s: float | None, lookup_timeout: float, wait_s: float) -> None:
+    if refresh_s is not None and not refresh_s > 0:
+        raise ValueError(f"refresh_s={refresh_s!r}: give seconds > 0, or None for no periodic look-up")
+    if not lookup_timeout > 0:
+        raise ValueError(f"lookup_timeout={lookup_timeout!r}: give seconds > 0")
+    if not wait_s >= 0:
+        raise ValueError(f"wait_s={wait_s!r}: give seconds >= 0")
+
+
+class _Slot:
+    """One inner client and the calls using it; ``retired`` once a newer address set replaced it."""
+
+    __slots__ = ("client", "addresses", "users", "retired")
+
+    def __init__(self, client: Any, addresses: list[str]):
+        self.client, self.addresses, self.users, self.retired = client, addresses, 0, False
+
+
+class _Lookup:
+    """The look-up that :class:`RayClient` and :class:`AsyncRayClient` share (blocking; Ray calls)."""
+
+    def __init__(self, name: str, namespace: str, address: str | None, lookup_timeout: float):
+        self.name, self.namespace, self.address, self.lookup_timeout = name, namespace, address, lookup_timeout
+
+    def __call__(self) -> list[str]:
+        return replica_addresses(self.name, self.namespace, address=self.address, timeout=self.lookup_timeout)
+
+    def first(self, wait_s: float) -> list[str]:
+        """The addresses, looking again until at least one replica answers or ``wait_s`` seconds passed."""
+        start = time.monotonic()
+        while True:
+            found = self()
+            if found or time.monotonic() - start >= wait_s:
+                if not found:
+                    raise _none_found(self.name, self.namespace, time.monotonic() - start)
+                return found
+            time.sleep(0.25)
+
+
+class RayClient:
+    """What :meth:`AdvantageClient.from_ray <advantage_client.AdvantageClient.from_ray>` returns: an
+    :class:`~advantage_client.AdvantageClient` on the replicas' current addresses, replaced when they change
+    (see the module docstring). ``compute``, ``list_estimators`` and ``wait_ready`` are the client's, with the
+    look-up and one more try on UNAVAILABLE; every other attribute is the current client's. Thread-safe; use
+    as a context manager or call :meth:`close`.
+
+    factory: the client class (``AdvantageClient``), called as ``factory(addresses, **client_kwargs)``.
+    name, namespace: the deployment (``advantage-ray up --name --namespace``). address: the Ray cluster, for a
+    process not yet connected (see :func:`connect`). refresh_s: seconds between look-ups (None: only on
+    UNAVAILABLE). lookup_timeout: seconds one look-up waits for the replicas' answers. wait_s: at creation,
+    seconds to wait for a first replica. Raises :class:`AdvantageServiceError` (UNAVAILABLE) when no replica
+    answered within ``wait_s``, ``ImportError`` without Ray, ``ValueError`` for bad options.
+    """
+
+    def __init__(self, factory: Callable[..., Any], *, name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE,
+                 address: str | None = None, refresh_s: float | None = DEFAULT_REFRESH_S,
+                 lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT_S, wait_s: float = 30.0, **client_kwargs: Any):
+        _check(refresh_s, lookup_timeout, wait_s)
+        self._factory, self._kwargs = factory, client_kwargs
+        self._lookup = _Lookup(name, namespace, address, lookup_timeout)
+        addresses = self._lookup.first(wait_s)
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._slot = _Slot(factory(addresses, **client_kwargs), addresses)
+        self._closed = threading.Event()
+        self.refresh_s = refresh_s
+        self._thread: threading.Thread | None = None
+        if refresh_s is not None:
+            self._thread = threading.Thread(target=self._refresh_loop, name="advantage-ray-refresh", daemon=True)
+            self._thread.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        """The replica addresses the current client was built on."""
+        return list(self._slot.addresses)
+
+    def refresh(self) -> bool:
+        """Look the addresses up now; when they changed (and some replica answered), switch to a client on the
+        new set. Returns whether it switched. A look-up that fails (Ray unreachable) keeps the current set."""
+        with self._refresh_lock:
+            if self._closed.is_set():
+                return False
+            try:
+                found = self._lookup()
+            except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
+                return False
+            if not found or set(found) == set(self._slot.addresses):
+                return False
+            new = _Slot(self._factory(found, **self._kwargs), found)
+            with self._lock:
+                old, self._slot = self._slot, new
+                old.retired = True
+                close_old = old.users == 0
+            if close_old:
+                old.client.close()
+            return True
+
+    def _refresh_loop(self) -> None:
+        while not self._closed.wait(self.refresh_s):
+            self.refresh()
+
+    def _acquire(self) -> _Slot:
+        with self._lock:
+            if self._closed.is_set():
+                raise ValueError("the client is closed")
+            slot = self._slot
+            slot.users += 1
+            return slot
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.users -= 1
+            close = slot.retired and slot.users == 0
+        if close:
+            slot.client.close()
+
+    def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        slot = self._acquire()
+        try:
+            return getattr(slot.client, method)(*args, **kwargs)
+        except AdvantageServiceError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE or not (self.refresh() or self._slot is not slot):
+                raise
+        finally:
+            self._release(slot)
+        slot = self._acquire()  # the replicas moved: once more on the client built on their new addresses
+        try:
+            return getattr(slot.client, method)(*args, **kwargs)
+        finally:
+            self._release(slot)
+
+    def compute(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`advantage_client.AdvantageClient.compute` on the current replicas."""
+        return self._run("compute", *args, **kwargs)
+
+    def list_estimators(self) -> Any:
+        """:meth:`advantage_client.AdvantageClient.list_estimators` on the current replicas."""
+        return self._run("list_estimators")
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """:meth:`advantage_client.AdvantageClient.wait_ready` on the current replicas."""
+        return self._run("wait_ready", timeout)
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("_"):
+            raise AttributeError(item)
+        return getattr(self._slot.client, item)
+
+    def close(self) -> None:
+        """Stop the look-ups and close the client (a call still running keeps it until it ends)."""
+        self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._lookup.lookup_timeout + 5)
+        with self._refresh_lock, self._lock:
+            self._slot.retired = True
+            close = self._slot.users == 0
+        if close:
+            self._slot.client.close()
+
+    def __enter__(self) -> "RayClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncRayClient:
+    """What ``await AsyncAdvantageClient.from_ray(...)`` returns: the asyncio twin of :class:`RayClient` (same
+    options; ``factory`` is ``AsyncAdvantageClient``). Look-ups run in a thread (``asyncio.to_thread``), the
+    periodic one as a task of the loop that created it; create and use it inside one event loop. ``compute``
+    and ``list_estimators`` are coroutines; :meth:`close` too (or ``async with``)."""
+
+    def __init__(self, factory: Callable[..., Any], lookup: _Lookup, addresses: list[str],
+                 refresh_s: float | None, client_kwargs: dict[str, Any]):
+        self._factory, self._kwargs, self._lookup = factory, client_kwargs, lookup
+        self._slot = _Slot(factory(addresses, **client_kwargs), addresses)
+        self._refresh_lock = asyncio.Lock()
+        self._closed = False
+        self.refresh_s = refresh_s
+        self._task = asyncio.get_running_loop().create_task(self._refresh_loop()) if refresh_s is not None else None
+
+    @classmethod
+    async def create(cls, factory: Callable[..., Any], *, name: str = DEFAULT_NAME,
+                     namespace: str = DEFAULT_NAMESPACE, address: str | None = None,
+                     refresh_s: float | None = DEFAULT_REFRESH_S, lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                     wait_s: float = 30.0, **client_kwargs: Any) -> "AsyncRayClient":
+        """Look the replicas up (waiting up to ``wait_s`` for one, in a thread) and build the client; errors
+        as :class:`RayClient`."""
+        _check(refresh_s, lookup_timeout, wait_s)
+        lookup = _Lookup(name, namespace, address, lookup_timeout)
+        addresses = await asyncio.to_thread(lookup.first, wait_s)
+        return cls(factory, lookup, addresses, refresh_s, client_kwargs)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The replica addresses the current client was built on."""
+        return list(self._slot.addresses)
+
+    async def refresh(self) -> bool:
+        """As :meth:`RayClient.refresh`."""
+        async with self._refresh_lock:
+            if self._closed:
+                return False
+            try:
+                found = await asyncio.to_thread(self._lookup)
+            except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
+                return False
+            if not found or set(found) == set(self._slot.addresses):
+                return False
+            old, self._slot = self._slot, _Slot(self._factory(found, **self._kwargs), found)
+            old.retired = True
+            if old.users == 0:
+                await old.client.close()
+            return True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def _release(self, slot: _Slot) -> None:
+        slot.users -= 1
+        if slot.retired and slot.users == 0:
+            await slot.client.close()
+
+    async def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ValueError("the client is closed")
+        slot = self._slot
+        slot.users += 1
+        try:
+            return await getattr(slot.client, method)(*args, **kwargs)
+        except AdvantageServiceError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE or not (await self.refresh() or self._slot is not slot):
+                raise
+        finally:
+            await self._release(slot)
+        slot = self._slot
+        slot.users += 1
+        try:
+            return await getattr(slot.client, method)(*args, **kwargs)
+        finally:
+            await self._release(slot)
+
+    async def compute(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`advantage_client.AsyncAdvantageClient.compute` on the current replicas."""
+        return await self._run("compute", *args, **kwargs)
+
+    async def list_estimators(self) -> Any:
+        """:meth:`advantage_client.AsyncAdvantageClient.list_estimators` on the current replicas."""
+        return await self._run("list_estimators")
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("_"):
+            raise AttributeError(item)
+        return getattr(self._slot.client, item)
+
+    async def close(self) -> None:
+        """Stop the look-ups and close the client (a call still running keeps it until it ends)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._slot.retired = True
+        if self._slot.users == 0:
+            await self._slot.client.close()
+
+    async def __aenter__(self) -> "AsyncRayClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+

@@ -1,0 +1,327 @@
+"""``advantage-ray``: the advantage service as replicas on a Ray cluster (``pip install 'advantage-service[ray]'``).
+
+    advantage-ray up --replicas 2 --num-gpus 1 --namespace advantage --device cuda --auth-token-file /etc/tok
+    advantage-ray status --namespace advantage
+    advantage-ray down --namespace advantage
+
+and the same from Python: :func:`up`, :func:`status`, :func:`down`. A trainer reaches the replicas with
+``AdvantageClient.from_ray(namespace="advantage")`` (:mod:`advantage_client.ray_discovery`).
+
+Each replica is a detached Ray actor named ``<name>-replica-<i>`` in the Ray namespace ``namespace``, placed
+by Ray resources (``num_cpus``, ``num_gpus``, custom ``resources``; optionally on one node, ``node_id``, or in
+a bundle of a placement group, so that it sits beside a trainer's workers), and restarted by Ray when its
+process dies (``max_restarts``, default -1: always). Its process runs the server ``advantage-server`` runs
+(:func:`advantage_server.server.create_server`) with the server's own flags (``advantage-server --help``:
+device, limits, TLS, bearer token, metrics, ...), parsed by the server's own parser, so a flag means here
+what it means there; a replica binds ``--host`` (default 0.0.0.0) on ``--port`` (default here 0, any free
+port; a port P gives replica ``i`` the port ``P + i``, and so do ``--metrics-port`` and ``--health-port``) and
+reports ``<node IP>:<port>`` (``info()``). A replica that Ray restarts starts its server again and reports its
+new address; the client re-reads the addresses (see :mod:`advantage_client.ray_discovery`).
+
+Plain actors, not Ray Serve: the client talks gRPC straight to each replica's server, so the chunked stream
+and shared-memory transports keep working (a Serve proxy hop would carry neither), the replicas' own health
+service drives the client's round_robin, and the server's limits, TLS and token apply as with any other
+deployment. The files a flag names (TLS, token) must exist on every node a replica may run on.
+
+Errors: ``ValueError`` for a bad option or server flag (before anything is started), ``RuntimeError`` when
+the deployment already exists (``up``) or a replica failed to start (its error; the replicas started by that
+``up`` are removed), ``ImportError`` without Ray.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from advantage_client.ray_discovery import (
+    DEFAULT_NAME,
+    DEFAULT_NAMESPACE,
+    connect,
+    import_ray,
+    replica_actor_name,
+    replica_handles,
+    replica_infos,
+)
+
+#: server flags the replica reads itself instead of passing them to ``create_server``
+_REPLICA_FLAGS = {"host", "port", "device", "auth_token_file", "grace", "log_level", "log_format"}
+#: port flags offset by the replica's index when not 0 (several replicas may share a node)
+_PORT_FLAGS = ("port", "metrics_port", "health_port")
+
+
+def server_args(argv: Sequence[str] = ()) -> argparse.Namespace:
+    """``argv`` (``advantage-server`` flags) parsed by the server's parser, with ``--port`` 0 unless given.
+    Raises ``ValueError`` with argparse's message for a bad flag."""
+    from advantage_server.cli import build_parser
+
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        args, unknown = parser.parse_known_args(["--port", "0", *argv])
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"advantage-server flag {exc}") from None
+    if unknown:
+        raise ValueError(f"unknown flag(s) {unknown}: neither advantage-ray's nor advantage-server's "
+                         "(advantage-server --help)")
+    return args
+
+
+def server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`advantage_server.server.create_server` a parsed flag set gives: every
+    flag whose name is one of its parameters, plus ``auth_token`` read from ``--auth-token-file``. A flag that
+    is neither that nor one the replica reads itself (``_REPLICA_FLAGS``) raises ``ValueError`` (a new server
+    flag this module would silently drop)."""
+    from advantage_server.auth import load_token
+    from advantage_server.server import create_server
+
+    params = set(inspect.signature(create_server).parameters)
+    values = vars(args)
+    unknown = sorted(set(values) - params - _REPLICA_FLAGS)
+    if unknown:
+        raise ValueError(f"server flag(s) {unknown} have no create_server parameter: advantage_server.ray_deploy "
+                         "needs to learn them")
+    kwargs = {key: value for key, value in values.items() if key in params and key not in _REPLICA_FLAGS}
+    if args.auth_token_file:
+        kwargs["auth_token"] = load_token(args.auth_token_file)
+    return kwargs
+
+
+class Replica:
+    """One replica: an ``advantage-server`` in this (Ray actor) process. Wrapped with ``ray.remote`` by
+    :func:`up`; its constructor runs again each time Ray restarts the actor."""
+
+    def __init__(self, name: str, index: int, argv: Sequence[str], port_offset: bool = True):
+        import ray
+
+        from advantage_server import logs
+        from advantage_server.server import create_server
+
+        args = server_args(argv)
+        if port_offset:  # several replicas may share a node: a fixed port P becomes P + index
+            for flag in _PORT_FLAGS:
+                if getattr(args, flag):
+                    setattr(args, flag, getattr(args, flag) + index)
+        logs.configure(args.log_level, args.log_format)
+        self.server = create_server(args.host, args.port, args.device, **server_kwargs(args))
+        self.server.start()
+        self.grace = args.grace
+        self.serving = True
+        context = ray.get_runtime_context()
+        node_ip = ray.util.get_node_ip_address()
+        host = node_ip if args.host in ("0.0.0.0", "::", "[::]", "") else args.host.strip("[]")
+        self._info = {
+            "name": name, "index": index,
+            "address": f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}",
+            "pid": os.getpid(), "node_id": context.get_node_id(), "node_ip": node_ip,
+            "device": str(self.server.core.device), "restarted": bool(context.was_current_actor_reconstructed),
+            "tls": self.server.tls, "auth": self.server.auth, "started_at": time.time(),
+            "metrics_port": self.server.metrics.port if self.server.metrics is not None else None,
+        }
+
+    def info(self) -> dict[str, Any]:
+        """``name``, ``index``, ``address`` (``host:port`` clients dial), ``pid``, ``node_id``, ``node_ip``,
+        ``device``, ``restarted`` (this process is a restart by Ray), ``tls``, ``auth``, ``started_at``,
+        ``metrics_port``, ``serving`` (False once :meth:`stop` ran) and ``requests``: ComputeAdvantage and
+        ComputeAdvantageStream calls this process answered OK (the server's ``advantage_requests_total``)."""
+        requests = 0.0
+        if self.server.metrics is not None:
+            for metric in self.server.metrics.registry.collect():
+                for sample in metric.samples:
+                    if (sample.name == "advantage_requests_total" and sample.labels.get("code") == "OK"
+                            and sample.labels.get("method", "").startswith("ComputeAdvantage")):
+                        requests += sample.value
+        return {**self._info, "serving": self.serving, "requests": int(requests)}
+
+    def stop(self, grace: float | None = None) -> bool:
+        """Drain the server (``BoundServer.stop``: NOT_SERVING, new calls UNAVAILABLE, calls in progress finish
+        within ``grace`` seconds, default ``--grace``)."""
+        if self.serving:
+            self.serving = False
+            self.server.stop(self.grace if grace is None else grace)
+        return True
+
+
+def _strategy(ray: Any, index: int, node_id: str | None, soft: bool, placement_group: Any,
+              bundle_index: int | Sequence[int] | None) -> Any:
+    if node_id is not None and placement_group is not None:
+        raise ValueError("give node_id or placement_group, not both")
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        group = ray.util.get_placement_group(placement_group) if isinstance(placement_group, str) else placement_group
+        bundle = (bundle_index if isinstance(bundle_index, int) else -1 if bundle_index is None
+                  else list(bundle_index)[index])
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+    return None
+
+
+def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAULT_NAME,
+       namespace: str = DEFAULT_NAMESPACE, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0,
+       resources: dict[str, float] | None = None, node_id: str | None = None, soft: bool = False,
+       placement_group: Any = None, bundle_index: int | Sequence[int] | None = None, max_restarts: int = -1,
+       runtime_env: dict[str, Any] | None = None, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """Start ``replicas`` replicas of deployment ``name`` in Ray namespace ``namespace`` and wait until each
+    serves; returns their :meth:`Replica.info` by index.
+
+    server_argv: ``advantage-server`` flags, as on its command line (``["--device", "cuda", "--workers", "4"]``).
+    address: the Ray cluster when this process is not connected yet (None: ``$RAY_ADDRESS`` or ``"auto"``).
+    num_cpus, num_gpus, resources: what Ray reserves for each replica (``num_gpus=1``: one GPU, which the
+    replica's ``--device auto``/``cuda`` then uses). node_id (+ ``soft``): pin every replica to that node
+    (``ray.get_runtime_context().get_node_id()`` of a trainer worker). placement_group (a ``PlacementGroup``
+    or the name of a named one) and bundle_index (one bundle for all, one per replica, or None: any bundle):
+    place the replicas in a trainer's placement group. max_restarts: Ray restarts a dead replica this many
+    times (-1: always). timeout: seconds to wait for all replicas to serve.
+    Raises ``ValueError`` (bad option or server flag), ``RuntimeError`` (``name`` already up in
+    ``namespace``; a replica did not start within ``timeout``, with its error: the replicas are removed).
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r}: give an integer >= 1")
+    if bundle_index is not None and not isinstance(bundle_index, int) and len(list(bundle_index)) != replicas:
+        raise ValueError(f"bundle_index: give one index for all replicas or {replicas} (one per replica)")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise ValueError(f"max_restarts={max_restarts!r}: give -1 (always) or an integer >= 0")
+    server_kwargs(server_args(server_argv))  # every flag checked (and files read) here, before anything starts
+    ray = connect(address, namespace)
+    if replica_handles(name, namespace):
+        raise RuntimeError(f"deployment {name!r} is already up in Ray namespace {namespace!r}: "
+                           f"`advantage-ray down --name {name} --namespace {namespace}` first")
+    actor_class = ray.remote(Replica)
+    handles = []
+    for index in range(replicas):
+        options: dict[str, Any] = dict(
+            name=replica_actor_name(name, index), namespace=namespace, lifetime="detached",
+            max_restarts=max_restarts, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4)
+        if resources:
+            options["resources"] = dict(resources)
+        if runtime_env:
+            options["runtime_env"] = runtime_env
+        strategy = _strategy(ray, index, node_id, soft, placement_group, bundle_index)
+        if strategy is not None:
+            options["scheduling_strategy"] = strategy
+        handles.append(actor_class.options(**options).remote(name, index, list(server_argv)))
+    refs = [handle.info.remote() for handle in handles]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    try:
+        if pending:
+            raise RuntimeError(f"{len(pending)} of {replicas} replica(s) of {name!r} did not start within {timeout:g}s "
+                               "(not enough CPUs/GPUs/resources free on the cluster for them? see `ray status`)")
+        return [ray.get(ref) for ref in refs]
+    except Exception as exc:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        if isinstance(exc, ray.exceptions.RayError):
+            raise RuntimeError(f"a replica of {name!r} failed to start: {exc}") from None
+        raise
+
+
+def status(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
+           timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Each replica's :meth:`Replica.info` plus ``state`` (``ALIVE``, ``PENDING``: being (re)started, or
+    ``DEAD``), by index (:func:`advantage_client.ray_discovery.replica_infos`); empty when none is up."""
+    return replica_infos(name, namespace, address=address, timeout=timeout)
+
+
+def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
+         grace: float = 10.0, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Drain every replica of ``name`` (calls in progress get ``grace`` seconds), then end its actor for good
+    (``ray.kill(no_restart=True)``: its process exits and its port is freed) and wait until Ray has forgotten
+    its name (at most ``timeout`` seconds). Returns what :func:`status` reported before; ``[]`` when none
+    was up. Raises ``RuntimeError`` when a replica is still registered after ``timeout``."""
+    ray = connect(address, namespace)
+    before = status(name, namespace, timeout=min(5.0, timeout))
+    handles = replica_handles(name, namespace)
+    if handles:
+        ray.wait([handle.stop.remote(grace) for _, handle in handles], num_returns=len(handles),
+                 timeout=grace + 5.0)
+    for _, handle in handles:
+        ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while replica_handles(name, namespace):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replicas of {name!r} still registered in {namespace!r} after {timeout:g}s")
+        time.sleep(0.1)
+    return before
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``advantage-ray``'s flags; ``up`` passes every flag it does not know to the servers."""
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common.add_argument("--name", default=DEFAULT_NAME, help=f"deployment name (default {DEFAULT_NAME})")
+    common.add_argument("--namespace", default=DEFAULT_NAMESPACE,
+                        help=f"Ray namespace of the replicas (default {DEFAULT_NAMESPACE})")
+    common.add_argument("--address", default=None,
+                        help="Ray cluster to connect to (default: $RAY_ADDRESS, else auto: this node's cluster)")
+    p = argparse.ArgumentParser(prog="advantage-ray", allow_abbrev=False,
+                                description="Run the advantage service as replicas on a Ray cluster.")
+    sub = p.add_subparsers(dest="command", required=True)
+    u = sub.add_parser("up", parents=[common], allow_abbrev=False,
+                       help="start replicas; every other flag is an advantage-server flag (advantage-server --help)")
+    u.add_argument("--replicas", type=int, default=2, help="how many (default 2)")
+    u.add_argument("--num-cpus", type=float, default=1, help="CPUs Ray reserves per replica (default 1)")
+    u.add_argument("--num-gpus", type=float, default=0, help="GPUs Ray reserves per replica (default 0)")
+    u.add_argument("--resources", type=json.loads, default=None,
+                   help='custom Ray resources per replica, JSON (e.g. \'{"trainer_node": 0.01}\')')
+    u.add_argument("--node-id", help="place every replica on this Ray node (hex node id)")
+    u.add_argument("--soft", action="store_true", help="with --node-id: another node when that one is full")
+    u.add_argument("--placement-group", help="name of a placement group to place the replicas in")
+    u.add_argument("--bundle-index", type=lambda t: [int(x) for x in t.split(",")],
+                   help="with --placement-group: one bundle index for all, or one per replica (0,1,...)")
+    u.add_argument("--max-restarts", type=int, default=-1, help="restarts per replica (default -1: always)")
+    u.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the replicas (default 300)")
+    s = sub.add_parser("status", parents=[common], allow_abbrev=False, help="each replica's address and state")
+    s.add_argument("--json", action="store_true", help="one JSON list instead of a table")
+    d = sub.add_parser("down", parents=[common], allow_abbrev=False, help="drain and remove every replica")
+    d.add_argument("--grace", type=float, default=10.0, help="seconds calls in progress get (default 10)")
+    return p
+
+
+def _table(infos: list[dict[str, Any]]) -> str:
+    rows = [f"{'replica':<8}{'state':<9}{'address':<24}{'device':<9}{'pid':<9}{'requests':<10}node"]
+    for info in infos:
+        rows.append(f"{info['index']:<8}{info['state']:<9}{info.get('address', '-'):<24}{info.get('device', '-'):<9}"
+                    f"{info.get('pid', '-')!s:<9}{info.get('requests', '-')!s:<10}{info.get('node_ip', '-')}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``advantage-ray up|status|down``: exit 0 on success, 1 when nothing is up (status) or an operation
+    failed, 2 for bad flags."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "up":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        import_ray()
+        if args.command == "up":
+            bundle = args.bundle_index[0] if args.bundle_index and len(args.bundle_index) == 1 else args.bundle_index
+            infos = up(args.replicas, rest, name=args.name, namespace=args.namespace, address=args.address,
+                       num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=args.resources, node_id=args.node_id,
+                       soft=args.soft, placement_group=args.placement_group, bundle_index=bundle,
+                       max_restarts=args.max_restarts, timeout=args.timeout)
+            print(_table([{**info, "state": "ALIVE"} for info in infos]))
+            print(f"client: AdvantageClient.from_ray(name={args.name!r}, namespace={args.namespace!r})")
+            return 0
+        if args.command == "status":
+            infos = status(args.name, args.namespace, address=args.address)
+            print(json.dumps(infos, indent=1) if args.json else _table(infos) if infos
+                  else f"no replica of {args.name!r} in namespace {args.namespace!r}")
+            return 0 if infos else 1
+        infos = down(args.name, args.namespace, address=args.address, grace=args.grace)
+        print(f"stopped {len(infos)} replica(s) of {args.name!r} in namespace {args.namespace!r}")
+        return 0
+    except ValueError as exc:
+        print(f"advantage-ray: error: {exc}", file=sys.stderr)
+        return 2
+    except (ImportError, RuntimeError, ConnectionError) as exc:
+        print(f"advantage-ray: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

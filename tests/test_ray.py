@@ -1,0 +1,262 @@
+"""The service on a real local Ray cluster (issue #14): ``advantage-ray`` / ``advantage_server.ray_deploy`` and
+``AdvantageClient.from_ray`` / ``AsyncAdvantageClient.from_ray`` (``advantage_client.ray_discovery``).
+
+One Ray cluster for the module (``ray.init(num_cpus=2)``, no dashboard) and one deployment of two replicas
+(one CPU each) that the tests use in order: requests spread over both (each replica's own count of the calls
+it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from two threads with no
+failed request, Ray restarting it on a new port and the client reaching the new one, the asyncio twin, and
+``advantage-ray down`` leaving no replica process, port or actor name behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from advantage_client import (
+    AdvantageClient,
+    AdvantageServiceError,
+    AsyncAdvantageClient,
+    ray_discovery,
+)
+from advantage_server import ray_deploy
+
+NAMESPACE = "advantage-test"
+CONFIG = {"normalize_rewards": False, "use_leave_one_out_baseline": False}
+PROMPT_IDS = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+MASK = np.ones((8, 5), dtype=np.float32)
+MASK[:, 3:] = 0
+
+
+def batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards for two groups of four and the advantages GRPO must give them without std normalisation
+    (NeMo RL: reward minus its group's mean, broadcast over every token: the mask is the loss's business)."""
+    rewards = np.random.default_rng(seed).integers(0, 2, size=8).astype(np.float32)
+    means = np.array([rewards[PROMPT_IDS == g].mean() for g in PROMPT_IDS], dtype=np.float32)
+    return rewards, np.broadcast_to((rewards - means)[:, None], MASK.shape)
+
+
+def compute(client, seed: int) -> None:
+    rewards, expected = batch(seed)
+    result = client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=rewards, mask=MASK, as_numpy=True)
+    np.testing.assert_allclose(result.advantages, expected, atol=1e-6)
+
+
+def counts() -> dict[int, int]:
+    return {info["index"]: info["requests"] for info in ray_deploy.status(namespace=NAMESPACE)
+            if info["state"] == "ALIVE"}
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="advantage-test-driver")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster):
+    infos = ray_deploy.up(2, ["--device", "cpu", "--workers", "2", "--grace", "1"], namespace=NAMESPACE,
+                          num_cpus=1, timeout=120)
+    yield infos
+    ray_deploy.down(namespace=NAMESPACE, grace=0.5)
+
+
+def test_client_imports_ray_only_in_from_ray():
+    code = ("import sys, advantage_client, advantage_client.ray_discovery, advantage_client.verl, "
+            "advantage_client.nemo; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_bad_options_refused_before_anything_starts(cluster):
+    with pytest.raises(ValueError, match="--workers"):
+        ray_deploy.up(1, ["--workers", "0"], namespace="advantage-bad")
+    with pytest.raises(ValueError, match="unknown flag"):
+        ray_deploy.up(1, ["--no-such-flag"], namespace="advantage-bad")
+    with pytest.raises(ValueError, match="replicas"):
+        ray_deploy.up(0, namespace="advantage-bad")
+    with pytest.raises(ValueError, match="bundle_index"):
+        ray_deploy.up(2, bundle_index=[0], namespace="advantage-bad")
+    assert ray_discovery.replica_handles("advantage", "advantage-bad") == []
+
+
+def test_cli_bad_flags_exit_2(capsys):
+    assert ray_deploy.main(["up", "--namespace", "advantage-bad", "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
+    assert ray_deploy.main(["up", "--namespace", "advantage-bad", "--no-such-flag"]) == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        ray_deploy.main(["status", "--no-such-flag"])
+    assert exc.value.code == 2
+
+
+def test_every_server_flag_reaches_the_server():
+    """Each ``advantage-server`` flag is a ``create_server`` argument or read by the replica (a new flag that
+    neither knows fails here rather than being dropped on Ray)."""
+    args = ray_deploy.server_args(["--workers", "3", "--max-batch-elements", "1000", "--device", "cpu"])
+    kwargs = ray_deploy.server_kwargs(args)
+    assert kwargs["workers"] == 3 and kwargs["max_batch_elements"] == 1000
+    assert args.port == 0 and args.device == "cpu"  # a replica takes any free port unless told
+    assert "port" not in kwargs and "grace" not in kwargs
+
+
+def test_from_ray_without_replicas_says_how_to_start_them(cluster):
+    with pytest.raises(AdvantageServiceError, match="advantage-ray up") as err:
+        AdvantageClient.from_ray(namespace="advantage-none", wait_s=0, lookup_timeout=1)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_up_twice_is_refused(deployment):
+    with pytest.raises(RuntimeError, match="already up"):
+        ray_deploy.up(1, namespace=NAMESPACE)
+
+
+def test_status_cli_and_requests_spread_over_both(deployment, cluster):
+    assert [info["index"] for info in deployment] == [0, 1]
+    assert len({info["address"] for info in deployment}) == 2 and len({info["pid"] for info in deployment}) == 2
+    out = subprocess.run([sys.executable, "-m", "advantage_server.ray_deploy", "status", "--namespace", NAMESPACE,
+                          "--address", cluster], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for info in deployment:
+        assert info["address"] in out.stdout and "ALIVE" in out.stdout
+    before = counts()
+    with AdvantageClient.from_ray(namespace=NAMESPACE, timeout=20) as client:
+        assert sorted(client.addresses) == sorted(info["address"] for info in deployment)
+        for seed in range(40):
+            compute(client, seed)
+    after = counts()
+    served = {index: after[index] - before[index] for index in after}
+    assert sum(served.values()) == 40
+    assert min(served.values()) >= 10, served  # round_robin: both replicas take a share
+
+
+def test_nemo_rl_estimator_reaches_the_replicas_through_from_ray(deployment):
+    """The README's NeMo RL line: RemoteAdvantageEstimator with ``client=AdvantageClient.from_ray(...)``."""
+    torch = pytest.importorskip("torch")
+    from advantage_client import RemoteAdvantageEstimator
+
+    rewards, expected = batch(7)
+    with AdvantageClient.from_ray(namespace=NAMESPACE, timeout=20) as client:
+        estimator = RemoteAdvantageEstimator(None, "grpo", CONFIG, client=client, result_format="legacy")
+        got = estimator.compute_advantage(torch.as_tensor(PROMPT_IDS), torch.as_tensor(rewards), torch.as_tensor(MASK))
+    torch.testing.assert_close(got, torch.tensor(np.array(expected)), atol=1e-6, rtol=0)
+
+
+def test_verl_estimator_reaches_the_replicas_through_from_ray(deployment):
+    """verl's drop-in takes a ``from_ray`` client as its target: ``get_adv_estimator_fn(name, client)``."""
+    torch = pytest.importorskip("torch")
+    from advantage_client.verl import get_adv_estimator_fn
+
+    rewards, _ = batch(11)
+    token_rewards = np.zeros_like(MASK)
+    token_rewards[:, 2] = rewards  # verl sums token-level rewards over the row: the outcome at the last token
+    with AdvantageClient.from_ray(namespace=NAMESPACE, timeout=20) as client:
+        fn = get_adv_estimator_fn("grpo", client)
+        advantages, _ = fn(token_level_rewards=torch.as_tensor(token_rewards), response_mask=torch.as_tensor(MASK),
+                           index=np.array(PROMPT_IDS), norm_adv_by_std_in_grpo=False)
+    groups = rewards.reshape(2, 4)
+    expected = (groups - groups.mean(axis=1, keepdims=True)).reshape(8, 1) * MASK  # verl: zero past the mask
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
+
+
+def test_replica_killed_mid_run_no_failed_request(deployment):
+    victim = deployment[0]
+    failures: list[BaseException] = []
+    done = [0]
+    stop = threading.Event()
+    client = AdvantageClient.from_ray(namespace=NAMESPACE, timeout=20, refresh_s=0.5)
+
+    def run(offset: int) -> None:
+        seed = offset
+        while not stop.is_set():
+            try:
+                compute(client, seed)
+                done[0] += 1
+            except BaseException as exc:
+                failures.append(exc)
+            seed += 2
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: done[0] >= 20, 30, "20 requests before the kill")
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = done[0]
+        back = wait_for(lambda: [i for i in ray_deploy.status(namespace=NAMESPACE)
+                                 if i["index"] == 0 and i["state"] == "ALIVE" and i["pid"] != victim["pid"]],
+                        60, "Ray restarts the killed replica")[0]
+        assert back["restarted"] is True and back["address"] != victim["address"]
+        wait_for(lambda: back["address"] in client.addresses, 20, "the client looks up the new address")
+        wait_for(lambda: counts().get(0, 0) >= 5, 30, "requests reach the restarted replica")
+        assert done[0] > killed_at
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        client.close()
+    assert not failures, failures[:3]
+    assert not psutil.pid_exists(victim["pid"])
+
+
+def test_asyncio_twin_spreads_over_both(deployment):
+    async def main() -> None:
+        async with await AsyncAdvantageClient.from_ray(namespace=NAMESPACE, timeout=20) as client:
+            assert len(client.addresses) == 2
+            assert await client.refresh() is False  # the same two replicas: the client is kept
+            for start in range(100, 124, 6):  # rounds: a first burst goes to the replica connected first
+                seeds = list(range(start, start + 6))
+                results = await asyncio.gather(*(
+                    client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=batch(s)[0], mask=MASK,
+                                   as_numpy=True) for s in seeds))
+                for seed, result in zip(seeds, results):
+                    np.testing.assert_allclose(result.advantages, batch(seed)[1], atol=1e-6)
+
+    before = counts()
+    asyncio.run(main())
+    after = counts()
+    assert sum(after.values()) - sum(before.values()) == 24
+    assert all(after[i] > before[i] for i in after), (before, after)
+
+
+def test_down_leaves_no_process_port_or_name(deployment, cluster):
+    infos = [i for i in ray_deploy.status(namespace=NAMESPACE) if i["state"] == "ALIVE"]
+    assert len(infos) == 2
+    out = subprocess.run([sys.executable, "-m", "advantage_server.ray_deploy", "down", "--namespace", NAMESPACE,
+                          "--address", cluster, "--grace", "0.5"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert "stopped 2 replica(s)" in out.stdout
+    assert ray_deploy.status(namespace=NAMESPACE) == []
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    wait_for(lambda: not any(psutil.pid_exists(i["pid"]) for i in infos), 30, "replica processes exit")
+    for info in infos:
+        port = int(info["address"].rpartition(":")[2])
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("0.0.0.0", port))  # nothing listens there any more
+    assert ray_deploy.down(namespace=NAMESPACE) == []  # idempotent
