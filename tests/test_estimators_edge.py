@@ -82,6 +82,19 @@ def test_grpo_verl():
           rows([0.5, 0, -0.5, 2.0, 0, 0]))
 
 
+@pytest.mark.parametrize("value", [0.1, 0.7, 1.0, 1 / 3])
+def test_grpo_verl_tied_float64_group_with_epsilon_zero_is_zero_over_grpc(client, value):
+    """verl 0.9.1 divides 0 by 0 there (NaN), or, where its float64 mean misses the tied value by an ulp
+    (three 0.1s), reports -0.8165 = -sqrt(2/3); the service documents 0 (README differences table). It
+    used to refuse the call as a float64 overflow (the 0 / 0 NaN caught by the overflow check)."""
+    got = client.compute("grpo", {"semantics": "verl", "epsilon": 0.0}, output_dtype="float64", as_numpy=True,
+                         prompt_ids=np.array([0, 0, 0, 1, 1]), rewards=np.array([value] * 3 + [0.0, 2.0]),
+                         mask=np.ones((5, 2))).advantages
+    np.testing.assert_array_equal(got[:3], 0.0)
+    # the other group is not tied: (r - 1) / sqrt(2), epsilon 0
+    np.testing.assert_allclose(got[3:], [[-1 / math.sqrt(2)] * 2, [1 / math.sqrt(2)] * 2], rtol=1e-15)
+
+
 def test_grpo_verl_sums_token_level_rewards_over_all_positions():
     tok = torch.zeros(6, 5, dtype=F64)
     tok[:, 4] = R  # on the last column, masked for most rows: verl still counts it
@@ -412,6 +425,33 @@ def test_tied_groups_give_exactly_zero(name, config, extra):
         assert res.returns.abs().sum() == 0
     else:
         assert res.advantages.abs().sum() == 0
+
+
+@pytest.mark.parametrize("name,config", [
+    ("grpo", {"semantics": "verl"}), ("grpo", {"semantics": "openrlhf"}), ("grpo", {"semantics": "trl"}),
+    ("grpo", {"semantics": "nemo_rl"}), ("grpo_passk", {}), ("qae", {}), ("gdpo", {"semantics": "verl"}),
+])
+def test_tied_groups_with_epsilon_zero_give_zero_not_nan(name, config):
+    """epsilon = 0: a tied group's advantage (exactly 0) is not divided by its std of 0, where the references
+    give NaN (0 / 0); the untied group is divided by its std alone. These calls used to fail as a float64
+    overflow (INVALID_ARGUMENT "... overflowed float64 arithmetic")."""
+    ids = torch.tensor([0, 0, 0, 1, 1])
+    r = torch.tensor([0.1, 0.1, 0.1, 0.0, 2.0], dtype=F64)
+    inputs = {"reward/a": r} if name == "gdpo" else {"rewards": r}
+    res = run(name, {**config, "epsilon": 0.0}, prompt_ids=ids, mask=torch.ones(5, 2, dtype=F64), **inputs)
+    a = res.advantages[:, 0]
+    assert (a[:3] == 0).all(), a
+    if name == "grpo_passk":  # the winner's margin 2 over the group's std sqrt(2)
+        want = [0.0, math.sqrt(2)]
+    elif name == "qae":  # baseline: the 0.4-quantile 0.8 of {0, 2}; std sqrt(2)
+        want = [-0.8 / math.sqrt(2), 1.2 / math.sqrt(2)]
+    elif name == "gdpo":  # -+1/sqrt(2) and three 0s, whitened over the 10 tokens: mean 0, unbiased var 2/9
+        want = [-1 / math.sqrt(2) / math.sqrt(2 / 9), 1 / math.sqrt(2) / math.sqrt(2 / 9)]
+    elif config["semantics"] == "nemo_rl":  # leave-one-out: baseline the other sample, std of one: 0 (none)
+        want = [-2.0, 2.0]
+    else:
+        want = [-1 / math.sqrt(2), 1 / math.sqrt(2)]
+    torch.testing.assert_close(a[3:], torch.tensor(want, dtype=F64), rtol=1e-7, atol=0)
 
 
 # ---------------------------------------------------------------------------- config contract

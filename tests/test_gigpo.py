@@ -7,6 +7,7 @@ hypothesis batches), verl-agent by golden cases in tests/test_golden_gigpo.py.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from advantage_client import AdvantageServiceError
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_server.estimators import jit
 from advantage_server.estimators.gigpo import gigpo_loop, gigpo_scalars, segmented_discounted_returns
 
 # One hand-sized batch (batch order):
@@ -99,6 +101,49 @@ def test_epsilon_zero_with_tied_values_is_finite(client):
         assert np.isfinite(got).all()
 
 
+# Tied groups whose value is not dyadic: a mean taken as sum / n misses 0.1 by an ulp in float64
+# (0.1 + 0.1 + 0.1 = 0.30000000000000004), so the deviations were +-1 ulp and, with epsilon = 0, their
+# ratio to a std of the same size gave +-sqrt((n - 1) / n) (-0.8165 at n = 3) instead of 0.
+TIED_EPISODES = {"prompt_ids": np.array([0, 0, 0]), "trajectory_ids": np.array([0, 1, 2]),
+                 "anchor_ids": np.array([1, 2, 3]), "rewards": np.array([0.1, 0.1, 0.1]), "mask": np.ones((3, 1))}
+# a step group (anchor 7) tied at 0.1 beside a lone anchor 8; the episode group {0.1, 0.1, 0.1, 0.5} has
+# mean 0.2 and sample std 0.2: A_E = -0.5 (three times), 1.5; A_S = 0 (tied group, group of one)
+TIED_STEPS = {"prompt_ids": np.array([0, 0, 0, 0]), "trajectory_ids": np.array([0, 1, 2, 3]),
+              "anchor_ids": np.array([7, 7, 7, 8]), "rewards": np.array([0.1, 0.1, 0.1, 0.5]),
+              "mask": np.ones((4, 1))}
+
+
+@pytest.mark.parametrize("semantics", ["verl_agent", "trinity", "roll"])
+def test_tied_float64_groups_with_epsilon_zero_give_exactly_zero(client, semantics):
+    cfg = {"semantics": semantics, "mode": "mean_std_norm", "epsilon": 0.0}
+    got = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, **TIED_EPISODES).advantages
+    np.testing.assert_array_equal(got, np.zeros((3, 1)))
+    got = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, **TIED_STEPS).advantages[:, 0]
+    np.testing.assert_allclose(got, [-0.5, -0.5, -0.5, 1.5], rtol=1e-12)
+    assert got[0] == got[1] == got[2]
+
+
+NUMBA = [True, False] if jit._numba is not None else [False]
+
+
+@pytest.mark.parametrize("numba", NUMBA)  # the group statistics' numba (CPU) and torch (GPU) paths
+@pytest.mark.parametrize("semantics", ["verl_agent", "trinity", "roll"])
+@pytest.mark.parametrize("mode", ["mean_norm", "mean_std_norm"])
+def test_tied_groups_are_exact_for_any_value_and_size(numba, semantics, mode):
+    """n trajectories of one step, all with reward v, sharing one anchor: every A_E and A_S is exactly 0
+    (epsilon 0 and 1e-6), whatever v's rounding; and the loop twin agrees bit for bit."""
+    for v in (0.1, 0.7, 1 / 3, 0.3, 1e-3, 123.456):
+        for n in range(2, 10):
+            g, t = torch.zeros(n, dtype=torch.int64), torch.arange(n)
+            a = torch.full((n,), 5)
+            r = torch.full((n,), v, dtype=torch.float64)
+            for eps in (0.0, 1e-6):
+                with jit.use_numba(numba):
+                    got = gigpo_scalars(g, t, None, a, r, 0.95, 1.0, mode, eps, semantics)
+                assert (got == 0).all(), (v, n, eps, got)
+                assert (gigpo_loop(g, t, None, a, r, 0.95, 1.0, mode, eps, semantics) == 0).all()
+
+
 # ------------------------------------------------------------------------------------ kernel vs loop
 def random_batch(seed: int):
     """Uneven trajectories (1..7 steps), 1..4 trajectories per prompt group (groups of one included),
@@ -130,9 +175,9 @@ def test_kernel_matches_loop_twin(seed, semantics, mode):
     step = None if seed % 5 == 0 else s
     got = gigpo_scalars(g, t, step, a, r, gamma, w, mode, 1e-6, semantics)
     want = gigpo_loop(g, t, step, a, r, gamma, w, mode, 1e-6, semantics)
-    # atol: a tied group's mean differs from its values by float64 rounding (~1e-16), which mean_std_norm
-    # divides by (0 + epsilon) = 1e-6; the two implementations sum in different orders
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-8)
+    # both take a tied group's mean as its value exactly (no rounding noise for mean_std_norm to divide by
+    # 0 + epsilon); elsewhere they sum in different orders
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 0.999, 1.0])
@@ -220,6 +265,44 @@ def test_bad_config_is_invalid_argument(client, config, field):
         client.compute("gigpo", config, mask=MASK, **HAND)
     assert info.value.code.name == "INVALID_ARGUMENT"
     assert any(f == field for f, _ in info.value.field_violations), info.value.field_violations
+
+
+def _sha256(labels):
+    return [hashlib.sha256(x.encode()).digest() for x in labels]
+
+
+def test_anchor_hint_gives_a_signed_int64_recipe(client):
+    """The missing-input message tells how to make an int64 anchor hash: 8 digest bytes read with
+    signed=True (unsigned, 'a' hashes to 14598278634844962250 >= 2^63, which no int64 array holds) or the
+    whole digest as uint8 rows; the recipe's ids work as anchors."""
+    inputs = {k: v for k, v in HAND.items() if k != "anchor_ids"}
+    with pytest.raises(AdvantageServiceError) as info:
+        client.compute("gigpo", None, mask=MASK, **inputs)
+    text = dict(info.value.field_violations)["inputs['anchor_ids']"]
+    assert "signed=True" in text and "uint8 rows [B, 32]" in text, text
+    labels = ["a", "b", "a", "c"]  # the anchors of HAND: 1, 2, 1, 1 -> use a, b, a, c (distinct for row 3)
+    assert int.from_bytes(_sha256(labels)[0][:8], "big") >= 2**63
+    hashed = np.array([int.from_bytes(d[:8], "big", signed=True) for d in _sha256(labels)], dtype=np.int64)
+    want = client.compute("gigpo", None, output_dtype="float64", as_numpy=True, mask=MASK,
+                          **{**HAND, "anchor_ids": np.array([1, 2, 1, 3])}).advantages
+    got = client.compute("gigpo", None, output_dtype="float64", as_numpy=True, mask=MASK,
+                         **{**HAND, "anchor_ids": hashed}).advantages
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("semantics", ["verl_agent", "trinity", "roll"])
+def test_ids_as_integer_rows(client, semantics):
+    """anchor_ids as the whole sha256 digests (uint8 [B, 32]) and trajectory_ids as [B, 2] rows group the
+    rows as the equivalent [B] ids do (equal rows, equal ids)."""
+    cfg = {"semantics": semantics, "gamma": 0.5}
+    want = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, mask=MASK,
+                          **{**HAND, "anchor_ids": np.array([1, 2, 1, 3])}).advantages
+    digests = np.frombuffer(b"".join(_sha256(["a", "b", "a", "c"])), dtype=np.uint8).reshape(4, 32)
+    traj_rows = np.array([[5, 0], [5, 0], [5, 1], [5, 0]])  # trajectories 0, 0, 1, 0 of HAND
+    got = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, mask=MASK,
+                         **{**HAND, "anchor_ids": digests, "trajectory_ids": traj_rows}).advantages
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want).max() > 0.1
 
 
 def test_float_ids_are_invalid_argument(client):

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from advantage_client import AdvantageServiceError, wire
+from advantage_server.estimators import jit
 from advantage_server.estimators.pkpo import pkpo_loop, pkpo_scalars
 from advantage_server.estimators.qae import group_quantile, qae_loop, qae_scalars
 
@@ -140,6 +141,69 @@ def test_pkpo_large_groups_stay_accurate(n, k):
     assert np.abs(want).max() > 1e-6
 
 
+def _per_group_error(got: np.ndarray, want: np.ndarray, n: int) -> float:
+    """Largest |got - want| of a group over that group's largest |want| (groups of n back to back)."""
+    return float((np.abs(got - want).reshape(-1, n).max(1) / np.abs(want).reshape(-1, n).max(1)).max())
+
+
+NUMBA = [True, False] if jit._numba is not None else [False]
+
+
+@pytest.mark.parametrize("numba", NUMBA)  # the group means' numba (CPU) and torch (GPU) paths
+def test_pkpo_k_at_least_n_is_exactly_zero_on_a_realistic_batch(numba):
+    """4096 groups of 8 float64 rewards: with k >= n every credit is the group's max, so every advantage is
+    exactly 0 (the sums used to run over the whole sorted batch: up to 2e-13 left there)."""
+    rng = np.random.default_rng(0)
+    group = torch.from_numpy(np.repeat(np.arange(4096), 8))
+    rewards = torch.from_numpy(rng.uniform(0, 1, 4096 * 8))
+    for k in (8, 9, 100):
+        with jit.use_numba(numba):
+            got = pkpo_scalars(group, rewards, k)
+        assert (got == 0).all(), (k, float(got.abs().max()))
+
+
+@pytest.mark.parametrize("numba", NUMBA)
+def test_pkpo_float64_precision_does_not_depend_on_the_other_groups(numba):
+    """A group's suffix sums stay within the group: 4096 groups of 8 float64 rewards at k = 4 agree with
+    the loop twin (exact integer binomials, one group at a time) to 1e-13 of each group's scale (one
+    cumulative sum over the sorted batch gave 3e-11); a group of 0..0.7 placed after 2000 groups of
+    rewards up to 1e9 gets what it gets alone (8e-4 relative error before)."""
+    rng = np.random.default_rng(0)
+    group = torch.from_numpy(np.repeat(np.arange(4096), 8))
+    rewards = torch.from_numpy(rng.uniform(0, 1, 4096 * 8))
+    with jit.use_numba(numba):
+        got = pkpo_scalars(group, rewards, 4).numpy()
+    assert _per_group_error(got, pkpo_loop(group, rewards, 4).numpy(), 8) < 1e-13
+    big = rng.uniform(0, 1e9, 2000 * 8)
+    small = np.arange(8) / 10
+    group = torch.from_numpy(np.repeat(np.arange(2001), 8))
+    rewards = torch.from_numpy(np.concatenate([big, small]))
+    with jit.use_numba(numba):
+        got = pkpo_scalars(group, rewards, 3).numpy()[-8:]
+        alone = pkpo_scalars(torch.zeros(8, dtype=torch.int64), torch.from_numpy(small), 3).numpy()
+    np.testing.assert_array_equal(got, alone)
+    # rLLM's values for this group (k = 3, rewards 0, 0.1, ..., 0.7): credit (C(p, 2) x_p + sum_{q > p}
+    # (q - 1) x_q) / C(8, 3), by exact fractions; the service's within 1e-15 of its scale
+    from fractions import Fraction
+    x = [Fraction(i, 10) for i in range(8)]
+    credit = [(math.comb(p, 2) * x[p] + sum((q - 1) * x[q] for q in range(p + 1, 8))) / math.comb(8, 3)
+              for p in range(8)]
+    exact = np.array([float(c - sum(credit) / 8) for c in credit])
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-15 * np.abs(exact).max())
+
+
+def test_pkpo_float32_group_after_large_groups_over_grpc(client):
+    """The same batch in float32 over gRPC: the small group's advantages are its float64 answer rounded to
+    float32 (8e-4 relative error before)."""
+    rng = np.random.default_rng(1)
+    rewards = np.concatenate([rng.uniform(0, 1e9, 2000 * 8), np.arange(8) / 10]).astype(np.float32)
+    prompt_ids = np.repeat(np.arange(2001), 8)
+    got = client.compute("pkpo", {"k": 3}, as_numpy=True, prompt_ids=prompt_ids, rewards=rewards,
+                         mask=np.ones((len(rewards), 1), np.float32)).advantages[-8:, 0]
+    want = pkpo_loop(torch.zeros(8, dtype=torch.int64), torch.from_numpy(rewards[-8:].astype(np.float64)), 3)
+    np.testing.assert_allclose(got, want.numpy().astype(np.float32), rtol=0, atol=1e-7 * np.abs(want.numpy()).max())
+
+
 # ------------------------------------------------------------------------------ QAE
 @settings(max_examples=200, deadline=None)
 @given(grouped(), st.floats(0.01, 0.99), st.booleans(), st.sampled_from([1e-6, 1e-2, 0.0]))
@@ -209,6 +273,41 @@ def test_bad_config_is_invalid_argument_naming_the_field(client, estimator, conf
         client.compute(estimator, config, **_batch())
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert any(f == field for f, _ in exc.value.field_violations), exc.value.field_violations
+
+
+@pytest.mark.parametrize("k", [-0.1, 0.0, 1.0, 1.5])
+def test_quantile_k_messages_state_the_open_interval(client, k):
+    """Every refused quantile_k gets the same statement of the range: the open interval (0, 1) (-0.1 used
+    to be told "[0.0, 1.0]", and then 0.0 and 1.0 were refused as "strictly between 0 and 1")."""
+    with pytest.raises(AdvantageServiceError) as exc:
+        client.compute("qae", {"quantile_k": k}, **_batch())
+    text = dict(exc.value.field_violations)["config.quantile_k"]
+    assert text.startswith(f"must be in the open interval (0.0, 1.0) (the bounds excluded), got {k}"), text
+    assert "grpo" in text  # the way to the mean baseline
+
+
+def test_registry_range_metadata_open_interval():
+    """``"open": True`` excludes the ``range`` bounds; without it they are included."""
+    from dataclasses import dataclass, field
+
+    from advantage_server.errors import InvalidInput
+    from advantage_server.estimators.registry import EstimatorConfig
+
+    @dataclass(frozen=True)
+    class Cfg(EstimatorConfig):
+        closed: float = field(default=0.5, metadata={"range": (0.0, 1.0)})
+        opened: float = field(default=0.5, metadata={"range": (0.0, 1.0), "open": True})
+        lower: float = field(default=1.0, metadata={"range": (0.0, None), "open": True})
+
+    for ok in (Cfg(), Cfg(closed=0.0), Cfg(closed=1.0), Cfg(opened=1e-9), Cfg(lower=1e300)):
+        ok.validate()
+    for bad, name, text in [(Cfg(closed=1.5), "closed", "must be in [0.0, 1.0], got 1.5"),
+                            (Cfg(opened=0.0), "opened", "must be in the open interval (0.0, 1.0)"),
+                            (Cfg(opened=1.0), "opened", "must be in the open interval (0.0, 1.0)"),
+                            (Cfg(lower=0.0), "lower", "must be in the open interval (0.0, None)")]:
+        with pytest.raises(InvalidInput) as exc:
+            bad.validate()
+        assert exc.value.violations[0][0] == f"config.{name}" and text in exc.value.violations[0][1]
 
 
 def test_non_integer_k_is_refused_by_the_client():

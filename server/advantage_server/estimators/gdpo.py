@@ -21,7 +21,7 @@ components (verl's trainer passes ``algorithm.gdpo_reward_keys``; without them v
 ``token_level_rewards`` as the only component, which the verl drop-in sends as ``reward/score``):
     A_k = verl GRPO of component k: (r - mean_g) / (std_g + epsilon) (or r - mean_g when
           normalize_rewards = false); mean, sample std (torch.std) per prompt group; a group of one
-          has mean 0, std 1
+          has mean 0, std 1; a tied group gives 0, also with epsilon = 0 (verl: NaN, 0 / 0)
     A   = sum_k w_k A_k * mask                  ([B, T]: 0 where mask = 0)
     A   = verl masked_whiten(A, mask) * mask    (mean and unbiased variance over the mask = 1 tokens,
                                                  so a row weighs by its length; rsqrt(var + 1e-8))
@@ -213,8 +213,8 @@ def _verl_gdpo(cfg: GDPOConfig, batch: Batch, components: dict[str, torch.Tensor
         r = components[name].to(torch.float64)
         mean, std = verl_group_stats(group, r)
         a = r - mean
-        if cfg.normalize_rewards:
-            a = a / verl_std_plus_eps(group, std, cfg.epsilon)
+        if cfg.normalize_rewards:  # a tied group's 0 stays 0 with epsilon = 0 too (verl: 0 / 0)
+            a = torch.where(a == 0, a, a / verl_std_plus_eps(group, std, cfg.epsilon))
         total = total + w * a
     m = mask.to(torch.float64)
     adv = whiten_unbiased(total[:, None] * m, mask) * m

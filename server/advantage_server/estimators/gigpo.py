@@ -4,11 +4,13 @@ One row per agent step (turn). Inputs (all on the step rows):
     prompt_ids      [B] (or [B, L]) int   the episode group: trajectories of the same task (verl-agent ``uid``)
     rewards         [B] or [B, T] float   the step's immediate reward r ([B, T]: summed over all T positions)
     mask            [B, T]                the step's response tokens
-    trajectory_ids  [B] int               rows with equal prompt_ids and trajectory_ids are one trajectory
+    trajectory_ids  [B] (or [B, L]) int   rows with equal prompt_ids and trajectory_ids are one trajectory
                                           (verl-agent ``traj_uid``, Trinity ``eid.run``, ROLL ``traj_id``)
-    anchor_ids      [B] int               hash of the observation the step acted on: equal ids = the same
-                                          anchor state (verl-agent ``anchor_obs``, Trinity ``env_state_hash``,
-                                          ROLL ``state_hash``)
+    anchor_ids      [B] (or [B, L]) int   hash of the observation the step acted on: equal ids (rows) = the
+                                          same anchor state (verl-agent ``anchor_obs``, Trinity
+                                          ``env_state_hash``, ROLL ``state_hash``). int64 is signed: a hash
+                                          from 8 digest bytes needs ``int.from_bytes(..., signed=True)``; or
+                                          send the whole digest as uint8 rows [B, 32]
     step_index      [B] int, optional     order of the steps within a trajectory (verl-agent: batch order,
                                           Trinity ``eid.step``, ROLL ``step``); absent, and between equal
                                           values, the rows' batch order is the step order
@@ -46,8 +48,12 @@ Where the references compute different numbers (``semantics``):
         puts the value on the response's last token and accumulates it back with its token-level
         ``gamma`` (default 1), which broadcasts it over the response: A * mask here (ROLL's optional
         ``reward_clip``, ``whiten_advantages`` and ``episode_reward_weight`` are not part of it).
-    A group whose std + epsilon is 0 (mean_std_norm with epsilon = 0 and tied values) gets 0 there, where
-    the references divide 0 by 0.
+    A tied group (all its values equal) has its value as the mean exactly and std 0, so it gets 0 in every
+    mode and semantics, also where std + epsilon is 0 (mean_std_norm with epsilon = 0), where the
+    references divide 0 by 0 (NaN). Their float32 mean of a tie on a non-dyadic value (0.1, or a
+    discounted return) can miss it by an ulp, which mean_std_norm divides by a std of the same size plus
+    epsilon: rounding noise there (Trinity-RFT 0.6.0: up to 0.63 seen with epsilon = 1e-6), 0 here
+    (README, differences table).
 
 Defaults: gamma = 0.95 (verl_agent: algorithm.gamma of every GiGPO example script at that commit, the
 trainer's config default being 1.0; roll: step_reward_gamma), 1.0 (trinity's default); step_advantage_weight
@@ -56,7 +62,9 @@ trainer's config default being 1.0; roll: step_reward_gamma), 1.0 (trinity's def
 
 Kernel: rows sorted by (trajectory, step_index, row); G by a segmented reverse discounted scan in
 ceil(log2(longest trajectory)) vectorised rounds (Hillis-Steele; no loop over steps or trajectories);
-group statistics by scatter reductions. :func:`gigpo_loop` is the readable per-group loop twin (test oracle).
+group statistics by :func:`~advantage_server.estimators.groups.group_baseline_and_std` (float64, two-pass,
+tied groups exact; numba on the CPU, scatter reductions elsewhere). :func:`gigpo_loop` is the readable
+per-group loop twin (test oracle).
 
 Checked: against Trinity-RFT 0.6.0 in-process on hypothesis batches (tests/test_diff_gigpo.py); against
 verl-agent and ROLL by golden cases computed from their code at the named commits
@@ -73,6 +81,9 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_client.layout import BROADCAST_TIMES_MASK
+from advantage_server.estimators.groups import (
+    group_baseline_and_std, group_index, group_sizes, segmented_discounted_returns,
+)
 from advantage_server.estimators.inputs import ANCHOR_IDS, MASK, PROMPT_IDS, STEP_INDEX, TRAJECTORY_IDS
 from advantage_server.estimators.registry import (AdvantageResult, Batch, EstimatorConfig, InputSpec, register,
                                                   semantics_field)
@@ -135,48 +146,27 @@ def _dense(*keys: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ids, n
 
 
-def segmented_discounted_returns(x: torch.Tensor, seg_end: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_i = sum_{i <= k <= seg_end[i]} gamma^(k - i) x_k`` for float64 ``x`` [N] laid out in contiguous
-    segments (``seg_end[i]``: the last position of i's segment, int64 [N]).
+def _stats(key: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` (float64 [N]): (its group's size, mean, sample std), float64 [N] each; ``key``: int64
+    [N] group ids in ``0..N-1``. A group of one has mean x and std 0.
 
-    Hillis-Steele scan: after round j, ``G_i`` holds the first ``2^j`` terms; round j adds
-    ``gamma^(2^j) * G_{i + 2^j}`` where ``i + 2^j`` is still in the segment. ceil(log2(longest segment))
-    rounds of whole-tensor operations; exact for gamma = 0 and 1, no ``gamma^-k`` rescaling (no overflow).
-    """
-    n = x.shape[0]
-    g = x.clone()
-    if n == 0:
-        return g
-    pos = torch.arange(n, device=x.device)
-    longest = int((seg_end - pos).max()) + 1
-    d = 1
-    while d < longest:
-        j = pos + d
-        inside = j <= seg_end
-        g = g + torch.where(inside, g[j.clamp(max=n - 1)] * (gamma ** d), torch.zeros_like(g))
-        d *= 2
-    return g
-
-
-def _stats(key: torch.Tensor, x: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per group of ``key``: (size, mean, sample std) as float64 [n_groups] (std 0 for a group of one)."""
-    n = torch.zeros(n_groups, dtype=torch.float64, device=x.device).index_add_(0, key, torch.ones_like(x))
-    mean = torch.zeros_like(n).index_add_(0, key, x) / n
-    dev = x - mean[key]
-    ss = torch.zeros_like(n).index_add_(0, key, dev * dev)
-    std = torch.where(n > 1, ss / (n - 1).clamp(min=1), torch.zeros_like(ss)).sqrt()
-    return n, mean, std
+    By :func:`~advantage_server.estimators.groups.group_baseline_and_std` (two-pass float64): a tied group
+    (min == max) gets its common value as the mean exactly, so its deviations are exactly 0 and its std is
+    0 (a mean taken as sum / n can miss the tied value by an ulp, and mean_std_norm with epsilon = 0 would
+    then divide that ulp by a std of the same size: +-sqrt((n - 1) / n) instead of 0)."""
+    mean, std = group_baseline_and_std(key, x, leave_one_out=False)
+    return group_sizes(key), mean, std
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den == 0, torch.zeros_like(num), num / torch.where(den == 0, torch.ones_like(den), den))
 
 
-def _normalise(sem: str, which: str, x: torch.Tensor, key: torch.Tensor, n_groups: int, std_norm: bool,
+def _normalise(sem: str, which: str, x: torch.Tensor, key: torch.Tensor, std_norm: bool,
                epsilon: float) -> torch.Tensor:
-    """x normalised within its group (``key``) under ``sem``; ``which`` is ``"episode"`` or ``"step"``."""
-    n, mean, std = _stats(key, x, n_groups)
-    n, mean, std = n[key], mean[key], std[key]
+    """x normalised within its group (``key``: int64 ids in ``0..len(x)-1``) under ``sem``; ``which`` is
+    ``"episode"`` or ``"step"``."""
+    n, mean, std = _stats(key, x)
     one = n == 1
     if sem == "roll":
         if not std_norm:
@@ -222,14 +212,14 @@ def gigpo_scalars(group: torch.Tensor, traj: torch.Tensor, step: torch.Tensor | 
     G = torch.empty_like(r).index_copy_(0, order, g_sorted)           # back to row order
     R_traj = torch.zeros(n_traj, dtype=torch.float64, device=r.device).index_add_(0, tid, r)
     std_norm = mode == "mean_std_norm"
-    n_groups = int(group.max()) + 1
+    gid, _ = _dense1(group)  # 0..G-1 with G <= the number of trajectories (the statistics' id range)
     if semantics == "trinity":                                        # one value per trajectory
-        traj_group = torch.zeros(n_traj, dtype=torch.int64, device=r.device).index_copy_(0, tid, group)
-        a_e = _normalise(semantics, "episode", R_traj, traj_group, n_groups, std_norm, epsilon)[tid]
+        traj_group = torch.zeros(n_traj, dtype=torch.int64, device=r.device).index_copy_(0, tid, gid)
+        a_e = _normalise(semantics, "episode", R_traj, traj_group, std_norm, epsilon)[tid]
     else:                                                             # one value per step row
-        a_e = _normalise(semantics, "episode", R_traj[tid], group, n_groups, std_norm, epsilon)
-    sid, n_step = _dense(anchor) if semantics in ("trinity", "roll") else _dense(group, anchor)
-    a_s = _normalise(semantics, "step", G, sid, n_step, std_norm, epsilon)
+        a_e = _normalise(semantics, "episode", R_traj[tid], gid, std_norm, epsilon)
+    sid, _ = _dense(anchor) if semantics in ("trinity", "roll") else _dense(group, anchor)
+    a_s = _normalise(semantics, "step", G, sid, std_norm, epsilon)
     return a_e + weight * a_s
 
 
@@ -245,7 +235,7 @@ def gigpo_loop(group, traj, step, anchor, rewards, gamma: float, weight: float, 
     std_norm = mode == "mean_std_norm"
 
     def mean_std(vals):
-        m = sum(vals) / len(vals)
+        m = vals[0] if min(vals) == max(vals) else sum(vals) / len(vals)  # a tied group: its value exactly
         s = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
         return m, s
 
@@ -304,6 +294,11 @@ def gigpo_loop(group, traj, step, anchor, rewards, gamma: float, weight: float, 
 
 
 # ------------------------------------------------------------------------------------------- estimator
+def _ids(t: torch.Tensor) -> torch.Tensor:
+    """int64 ids ``[B]`` as they are; int64 rows ``[B, L]`` -> ``[B]`` ids, equal rows sharing one."""
+    return group_index(t) if t.dim() == 2 else t
+
+
 @register("gigpo", config=GiGPOConfig,
           inputs=[PROMPT_IDS, STEP_REWARDS, MASK, TRAJECTORY_IDS, ANCHOR_IDS, STEP_INDEX],
           reference="arXiv:2505.10978; verl-agent compute_gigpo_outcome_advantage (main@29e3e8b); "
@@ -312,12 +307,13 @@ def gigpo_loop(group, traj, step, anchor, rewards, gamma: float, weight: float, 
 def gigpo(cfg: GiGPOConfig, batch: Batch) -> AdvantageResult:
     """GiGPO: episode-level group advantage plus a weighted step-level advantage within anchor-state groups.
 
-    Inputs: prompt_ids [B], rewards [B] or [B, T] (one step's reward), mask [B, T], trajectory_ids [B],
-    anchor_ids [B], optional step_index [B]. Returns advantages [B, T] (0 where mask = 0); no returns.
+    Inputs: prompt_ids [B], rewards [B] or [B, T] (one step's reward), mask [B, T], trajectory_ids [B] or
+    [B, L], anchor_ids [B] or [B, L] (integer rows: equal rows, equal ids), optional step_index [B].
+    Returns advantages [B, T] (0 where mask = 0); no returns.
     """
     rewards, mask = batch["rewards"], batch["mask"]
     step = batch.get("step_index")
-    adv = gigpo_scalars(batch["prompt_ids"], batch["trajectory_ids"], step, batch["anchor_ids"],
+    adv = gigpo_scalars(batch["prompt_ids"], _ids(batch["trajectory_ids"]), step, _ids(batch["anchor_ids"]),
                         outcome_scores(rewards), cfg.gamma, cfg.step_advantage_weight, cfg.mode, cfg.epsilon,
                         cfg.semantics)
     return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(rewards.dtype))

@@ -758,6 +758,32 @@ def verl_group_stats_loop(group: torch.Tensor, scores: torch.Tensor) -> tuple[to
     return torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
 
 
+# --------------------------------------------------------------------------- segmented scans
+def segmented_discounted_returns(x: torch.Tensor, seg_end: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_i = sum_{i <= k <= seg_end[i]} gamma^(k - i) x_k`` for float64 ``x`` [N] laid out in contiguous
+    segments (``seg_end[i]``: the last position of i's segment, int64 [N]): GiGPO's step returns, and with
+    gamma = 1 the within-group suffix sums of PKPO (each sum over its own segment only: no running total
+    of other segments enters it, so a segment's precision does not depend on what lies before it).
+
+    Hillis-Steele scan: after round j, ``G_i`` holds the first ``2^j`` terms; round j adds
+    ``gamma^(2^j) * G_{i + 2^j}`` where ``i + 2^j`` is still in the segment. ceil(log2(longest segment))
+    rounds of whole-tensor operations; exact for gamma = 0 and 1, no ``gamma^-k`` rescaling (no overflow).
+    """
+    n = x.shape[0]
+    g = x.clone()
+    if n == 0:
+        return g
+    pos = torch.arange(n, device=x.device)
+    longest = int((seg_end - pos).max()) + 1
+    d = 1
+    while d < longest:
+        j = pos + d
+        inside = j <= seg_end
+        g = g + torch.where(inside, g[j.clamp(max=n - 1)] * (gamma ** d), torch.zeros_like(g))
+        d *= 2
+    return g
+
+
 # --------------------------------------------------------------------------- per-row outputs
 def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype, batch: Any = None) -> torch.Tensor:
     """A per-sample ``[B]`` advantage as the ``[B, T]`` result in ``dtype``, the same value in every column.

@@ -16,7 +16,9 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
 ``semantics = verl`` (verl ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is verl's
     ``norm_adv_by_std_in_grpo``, false = Dr. GRPO arXiv:2503.20783)
     A_i = (r_i - mean_g) / (std_g + eps), or r_i - mean_g; std = sample std of s; a group of one has
-    mean 0 and std 1 (so A = r / (1 + eps)). A_{i,t} = A_i * mask_{i,t}. eps = 1e-6.
+    mean 0 and std 1 (so A = r / (1 + eps)). A_{i,t} = A_i * mask_{i,t}. eps = 1e-6. A tied group gets
+    0, also with eps = 0, where verl divides 0 by 0 (NaN) or, where its mean misses a non-dyadic tied
+    value by an ulp, reports +-sqrt((n - 1) / n) (e.g. -0.8165 for three float64 rewards of 0.1).
     verl's ``grpo_vectorized`` floors the group variance at eps (std >= sqrt(eps)): it differs only for
     groups whose sample variance is below eps without being 0; this estimator follows verl's ``grpo``.
 ``semantics = openrlhf`` (OpenRLHF 0.11.2 ``group_norm``; ``dr_grpo`` with ``normalize_rewards = false``)
@@ -35,7 +37,8 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
 
 Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
 float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
-zero the results above are finite by construction.
+zero the results above are finite by construction: an advantage of exactly 0 (a tied group, a group of
+one) is not divided, so it stays 0 also with epsilon = 0, where the references give NaN (0 / 0).
 Kernel: :func:`~advantage_server.estimators.groups.group_baseline_and_std` (loop twin beside it; numba
 on the CPU). On the CPU the broadcast [B, T] result is written densely by
 :func:`~advantage_server.estimators.groups.broadcast_rows`, elsewhere it is an ``expand`` view.
@@ -122,16 +125,16 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         if std_rewards is not None:
             _, std = verl_group_stats(group, std_rewards)
         adv = scores - mean
-        if cfg.normalize_rewards:
-            adv = adv / verl_std_plus_eps(group, std, cfg.epsilon)
+        if cfg.normalize_rewards:  # a tied group (mean exact, so adv = 0) stays 0 with epsilon = 0 too
+            adv = torch.where(adv == 0, adv, adv / verl_std_plus_eps(group, std, cfg.epsilon))
         return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(dtype))
     mean, std = group_baseline_and_std(group, scores, leave_one_out=False)  # group of one: mean = r, std = 0
     if std_rewards is not None:
         _, std = group_baseline_and_std(group, std_rewards, leave_one_out=False)
     adv = scores - mean
     if cfg.semantics == "openrlhf":
-        if cfg.normalize_rewards:
-            adv = adv / (std + cfg.epsilon)
+        if cfg.normalize_rewards:  # a tied group's 0 stays 0 with epsilon = 0 too (OpenRLHF: 0 / 0)
+            adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
         adv = adv.clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)  # compute_reward's default clip_range
         upto = torch.arange(batch.T, device=mask.device)[None, :] <= last_valid_index(mask)[:, None]
         return AdvantageResult(torch.where(upto, adv[:, None], 0.0).to(dtype))
@@ -141,6 +144,6 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         s = s if keep is None else s[keep]
         std = s.std() if s.numel() > 1 else torch.zeros((), dtype=torch.float64, device=s.device)
         std = std.expand_as(adv)
-    if cfg.normalize_rewards and cfg.scale_rewards != "none":
-        adv = adv / (std + cfg.epsilon)
+    if cfg.normalize_rewards and cfg.scale_rewards != "none":  # 0 stays 0 with epsilon = 0 (TRL: 0 / 0)
+        adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
     return AdvantageResult(broadcast_rows(zero_rows(adv, keep), batch.B, batch.T, dtype, batch))

@@ -11,7 +11,8 @@ Math, per prompt group g with rewards r (n >= 2 samples):
     A_i = r_max - r_2nd           for the sample holding the maximum, 0 for every other sample
     A_i = A_i / (std_g + epsilon) when normalize_rewards (std_g = sample std of the group's rewards)
     A_{i,t} = A_i * mask_{i,t}
-A tie for the best gives every sample 0 (verl gives its arbitrary top-k pick r_max - r_2nd = 0 too).
+A tie for the best gives every sample 0 (verl gives its arbitrary top-k pick r_max - r_2nd = 0 too); an
+advantage of 0 is not divided, so it stays 0 with epsilon = 0 (verl: NaN, 0 / 0, in a tied group).
 A group of one gets 0: verl raises ValueError there; the service answers with no signal for it.
 Defaults: normalize_rewards = true, epsilon = 1e-6.
 
@@ -54,7 +55,8 @@ def grpo_passk_scalars(group: torch.Tensor, scores: torch.Tensor, normalize: boo
     margin = torch.where(winner, s - torch.where(winner, second[group], s), torch.zeros_like(s))
     if normalize:
         _, std = group_baseline_and_std(group, s, leave_one_out=False)
-        margin = margin / (std + epsilon)
+        # 0 (not the winner, a tied group, a group of one) stays 0 with epsilon = 0 too (verl: 0 / 0)
+        margin = torch.where(margin == 0, margin, margin / (std + epsilon))
     return margin
 
 

@@ -31,9 +31,10 @@ TOKEN_REWARDS = InputSpec(
     fix="send token-level rewards [B, T], or one reward per sample [B]",
 )
 TRAJECTORY_IDS = InputSpec(
-    "trajectory_ids", ("[B]",), "integer",
+    "trajectory_ids", ("[B]", "[B, L]"), "integer",
     "Trajectory of each step row (multi-turn: one row per step): rows with equal prompt_ids and equal "
-    "trajectory_ids are the steps of one trajectory, so ids need only be unique within a prompt group.",
+    "trajectory_ids are the steps of one trajectory, so ids need only be unique within a prompt group. "
+    "[B] integer ids, or [B, L] integer rows (equal rows = the same trajectory).",
     fix="send one integer trajectory id per row ([B]; e.g. the index of the rollout within its task)",
 )
 STEP_INDEX = InputSpec(
@@ -43,8 +44,10 @@ STEP_INDEX = InputSpec(
     required=False,
 )
 ANCHOR_IDS = InputSpec(
-    "anchor_ids", ("[B]",), "integer",
-    "Anchor state of each step row: an integer hash of the observation the step acted on (without "
-    "history); equal ids = the same environment state.",
-    fix="send one integer hash of each step's observation ([B] int64; e.g. the first 8 bytes of its sha256)",
+    "anchor_ids", ("[B]", "[B, L]"), "integer",
+    "Anchor state of each step row: equal ids = the same environment state. [B] int64: a hash of the "
+    "observation the step acted on (without history); or [B, L] integer rows, equal rows = the same state "
+    "(e.g. the observation's whole sha256 digest as uint8 [B, 32]).",
+    fix="send int64 hashes [B], e.g. int.from_bytes(sha256(obs).digest()[:8], 'big', signed=True) (int64 is "
+        "signed), or the digests as uint8 rows [B, 32]",
 )

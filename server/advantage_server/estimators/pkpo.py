@@ -26,19 +26,26 @@ k >= n gives s_i = max_g for every sample, so A = 0 for the whole group (use k <
 k > n is not an error, it is clamped to n per group. k < 1 is INVALID_ARGUMENT on ``config.k``.
 Defaults: k = 1.
 
-Kernel: samples sorted within their groups (two stable sorts), the binomial weights from log-gamma,
-the suffix sums by one cumulative sum over the sorted batch, the tie and group means by scatter
-reductions (no loop over groups); :func:`pkpo_loop` is the per-group loop twin (test oracle) with exact
-integer binomials.
+Kernel: samples sorted within their groups (two stable sorts), the binomials from a table of correctly
+rounded values for groups of up to 256 samples (the reference's exact-integer arithmetic, divided by
+C(n, k) once at the end) and as log-gamma ratios for larger groups, the suffix sums by a segmented scan within each group (ceil(log2(largest group)) vectorised rounds:
+no sum runs across groups, so a small group beside groups of large rewards keeps its float64
+precision), the tie and group means by
+:func:`~advantage_server.estimators.groups.group_baseline_and_std` (per group, tied values exact),
+no loop over groups; k >= n gives exactly 0. :func:`pkpo_loop` is the per-group loop twin (test oracle)
+with exact integer binomials.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from advantage_server.estimators.groups import exclude_empty_field, groups_of
+from advantage_server.estimators.groups import (
+    exclude_empty_field, group_baseline_and_std, group_index, groups_of, segmented_discounted_returns,
+)
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.rewards import outcome_scores, sum_over_mask_field
 from advantage_client.layout import BROADCAST_TIMES_MASK
@@ -62,6 +69,28 @@ def _log_comb(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.lgamma(a_ + 1) - torch.lgamma(b_ + 1) - torch.lgamma(a_ - b_ + 1), valid
 
 
+#: largest group whose binomials come from :func:`_comb_table` (larger groups: log-gamma ratios)
+_COMB_TABLE_MAX = 256
+
+
+@functools.cache
+def _comb_table(device: str) -> torch.Tensor:
+    """float64 ``[M + 1, M + 1]`` on ``device`` (M = :data:`_COMB_TABLE_MAX`): ``C(a, b)`` correctly rounded
+    from the exact integer (``math.comb``; exact below 2^53), 0 for b > a. Built once per device (20 ms)."""
+    m = _COMB_TABLE_MAX
+    return torch.tensor([[float(math.comb(a, b)) for b in range(m + 1)] for a in range(m + 1)],
+                        dtype=torch.float64, device=device)
+
+
+def _table_comb(table: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``C(a, b)`` elementwise from :func:`_comb_table` for int64 ``a``, ``b`` <= its size (0 unless
+    ``a >= b >= 0``)."""
+    valid = (b >= 0) & (a >= b)
+    m = table.shape[0] - 1
+    got = table[a.clamp(0, m), b.clamp(0, m)]
+    return torch.where(valid, got, torch.zeros_like(got))
+
+
 def sort_within_groups(group: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order, rank, size)``: ``order`` [B] sorts the batch by group, then by ascending ``s`` (index order
     among ties); ``rank`` [B] (int64, 0-based) and ``size`` [B] (int64) are each sorted sample's position in
@@ -77,41 +106,55 @@ def sort_within_groups(group: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tens
 
 
 def pkpo_scalars(group: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-sample PKPO advantage, float64 ``[B]`` (see the module docstring). ``group``: [B] int64 in
-    0..G-1; ``scores``: [B] rewards; ``k`` >= 1."""
+    """Per-sample PKPO advantage, float64 ``[B]`` (see the module docstring). ``group``: [B] int64 group
+    ids (any values; equal ids = one group); ``scores``: [B] rewards; ``k`` >= 1.
+
+    Every sum is within one group (a segmented scan, per-group and per-tie-run means), so a group's
+    values never pass through running totals of other groups; a group with k >= n, or with all its
+    credits equal, gets exactly 0."""
     s = scores.to(torch.float64)
     B = s.shape[0]
     if B == 0:
         return s
+    group = group_index(group)  # dense 0..G-1 (the group statistics' id range)
     order, rank, size = sort_within_groups(group, s)
     x = s[order]
     n = size.to(torch.float64)
     p = rank.to(torch.float64)  # 0-based rank
     kk = torch.clamp(torch.full_like(n, float(k)), min=1.0, max=None).minimum(n)
-    log_cnk, _ = _log_comb(n, kk)
-    # the sample as the subset max: C(p, k-1) subsets of smaller samples
-    log_self, ok_self = _log_comb(p, kk - 1)
-    own = torch.where(ok_self, torch.exp(log_self - log_cnk), 0.0) * x
-    # the sample as a non-max member of a subset whose max is the q-th sample (q > p): C(q-1, k-2) each
-    log_w, ok_w = _log_comb(p - 1, kk - 2)
-    w = torch.where(ok_w, torch.exp(log_w - log_cnk), 0.0) * x
-    cum = torch.cumsum(w, 0)
-    last = (torch.arange(B, device=s.device) - rank + size - 1)  # index of the group's last sorted sample
-    credit = own + (cum[last] - cum)
-    # ties: samples with the same reward in a group share their credit equally
+    pos = torch.arange(B, device=s.device)
+    last = pos - rank + size - 1  # index of the group's last sorted sample
+    largest = int(size.max())
+    if largest <= _COMB_TABLE_MAX:
+        # binomials from a table of correctly rounded values (exact up to 2^53), divided once at the end:
+        # credit_p = (C(p, k-1) x_p + sum_{q > p} C(q-1, k-2) x_q) / C(n, k)
+        table = _comb_table(str(s.device))
+        ki = kk.to(torch.int64)
+        own = _table_comb(table, rank, ki - 1) * x
+        w = _table_comb(table, rank - 1, ki - 2) * x
+        den = _table_comb(table, size, ki)
+    else:
+        # the sample as the subset max: C(p, k-1) subsets of smaller samples, over C(n, k) (log-gamma)
+        log_cnk, _ = _log_comb(n, kk)
+        log_self, ok_self = _log_comb(p, kk - 1)
+        own = torch.where(ok_self, torch.exp(log_self - log_cnk), 0.0) * x
+        # the sample as a non-max member of a subset whose max is the q-th sample (q > p): C(q-1, k-2) each
+        log_w, ok_w = _log_comb(p - 1, kk - 2)
+        w = torch.where(ok_w, torch.exp(log_w - log_cnk), 0.0) * x
+        den = None
+    # sum_{q > p} w_q within the group: a segmented suffix scan over the group's own samples only
+    upto = segmented_discounted_returns(w, last, 1.0)  # sum_{p <= q <= last} w_q
+    after = torch.where(pos < last, upto[(pos + 1).clamp(max=B - 1)], 0.0)
+    credit = own + after if den is None else (own + after) / den
+    # ties: samples with the same reward in a group share their credit equally (the run's mean; a run of
+    # equal credits keeps that credit exactly)
     g = group[order]
     new_run = torch.ones(B, dtype=torch.bool, device=s.device)
     new_run[1:] = (g[1:] != g[:-1]) | (x[1:] != x[:-1])
     run = torch.cumsum(new_run, 0) - 1
-    ones = torch.ones(B, dtype=torch.float64, device=s.device)
-    n_runs = int(run[-1]) + 1
-    run_sum = torch.zeros(n_runs, dtype=torch.float64, device=s.device).index_add_(0, run, credit)
-    run_cnt = torch.zeros(n_runs, dtype=torch.float64, device=s.device).index_add_(0, run, ones)
-    credit = (run_sum / run_cnt)[run]
-    G = int(g.max()) + 1
-    g_sum = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, credit)
-    g_cnt = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, g, ones)
-    adv_sorted = torch.where(size > 1, credit - (g_sum / g_cnt)[g], 0.0)
+    credit, _ = group_baseline_and_std(run, credit, leave_one_out=False)
+    mean, _ = group_baseline_and_std(g, credit, leave_one_out=False)  # a tied group: its credit exactly
+    adv_sorted = torch.where((size > 1) & (kk < n), credit - mean, 0.0)  # k >= n: every credit is the max
     return torch.empty_like(adv_sorted).scatter_(0, order, adv_sorted)
 
 

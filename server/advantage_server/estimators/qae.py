@@ -53,7 +53,7 @@ class QAEConfig(EstimatorConfig):
     quantile_k: float = field(default=0.4, metadata={
         "doc": "K: the group baseline is the K-quantile of the group's rewards (linear interpolation, as "
                "torch.quantile), 0 < K < 1. The QAE release's quantile_k; 0.4 is its recommended value.",
-        "range": (0.0, 1.0)})
+        "range": (0.0, 1.0), "open": True})
     normalize_rewards: bool = field(default=True, metadata={
         "doc": "Divide by the group's sample std + epsilon (verl norm_adv_by_std_in_grpo)."})
     epsilon: float = field(default=1e-6, metadata={"doc": "Added to the std before dividing.", "range": (0.0, None)})
@@ -61,13 +61,15 @@ class QAEConfig(EstimatorConfig):
     sum_rewards_over_mask: bool = sum_over_mask_field()
 
     def validate(self) -> None:
-        """As :meth:`EstimatorConfig.validate`, and ``quantile_k`` strictly inside (0, 1) (INVALID_ARGUMENT
-        on ``config.quantile_k``: the release falls back to the mean baseline outside it)."""
-        super().validate()
-        if not 0.0 < self.quantile_k < 1.0:
+        """As :meth:`EstimatorConfig.validate` (``quantile_k`` in the open interval (0, 1), its ``range``),
+        with the way to the mean baseline in the ``quantile_k`` message (INVALID_ARGUMENT on
+        ``config.quantile_k``: the release falls back to the mean baseline outside (0, 1))."""
+        if math.isfinite(self.quantile_k) and not 0.0 < self.quantile_k < 1.0:
             raise InvalidInput("config.quantile_k",
-                               f"must be strictly between 0 and 1, got {self.quantile_k} (for the mean "
-                               f"baseline use the grpo estimator with semantics = verl)")
+                               f"must be in the open interval (0.0, 1.0) (the bounds excluded), got "
+                               f"{self.quantile_k} (for the mean baseline use the grpo estimator with "
+                               f"semantics = verl)")
+        super().validate()
 
 
 def group_quantile(group: torch.Tensor, scores: torch.Tensor, q: float) -> torch.Tensor:

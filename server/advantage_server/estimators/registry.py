@@ -58,7 +58,8 @@ class EstimatorConfig:
     Field metadata:
 
     ``doc``           what the field does (shown by ``ListEstimators``).
-    ``range``         ``(lo, hi)`` inclusive bounds for a number (``None`` = open).
+    ``range``         ``(lo, hi)`` inclusive bounds for a number (``None`` = unbounded).
+    ``open``          ``True``: the ``range`` bounds themselves are excluded (``lo < value < hi``).
     ``choices``       allowed values of an enum field (its short names, e.g. ``("verl", "openrlhf")``).
     ``enum``          the proto enum type name of an enum field (``"Semantics"``).
     ``default_text``  the default as ``ListEstimators`` shows it, where the dataclass default is
@@ -82,7 +83,11 @@ class EstimatorConfig:
             lo, hi = f.metadata.get("range", (None, None))
             if value is None or isinstance(value, (bool, str, tuple)):
                 continue
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if f.metadata.get("open"):
+                if (lo is not None and value <= lo) or (hi is not None and value >= hi):
+                    raise InvalidInput(f"config.{f.name}", f"must be in the open interval ({lo}, {hi}) (the "
+                                                           f"bounds excluded), got {value}")
+            elif (lo is not None and value < lo) or (hi is not None and value > hi):
                 raise InvalidInput(f"config.{f.name}", f"must be in [{lo}, {hi}], got {value}")
 
     def resolved(self) -> "EstimatorConfig":
