@@ -147,6 +147,7 @@ def _big() -> dict:
 
 
 def test_auto_tries_shared_memory_again_after_a_refusal(make_server, monkeypatch):
+    monkeypatch.setenv("ADVANTAGE_SHM_MEMFD", "0")  # one registration per try (a memfd refused is retried as POSIX)
     srv = make_server()
     monkeypatch.setattr(client_mod, "SHM_RETRY_S", 0.5)
     real = transport.Region.__init__

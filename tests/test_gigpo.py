@@ -305,6 +305,27 @@ def test_ids_as_integer_rows(client, semantics):
     assert np.abs(want).max() > 0.1
 
 
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_ids_as_labels_the_client_reduces(client, transport):
+    """The client reduces trajectory_ids and anchor_ids as it reduces prompt_ids: uint64 hashes (8 bytes of a
+    sha256, unsigned), Python ints beyond int64 and string labels (verl-agent's anchor observations) group the
+    rows as the equivalent small ids do."""
+    cfg = {"semantics": "verl_agent", "gamma": 0.5}
+    want = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, mask=MASK, transport=transport,
+                          **{**HAND, "anchor_ids": np.array([1, 2, 1, 3])}).advantages
+    unsigned = [int.from_bytes(d[:8], "big") | (1 << 63) for d in _sha256(["a", "b", "a", "c"])]  # all >= 2**63
+    for anchors in (np.array(unsigned, dtype=np.uint64), unsigned, ["obs a", "obs b", "obs a", "obs c"],
+                    np.array(["obs a", "obs b", "obs a", "obs c"])):
+        got = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, mask=MASK, transport=transport,
+                             **{**HAND, "anchor_ids": anchors}).advantages
+        np.testing.assert_array_equal(got, want, err_msg=repr(anchors))
+    traj = [f"episode-{t}" for t in np.asarray(HAND["trajectory_ids"]).tolist()]
+    got = client.compute("gigpo", cfg, output_dtype="float64", as_numpy=True, mask=MASK, transport=transport,
+                         **{**HAND, "anchor_ids": np.array([1, 2, 1, 3]), "trajectory_ids": traj}).advantages
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want).max() > 0.1
+
+
 def test_float_ids_are_invalid_argument(client):
     with pytest.raises(AdvantageServiceError) as info:
         client.compute("gigpo", None, mask=MASK, **{**HAND, "anchor_ids": HAND["anchor_ids"].astype(np.float32)})
@@ -321,3 +342,17 @@ def test_listing(client):
     assert list(fields["semantics"].allowed_values) == ["verl_agent", "trinity", "roll"]
     assert list(fields["mode"].allowed_values) == ["mean_norm", "mean_std_norm"]
     assert not info.produces_returns
+
+
+def test_unknown_semantics_names_only_the_offered_values():
+    """An unknown Semantics number lists what gigpo offers (not nemo_rl, verl, ... which it refuses)."""
+    from advantage_client.proto import advantage_pb2 as pb
+    from advantage_server.core import config_from_proto
+    from advantage_server.errors import InvalidInput
+    from advantage_server.estimators import registry
+
+    msg = pb.GiGPOConfig(semantics=99)
+    with pytest.raises(InvalidInput) as info:
+        config_from_proto(registry.REGISTRY["gigpo"], msg)
+    text = str(info.value)
+    assert "SEMANTICS_VERL_AGENT, SEMANTICS_TRINITY, SEMANTICS_ROLL" in text and "NEMO_RL" not in text

@@ -132,7 +132,8 @@ def test_the_pool_stops_at_shm_regions_and_many_threads_share_it(make_server, mo
     assert seen.unregistered == seen.registered and c.shm_region_count == 0
 
 
-def test_a_region_busy_at_close_is_released_when_its_call_ends(make_server):
+def test_a_region_busy_at_close_is_released_when_its_call_ends(make_server, monkeypatch):
+    monkeypatch.setenv("ADVANTAGE_SHM_MEMFD", "0")  # a POSIX segment: its name is in /dev/shm (test_shm_memfd.py)
     srv = make_server()
     c = AdvantageClient(srv.address, timeout=30.0)
     c.compute("gae", None, transport="shm", **_gae(8, 256, 0))

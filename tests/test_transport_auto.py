@@ -58,6 +58,7 @@ def test_auto_falls_back_when_the_server_cannot_open_the_segment(make_server, mo
     def remote(self, name, size, key):
         raise InvalidInput("name", f"cannot open shared-memory segment {name!r} on the server's host")
     monkeypatch.setattr(transport.Region, "__init__", remote)
+    monkeypatch.setenv("ADVANTAGE_SHM_MEMFD", "0")  # one registration per try (a memfd refused is retried as POSIX)
     srv = make_server()
     with AdvantageClient(srv.address, timeout=30.0, stream_threshold_mb=1) as c:
         count = _Counter(c, monkeypatch)

@@ -32,7 +32,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 # defined with the modules that own them (shm and streaming use them too), and importable from here as before
 from advantage_client.errors import AdvantageServiceError, InvalidArgumentError, hint  # noqa: F401
 from advantage_client.result import AdvantageResult
-from advantage_client.wire import check_mask_columns, reduce_prompt_ids
+from advantage_client.wire import LABEL_INPUTS, check_mask_columns, reduce_prompt_ids
 
 
 #: transport="auto": how many times the server may forget this client's region before shared memory is off
@@ -201,8 +201,8 @@ def build_request(estimator: str, config: Any = None, output_dtype: Any = None, 
     for name, value in tensors.items():
         if value is None:
             continue
-        if name == "prompt_ids":
-            value = reduce_prompt_ids(value)
+        if name in LABEL_INPUTS:
+            value = reduce_prompt_ids(value, name)
         request.inputs[name].CopyFrom(wire.encode_tensor(value, f"inputs[{name!r}]"))
     return request
 
@@ -532,7 +532,13 @@ class AdvantageClient:
         need = self._shm_need(kwargs)
         # every region busy: this call does not wait for one; /dev/shm too small for a new region of this
         # size (writing past it would be SIGBUS): not this time either
-        fits = shm_mod.room_for if time.monotonic() >= self._shm_grow_at else _no_room
+        # (a sealed memfd does not live in /dev/shm: Docker's 64 MiB default does not bound it)
+        if time.monotonic() < self._shm_grow_at:
+            fits = _no_room
+        elif shm_mod.memfd_supported() and not getattr(self, "_shm_memfd_refused", False):
+            fits = None
+        else:
+            fits = shm_mod.room_for
         try:
             region = self._shm_take(need, wait=False, fits=fits)
         except AdvantageServiceError as err:

@@ -5,16 +5,26 @@
         values.copy_(...)                                  # or pass ordinary tensors: copied in once
         result = region.compute("gae", cfg, rewards=rewards, mask=mask, values=values)
 
-The client creates a POSIX shared-memory segment and registers it (``RegisterSharedMemory``); the server
-answers with a region id and a secret key, and only calls carrying that key may use the region. Each
-call then sends names and offsets instead of bytes: the server reads the inputs from the region and
-writes the results into it (after the inputs), everything bounds-checked on the server.
-``AdvantageClient.compute(..., transport="shm")`` does the same with a region the client manages.
+The client creates a segment and registers it (``RegisterSharedMemory``); the server answers with a
+region id and a secret key, and only calls carrying that key may use the region. Each call then sends
+names and offsets instead of bytes: the server reads the inputs from the region and writes the results
+into it (after the inputs), everything bounds-checked on the server.
+``AdvantageClient.compute(..., transport="shm")`` does the same with regions the client manages.
+
+The segment is, on Linux (Python 3.8+), a ``memfd`` sealed against shrinking (:class:`MemfdSegment`,
+registered as ``memfd:<pid>:<fd>``): the server maps it and reads the inputs and writes the results in
+place, zero-copy (a sealed file cannot shrink under the server's mapping). Where the server cannot open
+it (another PID namespace or user, an older server: PERMISSION_DENIED or INVALID_ARGUMENT), the region is
+a POSIX shared-memory segment (``multiprocessing.shared_memory``) instead, and so are the client's later
+regions; the server then copies through the segment's descriptor. ``ADVANTAGE_SHM_MEMFD=0`` in the client's
+environment, or ``SharedMemoryRegion(..., memfd=False)``, always uses POSIX segments.
 """
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import sys
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -36,6 +46,75 @@ ALIGN = 64
 ABANDONED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
                        grpc.StatusCode.UNKNOWN})
 PREFIX = "/advantage.v1.AdvantageService/"
+#: client environment variable: "0" makes every region a POSIX shared-memory segment (no memfd)
+MEMFD_ENV = "ADVANTAGE_SHM_MEMFD"
+#: the registration answers after which a memfd region is retried as a POSIX segment (and the client's later
+#: regions are POSIX ones): the server cannot open the memfd (another PID namespace or user) or does not know
+#: the ``memfd:`` names (an older server looks for a /dev/shm segment of that name)
+MEMFD_REFUSED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT})
+
+
+def memfd_supported() -> bool:
+    """Whether regions may be sealed memfds here: Linux, ``os.memfd_create`` and ``fcntl.F_ADD_SEALS``
+    (Python 3.8+), and ``ADVANTAGE_SHM_MEMFD`` is not ``0``."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return False
+    import fcntl
+    return hasattr(fcntl, "F_ADD_SEALS") and os.environ.get(MEMFD_ENV, "1") != "0"
+
+
+class MemfdSegment:
+    """A Linux ``memfd`` of ``size`` bytes, every page backed (``posix_fallocate``) and sealed with
+    ``F_SEAL_SHRINK | F_SEAL_SEAL``: nobody (this process included) can make it shorter nor remove the seal,
+    so the server may map it. Duck-types what :class:`SharedMemoryRegion` uses of
+    ``multiprocessing.shared_memory.SharedMemory``: ``name`` (the registration name ``memfd:<pid>:<fd>``),
+    ``size``, ``buf``, ``close()``, ``unlink()``.
+
+    ``seal=False`` leaves it unsealed (the server then copies through its descriptor, as for a POSIX segment:
+    for tests). Raises ``OSError`` when the kernel refuses (no memfd or seals: ENOSYS/EINVAL; no memory:
+    ENOMEM/ENOSPC)."""
+
+    def __init__(self, size: int, seal: bool = True):
+        import fcntl
+        fd = os.memfd_create("advantage-shm", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            try:  # back every page now: running out of memory is an OSError here, not a fault later
+                os.posix_fallocate(fd, 0, size)
+            except AttributeError:  # pragma: no cover - no posix_fallocate
+                pass
+            if seal:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            self._mmap: Any = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self.size, self._buf = fd, size, None
+        self.name = f"memfd:{os.getpid()}:{fd}"
+
+    @property
+    def buf(self) -> Any:
+        return self._buf
+
+    def close(self) -> None:
+        """Close the descriptor (the memory goes with the last view of the mapping, see :func:`map_segment`)."""
+        if self._buf is not None:
+            self._buf.release()
+            self._buf = None
+        if self._mmap is not None:
+            self._mmap.close()  # BufferError while views of it exist, as SharedMemory.close
+            self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        """The name goes: a memfd's name is its descriptor in this process, so it is closed (the server forgets
+        a region whose name no longer reaches its file at its next registration, as for a POSIX segment
+        unlinked from /dev/shm)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def map_segment(shm: shared_memory.SharedMemory, size: int) -> np.ndarray:
@@ -78,37 +157,78 @@ def _align(n: int) -> int:
 
 class SharedMemoryRegion:
     """A shared-memory segment registered with the server. Use as a context manager or call :meth:`close`
-    (unregisters, then unlinks the segment)."""
+    (unregisters, then unlinks the segment).
 
-    def __init__(self, client: Any, byte_size: int):
+    ``memfd``: None (default) makes the segment a sealed memfd where :func:`memfd_supported` and this client
+    has not seen the server refuse one, else a POSIX segment; False: a POSIX segment; True: a memfd or an
+    error (``OSError`` from the kernel, :class:`AdvantageServiceError` from the server). :attr:`memfd` tells
+    which it is; :attr:`shm` is the segment (``SharedMemory`` or :class:`MemfdSegment`). Raises what
+    registration raises (:class:`AdvantageServiceError`), ``OSError`` when no segment can be made."""
+
+    def __init__(self, client: Any, byte_size: int, memfd: bool | None = None):
         self._client = client
-        self.shm = shared_memory.SharedMemory(create=True, size=max(int(byte_size), ALIGN))
-        self.size = self.shm.size
+        self._buf = None
+        size = max(int(byte_size), ALIGN)
         #: set when a call was given up (deadline, cancel, lost connection) while the server may still run it
         self.abandoned: str | None = None
-        try:  # back every page now: on a full /dev/shm a later write would be SIGBUS, here it is an OSError
-            os.posix_fallocate(self.shm._fd, 0, self.size)
-        except AttributeError:  # pragma: no cover - no posix_fallocate on this platform
-            pass
-        except OSError:
-            self._release()
-            raise
-        self._buf = map_segment(self.shm, self.size)  # the mapping lives as long as views of it
-        self._next = 0  # bump allocator for empty()
-        try:
-            request = pb.RegisterSharedMemoryRequest(name=self.shm.name, byte_size=self.size)
-            reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
-            if reply.challenge:  # show the server this process writes the segment (see the proto)
-                n = len(reply.challenge)
-                if n > self.size:
-                    raise MemoryError(f"the region's {self.size} bytes cannot hold the server's {n}-byte challenge")
-                self._buf[:n] = np.frombuffer(reply.challenge, np.uint8)
-                request.proof = reply.challenge
-                reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
-        except BaseException:
-            self._release()
-            raise
+        try_memfd = memfd if memfd is not None else (memfd_supported()
+                                                     and not getattr(client, "_shm_memfd_refused", False))
+        if try_memfd:
+            try:
+                self._create(MemfdSegment(size))
+                reply = self._register()
+            except AdvantageServiceError as err:
+                self._release()
+                if memfd or err.code not in MEMFD_REFUSED:
+                    raise
+                try:  # this server cannot use memfds: POSIX segments from now on, for this client
+                    client._shm_memfd_refused = True
+                except AttributeError:  # pragma: no cover - a client object with __slots__
+                    pass
+                try_memfd = False
+            except OSError:
+                self._release()
+                if memfd:
+                    raise
+                try_memfd = False
+            except BaseException:
+                self._release()
+                raise
+        if not try_memfd:
+            try:
+                self._create(shared_memory.SharedMemory(create=True, size=size))
+                reply = self._register()
+            except BaseException:
+                self._release()
+                raise
+        #: whether the segment is a sealed memfd (the server reads and writes it in place) or a POSIX segment
+        self.memfd = bool(try_memfd)
         self.region_id, self.key = reply.region_id, reply.key
+
+    def _create(self, shm: Any) -> None:
+        self.shm = shm
+        self.size = shm.size
+        if isinstance(shm, shared_memory.SharedMemory):
+            # back every page now: on a full /dev/shm a later write would be SIGBUS, here it is an OSError
+            try:
+                os.posix_fallocate(shm._fd, 0, self.size)
+            except AttributeError:  # pragma: no cover - no posix_fallocate on this platform
+                pass
+        self._buf = map_segment(shm, self.size)  # the mapping lives as long as views of it
+        self._next = 0  # bump allocator for empty()
+
+    def _register(self) -> Any:
+        client = self._client
+        request = pb.RegisterSharedMemoryRequest(name=self.shm.name, byte_size=self.size)
+        reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+        if reply.challenge:  # show the server this process writes the segment (see the proto)
+            n = len(reply.challenge)
+            if n > self.size:
+                raise MemoryError(f"the region's {self.size} bytes cannot hold the server's {n}-byte challenge")
+            self._buf[:n] = np.frombuffer(reply.challenge, np.uint8)
+            request.proof = reply.challenge
+            reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+        return reply
 
     # ------------------------------------------------------------------ allocation
     def empty(self, shape: Any, dtype: Any = "float32") -> Any:
@@ -172,8 +292,8 @@ class SharedMemoryRegion:
         for name, value in tensors.items():
             if value is None:
                 continue
-            if name == "prompt_ids":
-                value = wire.reduce_prompt_ids(value)
+            if name in wire.LABEL_INPUTS:
+                value = wire.reduce_prompt_ids(value, name)
             code, shape, payload = codec.tensor_parts(value, f"inputs[{name!r}]")
             raw = np.frombuffer(payload, dtype=np.uint8) if payload.nbytes else np.zeros(0, np.uint8)
             offset = self._offset_of(raw)
@@ -215,9 +335,12 @@ class SharedMemoryRegion:
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
         self._buf = None
-        close_mapping(self.shm)
+        shm = getattr(self, "shm", None)
+        if shm is None:  # the segment could not be made
+            return
+        close_mapping(shm)
         try:
-            self.shm.unlink()
+            shm.unlink()
         except FileNotFoundError:
             pass
 

@@ -69,7 +69,8 @@ def payload_estimate(tensors: dict[str, Any]) -> int:
 def _request_args(estimator: str, config: Any, output_dtype: Any, tensors: dict[str, Any]) -> tuple[Any, int, dict]:
     cfg = wire.config_message(estimator, config)  # WireError for an unknown estimator
     code = wire.dtype_code(output_dtype) if output_dtype is not None else 0
-    inputs = {k: (wire.reduce_prompt_ids(v) if k == "prompt_ids" else v) for k, v in tensors.items() if v is not None}
+    inputs = {k: (wire.reduce_prompt_ids(v, k) if k in wire.LABEL_INPUTS else v) for k, v in tensors.items()
+              if v is not None}
     return cfg, code, inputs
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import types
 import warnings
 from typing import Any, Mapping
 
@@ -97,13 +98,20 @@ _KL_TYPES = {"k1": pb.KL_TYPE_K1, "k2": pb.KL_TYPE_K2, "k3": pb.KL_TYPE_K3}
 KL_TYPE_NAMES = {v: k for k, v in _KL_TYPES.items()} | {pb.KL_TYPE_UNSPECIFIED: None}
 
 
-def enum_names(enum_descriptor: Any) -> dict[int, str | None]:
+_ENUM_NAMES: dict[str, Mapping[int, str | None]] = {}
+
+
+def enum_names(enum_descriptor: Any) -> Mapping[int, str | None]:
     """Enum value -> its short config name, the value name without the enum's prefix, in lower case
     (``KL_TYPE_K3`` -> ``"k3"``, ``SEMANTICS_NEMO_RL`` -> ``"nemo_rl"``); the ``_UNSPECIFIED`` zero
-    value -> ``None`` (unset)."""
-    values = list(enum_descriptor.values)
-    prefix = values[0].name[: -len("UNSPECIFIED")]
-    return {v.number: (None if v.number == 0 else v.name[len(prefix):].lower()) for v in values}
+    value -> ``None`` (unset). A read-only mapping, made once per enum (the server reads it on every call)."""
+    names = _ENUM_NAMES.get(enum_descriptor.full_name)
+    if names is None:
+        values = list(enum_descriptor.values)
+        prefix = values[0].name[: -len("UNSPECIFIED")]
+        names = _ENUM_NAMES[enum_descriptor.full_name] = types.MappingProxyType(
+            {v.number: (None if v.number == 0 else v.name[len(prefix):].lower()) for v in values})
+    return names
 
 
 class WireError(ValueError):
@@ -297,13 +305,24 @@ def _factorize(labels: np.ndarray) -> np.ndarray:
     return np.fromiter((ids.setdefault(x, len(ids)) for x in labels), dtype=np.int64, count=len(labels))
 
 
-def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
+#: inputs that are labels (equal values = same group, trajectory or anchor state), reduced by
+#: :func:`reduce_prompt_ids` before they are sent: ``prompt_ids`` (every group estimator), ``trajectory_ids``
+#: and ``anchor_ids`` (gigpo)
+LABEL_INPUTS = frozenset({"prompt_ids", "trajectory_ids", "anchor_ids"})
+
+
+def reduce_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> np.ndarray:
     """Group labels -> ``[B]`` int64 group ids (equal labels share an id, different labels never do).
 
-    * ``[B]`` integer ids pass through unchanged;
+    * ``[B]`` integer ids pass through unchanged; ``uint64`` ids (e.g. 8 bytes of a hash) are reinterpreted
+      as int64, bit for bit, and a list of Python ints beyond int64 is factorized, so no two ids merge;
     * ``[B]`` labels of any other kind: a NumPy ``str``/``bytes``/``object`` array or a list of strings
-      (verl's uid strings). Labels are compared as given, so ``"007"`` and ``"7"`` are two groups;
+      (verl's uid strings, verl-agent's anchor observations). Labels are compared as given, so ``"007"`` and
+      ``"7"`` are two groups;
     * ``[B, L]`` prompt token rows (integers, or strings): equal rows share an id.
+
+    ``name``: the input (one of :data:`LABEL_INPUTS`), for the message of the ``WireError`` (a ValueError)
+    raised for labels of another rank.
     """
     if hasattr(prompt_ids, "detach"):
         arr = prompt_ids.detach().cpu().numpy()
@@ -313,19 +332,25 @@ def reduce_prompt_ids(prompt_ids: Any) -> np.ndarray:
             labels = np.asarray(prompt_ids, dtype=object)
             if not all(isinstance(x, (str, bytes)) for x in labels.ravel()):
                 arr = labels  # a list mixing 7 and "7": numpy would turn both into "7"
+        elif arr.dtype.kind in "fO" and isinstance(prompt_ids, (list, tuple)):
+            labels = np.asarray(prompt_ids, dtype=object)
+            if labels.ndim == 1 and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in labels):
+                return _factorize(labels)  # ints beyond int64 (numpy made them object or float): exact
     if arr.dtype.kind in "USO":
         if arr.ndim == 2:
             if arr.dtype.kind == "O":
                 return _factorize(np.fromiter((tuple(row) for row in arr), dtype=object, count=len(arr)))
             return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
         if arr.ndim != 1:
-            raise WireError("inputs['prompt_ids']", f"group labels must be [B] or [B, L], got shape {list(arr.shape)}")
+            raise WireError(f"inputs['{name}']", f"labels must be [B] or [B, L], got shape {list(arr.shape)}")
         if arr.dtype.kind == "O":
             try:
                 return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
             except TypeError:  # labels of mixed, unorderable types
                 return _factorize(arr)
         return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    if arr.dtype == np.uint64:
+        arr = arr.view(np.int64)  # bijective: equal ids stay equal, distinct ones distinct
     if arr.ndim == 2:
         return np.unique(arr, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
     return arr

@@ -11,7 +11,8 @@ be bound (for example, already in use), the device does not exist, or a TLS or t
 
 Limits: ``--max-message-mb``, ``--max-batch-elements``, ``--max-concurrent-requests`` (beyond them:
 RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once), ``--stream-idle-timeout`` (a stalled
-upload is cut). Security: ``--tls-cert`` and
+upload is cut), ``--min-upload-rate-kib`` / ``--upload-rate-window`` (a streamed upload slower than the
+minimum is cut), ``--max-shm-regions-per-client`` (shared-memory regions per client connection). Security: ``--tls-cert`` and
 ``--tls-key`` (TLS), ``--tls-client-ca`` (mutual TLS), ``--auth-token-file`` (bearer token on every
 call but health checks). See RELIABILITY.md.
 """
@@ -29,7 +30,8 @@ from advantage_server import logs
 from advantage_server.auth import load_token
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
-    DEFAULT_STREAM_IDLE_TIMEOUT, DEFAULT_WORKERS,
+    DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
+    DEFAULT_UPLOAD_RATE_WINDOW, DEFAULT_WORKERS,
 )
 from advantage_server.metrics import HealthPort
 from advantage_server.server import create_server
@@ -60,6 +62,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: give a positive integer (1 or more)")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number, 0 or more (0 turns the limit off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give 0 (off) or a positive integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: give 0 (off) or a positive integer")
     return value
 
 
@@ -112,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an admitted call may wait for request bytes (between a stream's chunks; a unary "
                         "request in full); a stalled upload is then cut with RESOURCE_EXHAUSTED and its place "
                         f"and memory freed (default {DEFAULT_STREAM_IDLE_TIMEOUT:g})")
+    p.add_argument("--min-upload-rate-kib", type=non_negative_int, default=DEFAULT_MIN_UPLOAD_RATE_KIB,
+                   help="KiB per second a streamed upload (ComputeAdvantageStream) must average over each "
+                        "--upload-rate-window once it has lasted that long; a slower one is cut with "
+                        "RESOURCE_EXHAUSTED and its place and memory freed (default "
+                        f"{DEFAULT_MIN_UPLOAD_RATE_KIB}, i.e. 1 MiB/s; 0 = no minimum)")
+    p.add_argument("--upload-rate-window", type=seconds(allow_zero=False), default=DEFAULT_UPLOAD_RATE_WINDOW,
+                   help="seconds the upload rate is averaged over, and the grace before its first check "
+                        f"(default {DEFAULT_UPLOAD_RATE_WINDOW:g})")
+    p.add_argument("--max-shm-regions-per-client", type=positive_int, default=DEFAULT_MAX_SHM_REGIONS_PER_CLIENT,
+                   help="shared-memory regions one client connection may hold registered; more are refused with "
+                        "RESOURCE_EXHAUSTED (default "
+                        f"{DEFAULT_MAX_SHM_REGIONS_PER_CLIENT}; the server holds 256 in all)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
@@ -147,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                                max_batch_elements=args.max_batch_elements,
                                max_concurrent_requests=args.max_concurrent_requests,
                                stream_idle_timeout=args.stream_idle_timeout,
+                               min_upload_rate_kib=args.min_upload_rate_kib,
+                               upload_rate_window=args.upload_rate_window,
+                               max_shm_regions_per_client=args.max_shm_regions_per_client,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                auth_token=token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                health_port=args.health_port)

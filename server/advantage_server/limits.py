@@ -10,6 +10,9 @@ One :class:`RequestGate` per server decides, for every ``AdvantageService`` call
   RESOURCE_EXHAUSTED naming ``--max-concurrent-requests`` and its value: there is no unbounded queue.
 * **compute slots**: at most ``workers`` calls compute at once; an admitted call waits for a slot only
   while its client is still there and its deadline has not passed.
+* **uploads** (:class:`UploadWatch`): an admitted call whose request bytes stop arriving for
+  ``--stream-idle-timeout`` seconds, or a streamed upload slower than ``--min-upload-rate-kib`` over each
+  ``--upload-rate-window``, is cut with RESOURCE_EXHAUSTED naming the flag.
 
 :func:`checkpoint` is the hook the core calls between its stages (decoded, prepared, computed): it
 raises :class:`RequestExpired` when the call was cancelled or its deadline passed, so an expired request
@@ -18,6 +21,7 @@ allocation failures, which the servicer answers with RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import ctypes
@@ -53,6 +57,9 @@ DEFAULT_MAX_BATCH_ELEMENTS = 1 << 27
 DEFAULT_MAX_CONCURRENT_REQUESTS = 32
 DEFAULT_WORKERS = 8
 DEFAULT_STREAM_IDLE_TIMEOUT = 30.0  # seconds an admitted upload may go without receiving request bytes
+DEFAULT_MIN_UPLOAD_RATE_KIB = 1024  # KiB/s a streamed upload must keep up (over the window below); 0: no check
+DEFAULT_UPLOAD_RATE_WINDOW = 5.0  # seconds the upload rate is measured over (also the grace before the first check)
+DEFAULT_MAX_SHM_REGIONS_PER_CLIENT = 64  # shared-memory regions one client (connection) may hold registered
 
 
 MAX_MESSAGE_MB_LIMIT = 2047  # gRPC message lengths are signed 32-bit byte counts
@@ -68,13 +75,21 @@ class Limits:
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     workers: int = DEFAULT_WORKERS
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
+    min_upload_rate_kib: int = DEFAULT_MIN_UPLOAD_RATE_KIB
+    upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW
+    max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT
 
     def __post_init__(self) -> None:
-        timeout = self.stream_idle_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"--stream-idle-timeout must be a positive number of seconds, got {timeout!r}")
+        for name in ("stream_idle_timeout", "upload_rate_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
+        rate = self.min_upload_rate_kib
+        if not isinstance(rate, int) or isinstance(rate, bool) or rate < 0:
+            raise ValueError(f"--min-upload-rate-kib must be a whole number of KiB per second, 0 or more (0 turns "
+                             f"the check off), got {rate!r}")
         for f in dataclasses.fields(self):
-            if f.name == "stream_idle_timeout":
+            if f.name in ("stream_idle_timeout", "upload_rate_window", "min_upload_rate_kib"):
                 continue
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -90,6 +105,11 @@ class Limits:
     @property
     def max_stream_bytes(self) -> int:
         return self.max_stream_mb * 1024 * 1024
+
+    @property
+    def min_upload_rate_bytes(self) -> int:
+        """``--min-upload-rate-kib`` in bytes per second (0: no minimum)."""
+        return self.min_upload_rate_kib * 1024
 
     @property
     def thread_pool_size(self) -> int:
@@ -277,35 +297,78 @@ class RequestGate:
 
 # ------------------------------------------------------------------------------ stalled uploads
 class UploadCut(ResourceLimit):
-    """The call's upload made no progress for ``--stream-idle-timeout`` seconds and was cut."""
+    """The call's upload stalled (``--stream-idle-timeout``) or crawled (``--min-upload-rate-kib``) and was cut."""
+
+
+class _Upload:
+    """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
+
+    __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples")
+
+    def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
+        self.context, self.idle_deadline = context, idle_deadline
+        self.cut: UploadCut | None = None
+        self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
+        self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
+
+    def rate_below(self, now: float) -> float | None:
+        """Bytes per second received over the last ``window`` seconds when below ``min_rate`` (else None);
+        None too before the upload has lasted ``window`` seconds (the grace: a call's first bytes may wait
+        for a connection, TLS, flow-control windows) or without a minimum rate. Takes a sample of
+        ``received`` (called by the watch thread, a few times per window)."""
+        if not self.min_rate:
+            return None
+        self.samples.append((now, self.received))
+        # keep the newest sample at or before now - window (the start of the window) and all after it
+        while len(self.samples) > 1 and self.samples[1][0] <= now - self.window:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        if t0 > now - self.window or now <= t0:
+            return None
+        rate = (self.received - n0) / (now - t0)
+        return rate if rate < self.min_rate else None
 
 
 class UploadWatch:
-    """Cuts admitted calls whose request bytes stop arriving (``--stream-idle-timeout``).
+    """Cuts admitted calls whose request bytes stop arriving (``--stream-idle-timeout``), or arrive slower
+    than a minimum rate (``--min-upload-rate-kib``, for the calls watched with one).
 
     An admitted call holds a ``--max-concurrent-requests`` place, a thread and the part of its request
     received so far; a client that opens a call and then sends nothing (or stops half-way) would hold
     them for ever: keepalive does not help, since a live client answers pings. Each upload is watched
-    from admission until its last byte arrived (:meth:`watch`; a stream calls ``touch`` on each chunk, so
-    the limit is on the time *between* chunks; a unary request arrives as one message, so it must arrive
-    in full within the timeout). One daemon thread checks a few times per timeout and ends an idle call
-    with RESOURCE_EXHAUSTED naming the flag (the reader blocked on it then raises at once, so the place,
-    the thread and the buffer come back).
+    from admission until its last byte arrived (:meth:`watch`; a stream calls ``touch(nbytes)`` on each
+    chunk, so the idle limit is on the time *between* chunks; a unary request arrives as one message, so
+    it must arrive in full within the timeout). One daemon thread checks a few times per timeout (and per
+    rate window) and ends an idle or too slow call with RESOURCE_EXHAUSTED naming the flag (the reader
+    blocked on it then raises at once, so the place, the thread and the buffer come back).
+
+    The idle timeout alone lets a client keep its place by trickling one byte per timeout. A watch with
+    ``min_rate`` (bytes per second; the streaming transport passes ``--min-upload-rate-kib``) also cuts
+    an upload whose bytes received over the last ``window`` seconds (a sliding window, sampled by the
+    watch thread) average less than ``min_rate``; the first check comes once the upload has lasted
+    ``window`` seconds (the grace period). Bytes are counted as gRPC hands whole chunk messages to the
+    server, so a chunk should take well under a window to send at the minimum rate (the client's default
+    4 MiB chunk takes 4 s at 1 MiB/s, inside the default 5 s window).
     """
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._watched: dict[int, list] = {}  # id -> [idle deadline, context, cut flag]
+        self._watched: dict[int, _Upload] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.cuts = 0
+        self.cuts = 0       # calls cut, for either reason
+        self.slow_cuts = 0  # of which for their rate
 
     @contextlib.contextmanager
-    def watch(self, context: Any) -> Iterator[Callable[[], None]]:
-        """Watch ``context``'s upload for the block; yields ``touch()`` (progress: restart the idle clock).
+    def watch(self, context: Any, min_rate: int = 0, window: float = DEFAULT_UPLOAD_RATE_WINDOW
+              ) -> Iterator[Callable[..., None]]:
+        """Watch ``context``'s upload for the block; yields ``touch(nbytes=0)`` (progress: restart the idle
+        clock, and count ``nbytes`` received towards the rate). ``min_rate``: bytes per second the upload
+        must average over each ``window`` seconds once it has lasted that long (0: no minimum).
         Raises :class:`UploadCut` (after the block's own error) when the watch cut the call."""
-        entry = [time.monotonic() + self.timeout, context, False]
+        now = time.monotonic()
+        entry = _Upload(context, now + self.timeout, int(min_rate), float(window), now)
         key = id(entry)
         with self._lock:
             self._watched[key] = entry
@@ -313,41 +376,65 @@ class UploadWatch:
                 self._thread = threading.Thread(target=self._run, name="advantage-upload-watch", daemon=True)
                 self._thread.start()
 
-        def touch() -> None:
-            entry[0] = time.monotonic() + self.timeout
+        def touch(nbytes: int = 0) -> None:
+            entry.idle_deadline = time.monotonic() + self.timeout
+            entry.received += nbytes
 
         try:
             yield touch
         except Exception:
-            if entry[2]:
-                raise self.error() from None
+            if entry.cut is not None:
+                raise entry.cut from None
             raise
         finally:
             with self._lock:
                 self._watched.pop(key, None)
-        if entry[2]:
-            raise self.error()
+        if entry.cut is not None:
+            raise entry.cut
 
     def error(self) -> UploadCut:
         return UploadCut(f"no request bytes arrived for {self.timeout:g} s, so the server cut the call: an upload "
                          f"must not stall for longer than the server's --stream-idle-timeout={self.timeout:g} "
                          "(a unary request must arrive in full within it); send the request without pauses")
 
+    @staticmethod
+    def slow_error(rate: float, entry: _Upload) -> UploadCut:
+        return UploadCut(f"the upload arrived at {rate / 1024:.1f} KiB/s over the last {entry.window:g} s, below the "
+                         f"server's --min-upload-rate-kib={entry.min_rate // 1024} (KiB per second, averaged over "
+                         f"--upload-rate-window={entry.window:g} s), so the server cut the call; send the request at "
+                         "full speed (or ask the operator to lower the minimum; 0 turns it off)")
+
     def stop(self) -> None:
         self._stop.set()
 
+    def _period(self) -> float:
+        with self._lock:
+            windows = [e.window for e in self._watched.values() if e.min_rate]
+        return min(1.0, self.timeout / 4, *(w / 4 for w in windows))
+
     def _run(self) -> None:
-        period = min(1.0, self.timeout / 4)
-        while not self._stop.wait(period):
+        while not self._stop.wait(self._period()):
             now = time.monotonic()
+            cut: list[_Upload] = []
             with self._lock:
-                idle = [e for e in self._watched.values() if e[0] <= now and not e[2]]
-                for e in idle:
-                    e[2] = True
-            for e in idle:
+                for e in self._watched.values():
+                    if e.cut is not None:
+                        continue
+                    if e.idle_deadline <= now:
+                        e.cut = self.error()
+                    else:
+                        rate = e.rate_below(now)
+                        if rate is None:
+                            continue
+                        e.cut = self.slow_error(rate, e)
+                        self.slow_cuts += 1
+                    cut.append(e)
+            for e in cut:
                 self.cuts += 1
-                log.warning("cut a call whose upload stalled for %g s (--stream-idle-timeout)", self.timeout)
-                _cancel_with_status(e[1], self.error())
+                why = (f"stalled for {self.timeout:g} s (--stream-idle-timeout)" if e.idle_deadline <= now else
+                       f"arrived slower than --min-upload-rate-kib={e.min_rate // 1024}")
+                log.warning("cut a call whose upload %s", why)
+                _cancel_with_status(e.context, e.cut)
 
 
 def _cancel_with_status(context: Any, exc: ResourceLimit) -> None:

@@ -53,7 +53,8 @@ from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
-    DEFAULT_STREAM_IDLE_TIMEOUT, LIGHT_BODY_BYTES,
+    DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
+    DEFAULT_UPLOAD_RATE_WINDOW, LIGHT_BODY_BYTES,
     Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadCut, UploadWatch, check_batch_elements,
     checkpoints,
     grpc_liveness, is_out_of_memory,
@@ -131,6 +132,18 @@ def _summary(method: str, request: Any) -> str:
     return f"{method} {request.WhichOneof('estimator')} {shapes}"
 
 
+class _Summary:
+    """:func:`_summary`, written only when a log line needs it (``%s``): most calls log nothing."""
+
+    __slots__ = ("method", "request")
+
+    def __init__(self, method: str, request: Any):
+        self.method, self.request = method, request
+
+    def __str__(self) -> str:
+        return _summary(self.method, self.request)
+
+
 class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServicer):
     """The service methods (on decoded messages) plus the pipeline around them (:meth:`handler`)."""
 
@@ -192,7 +205,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                     del data
                     if codec_decoded:
                         transport._label_call(request.estimator)
-                    what = _summary(method.name, request)
+                    what = _Summary(method.name, request)
                     return behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
                 # Keep only the status: a live exception (its traceback, its frames) would hold the
@@ -346,7 +359,10 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                   tls_cert: Pem | None = None, tls_key: Pem | None = None, tls_client_ca: Pem | None = None,
                   auth_token: str | None = None, metrics_port: int | None = None,
                   metrics_host: str = "127.0.0.1", health_port: int | None = None,
-                  stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT) -> BoundServer:
+                  stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
+                  min_upload_rate_kib: int = DEFAULT_MIN_UPLOAD_RATE_KIB,
+                  upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW,
+                  max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
     Serves ``advantage.v1.AdvantageService``, ``grpc.health.v1.Health`` and server reflection.
@@ -356,7 +372,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     Limits: ``max_message_mb`` caps request and response size, ``max_stream_mb`` a streamed request, ``max_batch_elements`` the elements of
     any one input tensor, ``max_concurrent_requests`` the ComputeAdvantage calls in progress, ``workers``
     those computing at once, ``stream_idle_timeout`` the seconds an admitted call's upload may go without
-    receiving bytes (then it is cut). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
+    receiving bytes (then it is cut), ``min_upload_rate_kib`` the KiB/s a streamed upload must average over
+    each ``upload_rate_window`` seconds (0: no minimum), ``max_shm_regions_per_client`` the shared-memory
+    regions one client connection may hold registered (see RELIABILITY.md). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
     ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
     ``authorization: Bearer <token>`` on every call but health checks.
 
@@ -368,24 +386,24 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     """
     limits = Limits(max_message_mb=max_message_mb, max_stream_mb=max_stream_mb, max_batch_elements=max_batch_elements,
                     max_concurrent_requests=max_concurrent_requests, workers=workers,
-                    stream_idle_timeout=stream_idle_timeout)
+                    stream_idle_timeout=stream_idle_timeout, min_upload_rate_kib=min_upload_rate_kib,
+                    upload_rate_window=upload_rate_window, max_shm_regions_per_client=max_shm_regions_per_client)
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
     core = AdvantageCore(device, max_batch_elements=limits.max_batch_elements)
     _deterministic(core.device)
     metrics = ServerMetrics(core.device)
     observer = ObservabilityInterceptor(SERVICE_NAME, estimator_fields(_SERVICE), metrics)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage"),
-        interceptors=[observer, *([TokenAuthInterceptor(auth_token)] if auth_token else [])],
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", limits.max_message_bytes),
-            ("grpc.max_send_message_length", limits.max_message_bytes),
-            *_KEEPALIVE_OPTIONS,
-        ],
-        maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs,
-    )
+    auth = TokenAuthInterceptor(auth_token) if auth_token else None
+    pool = futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage")
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        *_KEEPALIVE_OPTIONS,
+    ]
     servicer = AdvantageServicer(core, limits)
+    server = grpc.server(pool, interceptors=[observer, *([auth] if auth else [])], options=options,
+                         maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
     servicer.register(server)
     health_servicer = HealthServicer(experimental_non_blocking=True)  # grpc_health's, minus its shutdown deadlock
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,17 +11,26 @@
 * **Shared memory** (``RegisterSharedMemory`` / ``UnregisterSharedMemory`` / ``ComputeAdvantageShm``): a
   co-located client registers a POSIX shared-memory segment it created and gets a region id and a
   secret key; calls carrying the key read inputs from and write results to the region, every tensor
-  bounds-checked against the registered size. The server reaches a segment through its file descriptor
-  (``preadv`` / ``pwritev``), never through a mapping: a segment its client shrinks during a call fails
-  that call (INVALID_ARGUMENT) instead of killing the server with SIGBUS (:class:`Region`).
+  bounds-checked against the registered size. The server reaches a POSIX segment through its file
+  descriptor (``preadv`` / ``pwritev``), never through a mapping: a segment its client shrinks during a call
+  fails that call (INVALID_ARGUMENT) instead of killing the server with SIGBUS (:class:`Region`). A Linux
+  ``memfd`` the client sealed against shrinking (``memfd:<pid>:<fd>`` names, :func:`parse_memfd_name`) is
+  mapped instead and read and written in place, zero-copy: the kernel refuses to shrink it. Quotas: 256
+  regions in all, 4 per segment, ``--max-shm-regions-per-client`` per client connection
+  (:func:`client_identity`), and pending challenges capped per client so one client's flood of first
+  steps pushes out only its own.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import fcntl
 import hmac
 import logging
 import math
+import mmap
 import os
+import re
 import secrets
 import stat
 import threading
@@ -50,13 +59,24 @@ CHUNK_BYTES = 4 << 20
 CHALLENGE_BYTES, MAX_CHALLENGES = 32, 1024
 #: regions one server keeps registered at most
 MAX_REGIONS = 256
-#: per segment (the file, whatever name reaches it): regions registered at once, and unanswered challenges
-#: (a newer one replaces the oldest of the same name). One client registering its segment over and over
-#: cannot take every region, nor push other clients' pending challenges out of MAX_CHALLENGES.
+#: per segment (the file, whatever name reaches it): regions registered at once; and unanswered challenges
+#: per client and segment name (a newer one replaces that client's oldest for the name). One client
+#: registering its segment over and over cannot take every region.
 MAX_REGIONS_PER_SEGMENT, MAX_CHALLENGES_PER_SEGMENT = 4, 4
+#: unanswered challenges one client (:func:`client_identity`) holds at once; a newer one replaces its own
+#: oldest, and when all clients together hold MAX_CHALLENGES the oldest of the client holding the most goes:
+#: one client's flood of first steps pushes out only its own pending challenges. The regions one client may
+#: hold registered are ``--max-shm-regions-per-client`` (``Limits.max_shm_regions_per_client``).
+MAX_CHALLENGES_PER_CLIENT = 64
 ALIGN = 64
 #: bytes per preadv/pwritev call on a segment (Linux moves at most ~2 GiB per call)
 _IO_STEP = 1 << 30
+#: a registration name that stands for a Linux memfd: descriptor <fd> of process <pid> (decimal, no sign, no
+#: leading zeros), reached through /proc/<pid>/fd/<fd>. A POSIX segment of such a name cannot be registered.
+MEMFD_NAME = re.compile(r"memfd:([1-9][0-9]{0,9}):(0|[1-9][0-9]{0,9})")
+#: server environment variable: "0" turns the mapped (zero-copy) path for sealed memfds off (they are then
+#: read and written through the descriptor, like POSIX segments)
+MEMFD_MAP_ENV = "ADVANTAGE_SHM_MEMFD_MAP"
 log = logging.getLogger("advantage_server")
 
 
@@ -113,21 +133,111 @@ def response_serializer(response_cls: type):
 
 
 # -------------------------------------------------------------------------------- shared memory
-class Region:
-    """A registered segment, reached through its file descriptor only: the server never maps it.
+def parse_memfd_name(name: str) -> tuple[int, int] | None:
+    """``(pid, fd)`` of a ``memfd:<pid>:<fd>`` registration name, None for any other name (a POSIX segment's).
 
-    A client may shrink its segment (``ftruncate``) at any moment, also while a call reads it; a page of a
-    mapping past the file's new end kills the reading process with SIGBUS, and no Python code can catch
-    that. So inputs are read with ``preadv`` into the server's own memory (a segment that shrank gives a
-    short read: INVALID_ARGUMENT for that call) and results written with ``pwritev`` once computed, after
-    the segment's size was checked again. One trainer's bug fails its own call, never the server."""
+    A name that starts with ``memfd:`` but is not exactly two decimal integers (pid > 0, fd >= 0, no sign, no
+    leading zeros, at most 10 digits each) is ``InvalidInput`` on ``name`` (INVALID_ARGUMENT), before anything
+    is opened."""
+    if not name.startswith("memfd:"):
+        return None
+    m = MEMFD_NAME.fullmatch(name)
+    if m is None:
+        raise InvalidInput("name", f"{name!r} is not a memfd name: write memfd:<pid>:<fd> with the creating "
+                                   "process's id (> 0) and the descriptor's number (>= 0), both decimal")
+    return int(m.group(1)), int(m.group(2))
+
+
+_MEMFD_MOUNT: list[str | None] = []
+
+
+def _mount_id(fdinfo_path: str) -> str | None:
+    """The ``mnt_id`` line of a ``/proc/.../fdinfo/<fd>`` file (None when the kernel does not show it)."""
+    with open(fdinfo_path, "rb") as f:
+        for line in f.read(4096).splitlines():
+            if line.startswith(b"mnt_id:"):
+                return line.split(b":", 1)[1].strip().decode("ascii", "replace")
+    return None
+
+
+def _memfd_mount() -> str | None:
+    """The mount id every memfd of this kernel has (the kernel's internal shmem mount), read once from a
+    memfd of the server's own; None when fdinfo shows none."""
+    if not _MEMFD_MOUNT:
+        probe = os.memfd_create("advantage-probe", os.MFD_CLOEXEC)
+        try:
+            _MEMFD_MOUNT.append(_mount_id(f"/proc/self/fdinfo/{probe}"))
+        finally:
+            os.close(probe)
+    return _MEMFD_MOUNT[0]
+
+
+def _open_memfd(pid: int, fd: int) -> int:
+    """A new read-write descriptor of the memfd that is descriptor ``fd`` of process ``pid``, opened through
+    ``/proc/<pid>/fd/<fd>`` (same user and PID namespace only: the kernel checks the caller may inspect
+    ``pid``). ``O_NOFOLLOW`` cannot be used (those entries are links the kernel resolves itself: ELOOP), so
+    before the target is touched at all, the descriptor's ``fdinfo`` must name the kernel's internal shmem
+    mount (where every memfd lives) and its link must read ``/memfd:...`` (neither looks into the file, so
+    no file of another filesystem, a FUSE one say, is ever stat'ed or opened); then the target must stat as
+    a regular file (no FIFO or device is ever opened, and ``O_NONBLOCK | O_NOCTTY`` in case one is swapped
+    in meanwhile), and the opened file must again be a regular file whose link reads ``/memfd:...``, on that
+    mount, and support file seals (shmem). ``OSError`` for all of it, alike (a hugetlbfs memfd lives on
+    another mount: refused too). A client in the server's own process (an embedded server) names the
+    server's pid: its memfd is reached the same way. What keeps a caller from registering a memfd it
+    cannot write, the server's own included, is the challenge it must write at offset 0, as for POSIX
+    segments."""
+    path, mount = f"/proc/{pid}/fd/{fd}", _memfd_mount()
+    if _mount_id(f"/proc/{pid}/fdinfo/{fd}") != mount or not os.readlink(path).startswith("/memfd:"):
+        raise PermissionError("not a memfd")
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise PermissionError("not a regular file")
+    own = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        if (not stat.S_ISREG(os.fstat(own).st_mode) or not os.readlink(f"/proc/self/fd/{own}").startswith("/memfd:")
+                or _mount_id(f"/proc/self/fdinfo/{own}") != mount):
+            raise PermissionError("not a memfd")
+        fcntl.fcntl(own, fcntl.F_GET_SEALS)  # EINVAL for any file that is not shmem
+        os.set_blocking(own, True)
+        return own
+    except BaseException:
+        os.close(own)
+        raise
+
+
+class Region:
+    """A registered segment: a POSIX shared-memory segment or a Linux memfd (``memfd:<pid>:<fd>``).
+
+    **Through the descriptor** (POSIX segments, memfds not sealed against shrinking): a client may shrink
+    its segment (``ftruncate``) at any moment, also while a call reads it; a page of a mapping past the
+    file's new end kills the reading process with SIGBUS, and no Python code can catch that. So the server
+    never maps such a segment: inputs are read with ``preadv`` into the server's own memory (a segment that
+    shrank gives a short read: INVALID_ARGUMENT for that call) and results written with ``pwritev`` once
+    computed, after the segment's size was checked again. One trainer's bug fails its own call, never the
+    server.
+
+    **Mapped** (:attr:`mapped`, set by :meth:`map_if_sealed`): a memfd whose seals include
+    ``F_SEAL_SHRINK`` (``fcntl(2)``, Linux 3.17+) cannot become shorter, by anyone, for as long as it
+    exists, so a mapping of its registered bytes can never fault past its end: the server maps it once and
+    reads inputs from it and writes results into it in place (no copy either way, no staging memory). A
+    client that changes its inputs during its own call gets a meaningless result for that call; nothing
+    else. ``F_SEAL_GROW`` is not needed (growing leaves the mapped bytes valid); a memfd sealed against
+    writes, or a failed ``mmap``, keeps the descriptor path (hugetlbfs memfds are not registered at all)."""
 
     def __init__(self, name: str, size: int, key: str):
-        import _posixshmem  # what multiprocessing.shared_memory opens segments with (O_NOFOLLOW, O_CLOEXEC)
         self._lock = threading.Lock()
         self._fd = -1
+        #: the whole registered region as a ``uint8`` array over a shared mapping (mapped regions), else None.
+        #: Views of it (inputs, result rooms of calls under way) keep the mapping alive after close().
+        self._map: np.ndarray | None = None
+        memfd = parse_memfd_name(name)
+        #: ``(pid, fd)`` for a memfd region, else None
+        self.memfd = memfd
         try:
-            self._fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            if memfd is not None:
+                self._fd = _open_memfd(*memfd)
+            else:
+                import _posixshmem  # what multiprocessing.shared_memory opens segments with (O_NOFOLLOW, O_CLOEXEC)
+                self._fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
             st = os.fstat(self._fd)
         except (FileNotFoundError, ValueError, OSError) as err:
             self.close()
@@ -143,6 +253,35 @@ class Region:
         self.key = key
         self.name = name
         self.inode = (st.st_dev, st.st_ino)
+        self.owner = ""  # the client that registered it (client_identity), for --max-shm-regions-per-client
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the region is read and written in place (a sealed memfd, see the class)."""
+        return self._map is not None
+
+    def map_if_sealed(self) -> bool:
+        """Map the region's ``size`` registered bytes when it is a memfd sealed against shrinking (and the
+        server's ``ADVANTAGE_SHM_MEMFD_MAP`` is not ``0``); returns :attr:`mapped`. The seals are read before
+        the size: once ``F_SEAL_SHRINK`` is seen, the size read after it can only grow."""
+        if self.memfd is None or self._fd < 0 or os.environ.get(MEMFD_MAP_ENV, "1") == "0" or not self.size:
+            return False
+        try:
+            seals = fcntl.fcntl(self._fd, fcntl.F_GET_SEALS)
+            if not seals & fcntl.F_SEAL_SHRINK or seals & (fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0)):
+                return False
+            st = os.fstat(self._fd)
+            if st.st_size < self.size or st.st_blksize != mmap.PAGESIZE:  # hugetlbfs: keep the descriptor path
+                return False
+            mapping = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):
+            return False
+        self._map = np.frombuffer(mapping, np.uint8)  # the mapping goes with the last view of it
+        return True
+
+    def buffer(self) -> np.ndarray | None:
+        """The mapped region's bytes (a ``uint8`` array) for the output room to write in place, else None."""
+        return self._map
 
     @contextlib.contextmanager
     def fd(self, field: str) -> Iterator[int]:
@@ -168,15 +307,25 @@ class Region:
                                    f"the {self.size} registered; register the region again")
 
     def check_size(self, field: str) -> None:
-        """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration."""
+        """INVALID_ARGUMENT when the segment has shrunk below the registered size since registration (a
+        mapped region cannot: it is sealed against shrinking)."""
+        if self._map is not None:
+            return
         with self.fd(field) as fd:
             size = self.current_size(fd)
         if size < self.size:
             raise self.shrunk(field, size)
 
     def read(self, offset: int, nbytes: int, field: str) -> np.ndarray:
-        """``nbytes`` bytes at ``offset`` into a new ``uint8`` array of the server's (INVALID_ARGUMENT naming
-        ``field`` when the segment ends before them: it shrank)."""
+        """``nbytes`` bytes at ``offset`` as a ``uint8`` array: a view of the mapping (mapped regions: no copy),
+        else a new array of the server's (INVALID_ARGUMENT naming ``field`` when the segment ends before
+        them: it shrank)."""
+        mapping = self._map
+        if mapping is not None:
+            if offset < 0 or offset + nbytes > mapping.size:
+                raise InvalidInput(field, f"[{offset}, {offset + nbytes}) is outside the region's {mapping.size} "
+                                          "registered bytes")
+            return mapping[offset:offset + nbytes]
         out = np.empty(nbytes, np.uint8)
         view = memoryview(out)
         with self.fd(field) as fd:
@@ -193,7 +342,17 @@ class Region:
 
     def write(self, pieces: list[tuple[int, Any]], field: str) -> None:
         """Each ``(offset, bytes-like)`` of ``pieces`` written into the segment, which must still have its
-        registered size (a shrunk segment is not grown back: INVALID_ARGUMENT naming ``field``)."""
+        registered size (a shrunk segment is not grown back: INVALID_ARGUMENT naming ``field``). A mapped
+        region: copied into the mapping."""
+        mapping = self._map
+        if mapping is not None:
+            for offset, data in pieces:
+                view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+                if offset < 0 or offset + view.size > mapping.size:
+                    raise InvalidInput(field, f"[{offset}, {offset + view.size}) is outside the region's "
+                                              f"{mapping.size} registered bytes")
+                mapping[offset:offset + view.size] = view
+            return
         with self.fd(field) as fd:
             size = self.current_size(fd)
             if size < self.size:
@@ -209,21 +368,36 @@ class Region:
                                                   f"{self.name!r} ({err})") from None
 
     def stale(self) -> bool:
-        """True when the segment's name is gone from /dev/shm or names another segment (the client unlinked it
-        without unregistering, e.g. it exited or was killed: Python's resource tracker unlinks its segments)."""
-        if not os.path.isdir("/dev/shm"):
+        """True when the segment's name no longer reaches it: a POSIX name gone from /dev/shm or naming another
+        segment, a memfd whose process closed that descriptor (or exited) or reuses its number for another file
+        (the client went away without unregistering, e.g. it exited or was killed: Python's resource tracker
+        unlinks its segments)."""
+        follow = self.memfd is not None
+        if self.memfd is not None:
+            pid, fd = self.memfd
+            try:  # the descriptor must still be a memfd before its target is looked at (under the regions'
+                # lock: a file of a filesystem that can stall, FUSE say, is never stat'ed)
+                if _mount_id(f"/proc/{pid}/fdinfo/{fd}") != _memfd_mount():
+                    return True
+            except OSError:  # no such process or descriptor, or the pid is now another user's process
+                return True
+            path = f"/proc/{pid}/fd/{fd}"
+        elif not os.path.isdir("/dev/shm"):
             return False  # no way to tell on this platform
-        try:
-            st = os.stat(os.path.join("/dev/shm", self.name.lstrip("/")))
-        except (FileNotFoundError, ValueError):  # ValueError: a name no file can have (refused at registration)
+        else:
+            path = os.path.join("/dev/shm", self.name.lstrip("/"))
+        try:  # a POSIX name is not followed (shm_open opened it with O_NOFOLLOW): a symlink there is another file
+            st = os.stat(path, follow_symlinks=follow)
+        except (FileNotFoundError, ProcessLookupError, ValueError):  # ValueError: a name no file can have
             return True
         except OSError:
-            return False
+            return self.memfd is not None
         return (st.st_dev, st.st_ino) != self.inode
 
     def close(self) -> None:
         with self._lock:
             fd, self._fd = self._fd, -1
+            self._map = None  # unmapped when the last call using a view of it is done
         if fd >= 0:
             os.close(fd)
 
@@ -275,6 +449,24 @@ def tensor_fields(msg: Any) -> dict[str, Any]:
     return out
 
 
+def client_identity(context: Any) -> str:
+    """The client a shared-memory quota is charged to: gRPC's peer string of the call's connection.
+
+    For TCP it is ``ipv4:ADDRESS:PORT`` or ``ipv6:[ADDRESS]:PORT``: the client's end of one connection, so
+    one channel (one trainer process: a process's channels to the same target with the same options share
+    a connection) is one client, and two trainers on the same host are two. The address alone would not
+    do: shared memory only works for co-located clients, so every one of them comes from the same
+    (loopback or host) address. For a Unix-socket client gRPC reports a bare ``unix:`` whatever the
+    connection (the client's socket has no name), so all such clients share one quota (this server only
+    listens on TCP today). A client that opens many connections gets a quota for each; the server-wide
+    MAX_REGIONS stays the hard bound. A peer string gRPC cannot give becomes ``unknown`` (one shared quota)."""
+    try:
+        peer = context.peer()
+    except Exception:  # noqa: BLE001 - a context without a peer (in-process tests)
+        peer = None
+    return peer if isinstance(peer, str) and peer else "unknown"
+
+
 class TransportMethods:
     """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status`` of the
     servicer it is mixed into."""
@@ -308,7 +500,7 @@ class TransportMethods:
                 raise InvalidInput("chunk", f"stream message {i} is not a valid advantage.v1.ComputeAdvantageChunk "
                                             f"({err}); send serialized ComputeAdvantageChunk messages") from None
             if chunk[1].nbytes:  # only request bytes are progress: a trickle of empty chunks is still idle
-                touch()
+                touch(chunk[1].nbytes)
             yield chunk
 
     def _reassemble(self, chunks: Iterator[tuple[int, memoryview]], alive: Any) -> np.ndarray:
@@ -348,7 +540,9 @@ class TransportMethods:
         try:
             with self.gate.admit(True, context.add_callback):
                 alive = grpc_liveness(context)
-                with self.uploads.watch(context) as touch:  # a stalled upload is cut (--stream-idle-timeout)
+                # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
+                with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
+                                        self.limits.upload_rate_window) as touch:
                     data = self._reassemble(self._chunks(request_iterator, touch), alive)
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
@@ -376,7 +570,8 @@ class TransportMethods:
     def _regions(self) -> tuple[dict[str, Region], threading.Lock]:
         if not hasattr(self, "_shm_regions"):
             self._shm_regions: dict[str, Region] = {}
-            self._challenges: dict[bytes, str] = {}  # challenge -> segment name, insertion ordered
+            # challenge -> (client, segment name), insertion ordered (oldest first)
+            self._challenges: dict[bytes, tuple[str, str]] = {}
             self._shm_lock = threading.Lock()
         return self._shm_regions, self._shm_lock
 
@@ -403,29 +598,58 @@ class TransportMethods:
             region.close()
         return len(dropped)
 
+    def _client_quota_error(self, client: str, held: int) -> ResourceLimit:
+        quota = self.limits.max_shm_regions_per_client
+        return ResourceLimit(f"this client (connection {client}) holds {held} shared-memory regions, the most one "
+                             f"client may: the server's --max-shm-regions-per-client={quota}; unregister the regions "
+                             "it no longer uses (AdvantageClient.close() does), or ask the operator to raise the flag")
+
+    def _issue_challenge(self, client: str, name: str) -> bytes:
+        """A new challenge for ``client``'s segment ``name``, making room within the per-client caps (the
+        client's own oldest challenges go) and MAX_CHALLENGES (the oldest of the client holding the most)."""
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        with self._shm_lock:
+            mine = [c for c, (who, _) in self._challenges.items() if who == client]
+            same = [c for c in mine if self._challenges[c][1] == name]
+            drop = set(same[:max(0, len(same) - MAX_CHALLENGES_PER_SEGMENT + 1)])
+            rest = [c for c in mine if c not in drop]
+            drop.update(rest[:max(0, len(rest) - MAX_CHALLENGES_PER_CLIENT + 1)])
+            for old in drop:
+                del self._challenges[old]
+            self._challenges[challenge] = (client, name)
+            while len(self._challenges) > MAX_CHALLENGES:
+                held = collections.Counter(who for who, _ in self._challenges.values())
+                top = max(held, key=held.__getitem__)
+                del self._challenges[next(c for c, (who, _) in self._challenges.items() if who == top)]
+        return challenge
+
     def RegisterSharedMemory(self, request: pb.RegisterSharedMemoryRequest, context: Any):  # noqa: N802
+        """Two steps: without ``proof``, a challenge to write at offset 0 of the segment; with it, a region
+        id and key. RESOURCE_EXHAUSTED when the server holds MAX_REGIONS regions, the segment
+        MAX_REGIONS_PER_SEGMENT, or this client (:func:`client_identity`) ``--max-shm-regions-per-client``.
+        INVALID_ARGUMENT for a name with ``/`` or NUL, or a malformed ``memfd:<pid>:<fd>``, before anything is
+        opened; PERMISSION_DENIED, one message, for every second step that fails (no such segment or process,
+        not a memfd, cannot be opened, no challenge at offset 0). A memfd sealed against shrinking is mapped
+        (:meth:`Region.map_if_sealed`): later calls on it read and write in place."""
         self._sweep_regions()
         regions, lock = self._regions()
+        client = client_identity(context)
         with lock:
             if len(regions) >= MAX_REGIONS:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
+            held = sum(r.owner == client for r in regions.values())
+        if held >= self.limits.max_shm_regions_per_client:
+            raise self._client_quota_error(client, held)
         if not request.name or "/" in request.name or "\x00" in request.name:
             raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/' or NUL bytes")
+        parse_memfd_name(request.name)  # a malformed memfd:<pid>:<fd> is INVALID_ARGUMENT, before anything opens
         proof = bytes(request.proof)
         if not proof:  # step 1: a challenge the caller must write into the segment (proof of write access)
             # for any well-formed name, without looking the segment up: the answer tells nothing about which
             # names exist in /dev/shm
-            challenge = secrets.token_bytes(CHALLENGE_BYTES)
-            with lock:
-                same = [c for c, name in self._challenges.items() if name == request.name]
-                for old in same[:max(0, len(same) - MAX_CHALLENGES_PER_SEGMENT + 1)]:
-                    del self._challenges[old]
-                self._challenges[challenge] = request.name
-                while len(self._challenges) > MAX_CHALLENGES:
-                    self._challenges.pop(next(iter(self._challenges)))
-            return pb.RegisterSharedMemoryResponse(challenge=challenge)
+            return pb.RegisterSharedMemoryResponse(challenge=self._issue_challenge(client, request.name))
         with lock:  # step 2: the challenge this server issued for this segment, now at its offset 0
-            issued_for = self._challenges.pop(proof, None)
+            issued_for = self._challenges.pop(proof, (None, None))[1]
         region = None
         if issued_for == request.name:  # the segment is opened only for a challenge issued for it
             try:
@@ -453,13 +677,23 @@ class TransportMethods:
             raise InvalidInput("byte_size", f"{size} bytes registered but segment {request.name!r} has {region.size}")
         if size:
             region.size = size
+        region.map_if_sealed()  # a memfd sealed against shrinking: read and written in place from now on
         region_id = secrets.token_hex(8)
+        region.owner = client
         with lock:
-            if sum(r.inode == region.inode for r in regions.values()) >= MAX_REGIONS_PER_SEGMENT:
-                region.close()
-                raise ResourceLimit(f"segment {request.name!r} is registered {MAX_REGIONS_PER_SEGMENT} times already "
-                                    "(the most per segment); unregister a region of it, or use another segment")
-            regions[region_id] = region
+            held = sum(r.owner == client for r in regions.values())
+            full = (len(regions) >= MAX_REGIONS or held >= self.limits.max_shm_regions_per_client
+                    or sum(r.inode == region.inode for r in regions.values()) >= MAX_REGIONS_PER_SEGMENT)
+            if not full:
+                regions[region_id] = region
+        if full:  # checked again: other calls may have registered regions since the first check
+            region.close()
+            if held >= self.limits.max_shm_regions_per_client:
+                raise self._client_quota_error(client, held)
+            if len(regions) >= MAX_REGIONS:
+                raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
+            raise ResourceLimit(f"segment {request.name!r} is registered {MAX_REGIONS_PER_SEGMENT} times already "
+                                "(the most per segment); unregister a region of it, or use another segment")
         return pb.RegisterSharedMemoryResponse(region_id=region_id, key=region.key)
 
     def UnregisterSharedMemory(self, request: pb.UnregisterSharedMemoryRequest, context: Any):  # noqa: N802
@@ -502,17 +736,19 @@ class TransportMethods:
                                 f"--max-stream-mb={cap >> 20} ({cap} bytes: the most request bytes it takes in for one "
                                 "call); split the batch into smaller requests")
         for key, t, nbytes, shape, region in placed:
-            # read through the descriptor into the server's memory: never a mapping of the client's segment
+            # a sealed memfd: a view of its mapping (zero-copy); else read through the descriptor into the
+            # server's memory (never a mapping of a segment that may shrink)
             data = region.read(int(t.offset), nbytes, f"inputs[{key!r}]")
             decoded.inputs[key] = codec.TensorView(t.dtype, list(shape), memoryview(data))
             alive("while reading the inputs from shared memory")
         del placed
         out_region = self._region(request.output_region_id, request.key, "output_region_id")
-        # results are computed into the server's memory (an estimator that writes densely gets buffers that
-        # stand for places in the output room: OutputRoom, staged) and written into the region at the end
+        # a mapped region: results are written in place (an estimator that writes densely gets views of the
+        # output room); else computed into the server's memory (OutputRoom staged: buffers that stand for
+        # places in the room) and written into the region at the end
         from advantage_server.core import _OUTPUT
         from advantage_server.shm_output import OutputRoom, input_spans, region_lock
-        room = OutputRoom(None, request.output_offset,
+        room = OutputRoom(out_region.buffer(), request.output_offset,
                           min(out_region.size, request.output_offset + request.output_byte_size),
                           _OUTPUT.get(inner.output_dtype, torch.float32),
                           input_spans(request, request.output_region_id), size=out_region.size)

@@ -1448,9 +1448,11 @@ class GiGPOConfig(_message.Message):
     al. 2025, arXiv:2505.10978). One row per agent step (turn). Inputs:
     prompt_ids [B] or [B, L] (the episode group: trajectories of the same
     task), rewards [B] or [B, T] (the step's immediate reward r; [B, T] summed
-    over all T positions), mask [B, T], trajectory_ids [B] (rows with equal
-    prompt_ids and trajectory_ids are one trajectory), anchor_ids [B] (a hash
-    of the step's observation: equal ids = the same anchor state), optional
+    over all T positions), mask [B, T], trajectory_ids [B] or [B, L] (rows with
+    equal prompt_ids and trajectory_ids are one trajectory), anchor_ids [B] or
+    [B, L] (a hash of the step's observation, e.g. the sha256 digest as uint8
+    [B, 32]: equal ids or rows = the same anchor state; integer types only: the
+    Python client reduces string labels and uint64 hashes to ids), optional
     step_index [B] (order of the steps within a trajectory; ties and an absent
     step_index keep the rows' batch order). Per trajectory: the episode return
     R = sum of its steps' r, and the discounted step return
@@ -2111,7 +2113,7 @@ Global___AdvantageResultChunk: _TypeAlias = AdvantageResultChunk  # noqa: Y015
 @_typing.final
 class RegisterSharedMemoryRequest(_message.Message):
     """A POSIX shared-memory segment (multiprocessing.shared_memory / shm_open
-    name, without the leading "/") created by the client.
+    name, without the leading "/") created by the client, or a Linux memfd.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2120,6 +2122,18 @@ class RegisterSharedMemoryRequest(_message.Message):
     BYTE_SIZE_FIELD_NUMBER: _builtins.int
     PROOF_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """A POSIX segment's name: no "/" and no NUL byte (INVALID_ARGUMENT).
+    "memfd:<pid>:<fd>" (decimal, pid > 0, fd >= 0, no sign or leading
+    zeros; INVALID_ARGUMENT otherwise) names instead descriptor <fd> of
+    process <pid>, a memfd (memfd_create(2)), which the server opens through
+    /proc/<pid>/fd/<fd>: same host, user and PID namespace only (otherwise
+    PERMISSION_DENIED, as for a segment it cannot open: use a POSIX
+    segment). A memfd sealed with F_SEAL_SHRINK (fcntl(2) F_ADD_SEALS; and
+    not F_SEAL_WRITE) is mapped by the server and read and written in place,
+    zero-copy; any other memfd is copied through its descriptor like a POSIX
+    segment. The challenge below applies alike. Servers before memfd names
+    look for a POSIX segment of that name: PERMISSION_DENIED.
+    """
     byte_size: _builtins.int
     """bytes of the segment the server may use, from 0"""
     proof: _builtins.bytes

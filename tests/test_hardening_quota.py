@@ -1,0 +1,382 @@
+"""Issue 11, the last hardening items: per-client shared-memory quotas, a minimum upload rate, and deadline
+checks inside the prepare stage. Each test here failed before its fix, except the guards against cutting
+live uploads (``test_a_large_upload_on_loopback_is_not_cut``, ``test_a_slow_upload_above_the_minimum_is_not_cut``,
+``test_the_minimum_rate_can_be_turned_off``).
+
+In-process servers on 127.0.0.1; every wait is bounded. Separate clients are separate connections: each
+channel gets its own subchannel pool (``grpc.use_local_subchannel_pool``), as separate trainer processes do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+
+from advantage_client import AdvantageClient
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.client import build_request, decode_result
+from reliability_support import report
+
+SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _channel(address: str) -> grpc.Channel:
+    """A channel on a connection of its own (one client, as the server's quotas see clients)."""
+    return grpc.insecure_channel(address, options=OWN_CONNECTION)
+
+
+def _register(stub, segment: shared_memory.SharedMemory) -> pb.RegisterSharedMemoryResponse:
+    """Both registration steps: ask for a challenge, write it at offset 0, prove it."""
+    reply = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=segment.name, byte_size=segment.size),
+                                      timeout=10)
+    segment.buf[:len(reply.challenge)] = reply.challenge
+    return stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=segment.name, byte_size=segment.size,
+                                                                    proof=reply.challenge), timeout=10)
+
+
+@pytest.fixture
+def segments():
+    """``segments(n)``: n new 4 KiB shared-memory segments, closed and unlinked after the test."""
+    made: list[shared_memory.SharedMemory] = []
+
+    def make(n: int) -> list[shared_memory.SharedMemory]:
+        new = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(n)]
+        made.extend(new)
+        return new
+    yield make
+    for s in made:
+        s.close()
+        s.unlink()
+
+
+# ------------------------------------------------------------------ per-client shared-memory quotas
+def test_one_client_cannot_take_every_region_and_another_still_registers(make_server, segments):
+    """With the defaults, one client (one connection) registering distinct segments gets 64 regions, then
+    RESOURCE_EXHAUSTED naming --max-shm-regions-per-client; another client still registers, and the first
+    one registers again once it unregistered a region (before: the first client took all 256 regions, each
+    segment within its per-segment cap of 4, and every other client was refused)."""
+    srv = make_server()
+    theirs_segment, *mine = segments(66)
+    with _channel(srv.address) as a, _channel(srv.address) as b:
+        stub_a, stub_b = pb_grpc.AdvantageServiceStub(a), pb_grpc.AdvantageServiceStub(b)
+        held = [_register(stub_a, s) for s in mine[:64]]
+        assert len({r.region_id for r in held}) == 64
+        with pytest.raises(grpc.RpcError) as err:
+            _register(stub_a, mine[64])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-shm-regions-per-client=64" in err.value.details()
+        assert "holds 64 shared-memory regions" in err.value.details()
+        theirs = _register(stub_b, theirs_segment)  # another client is not affected
+        assert theirs.region_id and theirs.key
+        stub_a.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(region_id=held[0].region_id,
+                                                                       key=held[0].key), timeout=10)
+        again = _register(stub_a, mine[64])  # a place of its own came back
+        assert again.region_id
+        for r in held[1:] + [again, theirs]:
+            (stub_b if r is theirs else stub_a).UnregisterSharedMemory(
+                pb.UnregisterSharedMemoryRequest(region_id=r.region_id, key=r.key), timeout=10)
+
+
+def test_the_quota_flag_sets_the_regions_per_client(make_server, segments):
+    srv = make_server(max_shm_regions_per_client=2)
+    own = segments(4)
+    with _channel(srv.address) as a, _channel(srv.address) as b:
+        stub_a, stub_b = pb_grpc.AdvantageServiceStub(a), pb_grpc.AdvantageServiceStub(b)
+        assert _register(stub_a, own[0]).region_id and _register(stub_a, own[1]).region_id
+        with pytest.raises(grpc.RpcError) as err:  # already refused at the first step
+            stub_a.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=own[2].name, byte_size=4096), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-shm-regions-per-client=2" in err.value.details()
+        assert _register(stub_b, own[2]).region_id and _register(stub_b, own[3]).region_id
+
+
+def test_a_flood_of_first_steps_evicts_only_the_flooding_clients_challenges(make_server, segments):
+    """Client B holds a pending challenge; client A sends 1,100 first steps, for names of its own (none of
+    them needs to exist) and for B's segment name. B then proves its challenge and registers; A's own
+    challenge from before its flood is gone (PERMISSION_DENIED). Before: the 1,024-entry table dropped its
+    oldest entries whoever held them, and 4 first steps naming B's segment replaced B's challenge."""
+    srv = make_server()
+    theirs, mine = segments(2)
+    with _channel(srv.address) as a, _channel(srv.address) as b:
+        stub_a, stub_b = pb_grpc.AdvantageServiceStub(a), pb_grpc.AdvantageServiceStub(b)
+        pending = stub_b.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=theirs.name, byte_size=4096),
+                                              timeout=10).challenge
+        early = stub_a.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=mine.name, byte_size=4096),
+                                            timeout=10).challenge
+        for i in range(1100):
+            name = theirs.name if i % 100 == 0 else f"no_such_segment_{i}"
+            stub_a.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, byte_size=4096), timeout=10)
+        theirs.buf[:len(pending)] = pending
+        region = stub_b.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=theirs.name, byte_size=4096,
+                                                                            proof=pending), timeout=10)
+        assert region.region_id and region.key
+        mine.buf[:len(early)] = early
+        with pytest.raises(grpc.RpcError) as err:
+            stub_a.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=mine.name, byte_size=4096, proof=early),
+                                        timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _register(stub_a, mine).region_id  # a fresh challenge still works for A
+        stub_b.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(region_id=region.region_id,
+                                                                       key=region.key), timeout=10)
+
+
+def test_client_identity_is_the_connections_peer_string():
+    from advantage_server.transport import client_identity
+
+    class Context:
+        def __init__(self, peer):
+            self._peer = peer
+
+        def peer(self):
+            if isinstance(self._peer, Exception):
+                raise self._peer
+            return self._peer
+    assert client_identity(Context("ipv4:127.0.0.1:50612")) == "ipv4:127.0.0.1:50612"
+    assert client_identity(Context("ipv6:[::1]:50612")) == "ipv6:[::1]:50612"
+    assert client_identity(Context("unix:")) == "unix:"
+    assert client_identity(Context("")) == "unknown"
+    assert client_identity(Context(RuntimeError("no peer"))) == "unknown"
+
+
+# ------------------------------------------------------------------ minimum upload rate
+def _in_process(rewards, mask) -> np.ndarray:
+    """raw_reward computed by the server's core in this process (what a served call must equal bit for bit)."""
+    import torch
+    from advantage_server.core import AdvantageCore
+    result = AdvantageCore("cpu").run("raw_reward", None, {"rewards": torch.as_tensor(np.asarray(rewards, np.float32)),
+                                                           "mask": torch.as_tensor(np.asarray(mask, np.float32))})
+    return result.advantages.numpy()
+
+
+class _FakeContext:
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def _trickle(watch, min_rate: int, window: float, seconds: float, nbytes: int = 1, every: float = 0.05):
+    """Touch a watch with ``nbytes`` every ``every`` seconds for ``seconds`` (or until cut); the context."""
+    ctx = _FakeContext()
+    with watch.watch(ctx, min_rate, window) as touch:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not ctx.cancelled.is_set():
+            touch(nbytes)
+            time.sleep(every)
+    return ctx
+
+
+def test_the_upload_watch_cuts_a_trickle_below_the_minimum_rate():
+    from advantage_server.limits import UploadCut, UploadWatch
+    watch = UploadWatch(timeout=30.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UploadCut) as err:  # 20 B/s against 1 KiB/s, idle clock restarted every 50 ms
+            _trickle(watch, 1024, 0.4, seconds=10)
+        assert time.monotonic() - t0 < 3  # one window and a check period
+        assert "--min-upload-rate-kib=1" in str(err.value) and "--upload-rate-window=0.4" in str(err.value)
+        assert watch.slow_cuts == 1 and watch.cuts == 1
+        # above the minimum (20 KiB/s against 1 KiB/s), and with the minimum off: never cut
+        _trickle(watch, 1024, 0.4, seconds=1.5, nbytes=1024)
+        _trickle(watch, 0, 0.4, seconds=1.5)
+        assert watch.cuts == 1
+    finally:
+        watch.stop()
+
+
+def _trickle_stream(channel: grpc.Channel, request: bytes, stop: threading.Event, every: float = 0.1):
+    """A ComputeAdvantageStream call that sends its request one byte per chunk, ``every`` seconds apart:
+    far under any sane rate, but never idle for as long as --stream-idle-timeout."""
+    def chunks():
+        for i in range(len(request)):
+            yield pb.ComputeAdvantageChunk(total_size=len(request) if i == 0 else 0,
+                                           data=request[i:i + 1]).SerializeToString()
+            if stop.wait(every):
+                return
+    return channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=30)
+
+
+def test_a_trickling_upload_is_cut_and_its_place_comes_back(make_server, capsys):
+    """One byte per 0.1 s keeps the idle clock (5 s here) from ever running out; before, that held the only
+    --max-concurrent-requests place until the client's own 30 s deadline. Now it is cut with
+    RESOURCE_EXHAUSTED naming --min-upload-rate-kib after the 1 s window, and the next client is served."""
+    srv = make_server(max_concurrent_requests=1, stream_idle_timeout=5.0, upload_rate_window=1.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]).SerializeToString()
+    stop = threading.Event()
+    try:
+        with _channel(srv.address) as a, _channel(srv.address) as b:
+            t0 = time.monotonic()
+            responses = _trickle_stream(a, request, stop)
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as err:  # the trickle holds the only place
+                pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(build_request(
+                    "raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-requests=1" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                list(responses)
+            cut_after = time.monotonic() - t0
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "--min-upload-rate-kib=1024" in err.value.details()
+            assert cut_after < 4, cut_after  # the 1 s window, a check period, and slack for a loaded machine
+            assert srv.uploads.slow_cuts == 1
+            deadline = time.monotonic() + 10
+            while srv.gate.in_flight and time.monotonic() < deadline:  # the cut call's last callbacks
+                time.sleep(0.05)
+            assert srv.gate.in_flight == 0
+            reply = pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(build_request(
+                "raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=10)
+            np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
+                                          _in_process([1.0, 0.0], [[1.0], [1.0]]))
+    finally:
+        stop.set()
+    report(capsys, f"a stream trickling 1 byte per 0.1 s (--stream-idle-timeout 5, --upload-rate-window 1, "
+                   f"--max-concurrent-requests 1): cut after {cut_after:.2f} s naming --min-upload-rate-kib=1024, "
+                   "the next client served")
+
+
+def test_a_slow_upload_above_the_minimum_is_not_cut(make_server):
+    """A request of 6 MiB sent in 128 KiB chunks 30 ms apart, about 4 MiB/s (1.4 s, several 0.5 s windows;
+    four times the 1 MiB/s minimum, so a loaded machine's late wake-ups do not bring it under) is served."""
+    srv = make_server(upload_rate_window=0.5)
+    rng = np.random.default_rng(3)
+    rewards = rng.standard_normal(1 << 19).astype(np.float32)
+    mask = np.ones((1 << 19, 2), np.float32)
+    request = build_request("raw_reward", None, rewards=rewards, mask=mask).SerializeToString()
+    step = 128 << 10
+
+    def steady():
+        for i in range(0, len(request), step):
+            yield pb.ComputeAdvantageChunk(total_size=len(request) if i == 0 else 0,
+                                           data=request[i:i + step]).SerializeToString()
+            time.sleep(0.03)
+    with _channel(srv.address) as channel:
+        t0 = time.monotonic()
+        replies = list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(steady(), timeout=60))
+        took = time.monotonic() - t0
+    assert replies and took > 0.5, took
+    assert srv.uploads.cuts == 0
+
+
+def test_a_large_upload_on_loopback_is_not_cut(make_server, capsys):
+    """A 320 MiB request through the streaming transport, against the default 1 MiB/s over a short window
+    (0.25 s, so the rate is checked several times during the upload): served, and right."""
+    srv = make_server(upload_rate_window=0.25)
+    B, T = 4096, 20480
+    rng = np.random.default_rng(5)
+    rewards = rng.standard_normal(B).astype(np.float32)
+    mask = (rng.random((B, T)) < 0.9).astype(np.float32)
+    # compact=False: the float32 mask goes as it is (320 MiB), not compacted to a few bytes per row
+    with AdvantageClient(srv.address, timeout=120, transport="stream", compact=False) as client:
+        t0 = time.monotonic()
+        result = client.compute("raw_reward", rewards=rewards, mask=mask, as_numpy=True)
+        took = time.monotonic() - t0
+        assert client.last_timing["request_bytes"] > 320 << 20, client.last_timing
+    np.testing.assert_array_equal(result.advantages, _in_process(rewards, mask))
+    assert srv.uploads.cuts == 0, took
+    report(capsys, f"a {client.last_timing['request_bytes'] / 2**20:.0f} MiB streamed request against "
+                   f"--min-upload-rate-kib 1024 over a 0.25 s window: not cut, served in {took:.2f} s")
+
+
+def test_the_minimum_rate_can_be_turned_off(make_server):
+    """--min-upload-rate-kib 0: a trickle is bounded by --stream-idle-timeout only (not cut within 2 s)."""
+    srv = make_server(min_upload_rate_kib=0, upload_rate_window=0.5)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]).SerializeToString()
+    stop = threading.Event()
+    with _channel(srv.address) as channel:
+        responses = _trickle_stream(channel, request[:40] if len(request) > 40 else request, stop, every=0.05)
+        time.sleep(2.0)
+        assert srv.uploads.cuts == 0
+        stop.set()
+        with pytest.raises(grpc.RpcError) as err:  # the client ended its stream early: malformed, not cut
+            list(responses)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_new_flags_are_checked():
+    from advantage_server.cli import build_parser, main
+    from advantage_server.limits import Limits
+    for flag, bad in (("--min-upload-rate-kib", "-1"), ("--min-upload-rate-kib", "1.5"),
+                      ("--upload-rate-window", "0"), ("--upload-rate-window", "nan"),
+                      ("--max-shm-regions-per-client", "0")):
+        assert main(["--port", "0", "--device", "cpu", flag, bad]) == 2, (flag, bad)
+    args = build_parser().parse_args(["--min-upload-rate-kib", "0", "--max-shm-regions-per-client", "8"])
+    assert args.min_upload_rate_kib == 0 and args.max_shm_regions_per_client == 8
+    defaults = build_parser().parse_args([])
+    assert (defaults.min_upload_rate_kib, defaults.upload_rate_window, defaults.max_shm_regions_per_client) == \
+        (1024, 5.0, 64)
+    assert Limits().min_upload_rate_bytes == 1 << 20
+    for bad in ({"min_upload_rate_kib": -1}, {"upload_rate_window": 0.0}, {"max_shm_regions_per_client": 0}):
+        with pytest.raises(ValueError):
+            Limits(**bad)
+
+
+# ------------------------------------------------------------------ prepare checks the call's deadline
+def test_prepare_stops_at_the_calls_checkpoint():
+    """The deadline passes during the first input check: the call stops at the next check, inside prepare
+    (before: prepare had no checkpoint, so it checked, scanned and cast every input, and the estimator ran)."""
+    import torch
+    from advantage_server import core as core_mod
+    from advantage_server.limits import RequestExpired, checkpoints
+    stages: list[str] = []
+
+    def check(stage: str) -> None:
+        stages.append(stage)
+        if len(stages) > 1:
+            raise RequestExpired(stage, deadline=True)
+    B, T = 8, 16
+    core = core_mod.AdvantageCore("cpu")
+    with checkpoints(check), pytest.raises(RequestExpired) as err:
+        core.run("gae", None, {"rewards": torch.ones(B, T), "values": torch.zeros(B, T), "mask": torch.ones(B, T)})
+    assert err.value.stage == "while checking the inputs"
+    assert stages == ["while checking the inputs"] * 2  # stopped at the second of 6 or more
+
+
+def test_an_expired_call_stops_in_prepare_and_never_computes(make_server, monkeypatch, caplog):
+    """Each input check made slow (0.4 s, as a pass over a 2**27-element input is on a loaded machine), a
+    0.25 s deadline: DEADLINE_EXCEEDED, the server stops after the first check (logged "deadline expired
+    while checking the inputs") and the estimator never runs (before: every check ran, then it stopped
+    "before computing")."""
+    from advantage_server import validate
+    from advantage_server.estimators import REGISTRY
+    checks: list[float] = []
+    computed: list[int] = []
+    def slow(real):
+        def check(t):
+            time.sleep(0.4)
+            checks.append(time.monotonic())
+            return real(t)
+        return check
+
+    def counted(fn):
+        def run(cfg, batch):
+            computed.append(1)
+            return fn(cfg, batch)
+        return run
+    monkeypatch.setattr(validate, "is_binary", slow(validate.is_binary))
+    monkeypatch.setattr(validate, "all_finite", slow(validate.all_finite))
+    monkeypatch.setitem(REGISTRY, "opd", dataclasses.replace(REGISTRY["opd"], fn=counted(REGISTRY["opd"].fn)))
+    srv = make_server()
+    B, T = 4, 8
+    request = build_request("opd", None, mask=np.ones((B, T), np.float32),
+                            teacher_logprobs=np.zeros((B, T), np.float32),
+                            prev_logprobs=np.zeros((B, T), np.float32))
+    with caplog.at_level(logging.DEBUG, logger="advantage_server"), _channel(srv.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(request, timeout=0.25)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while "deadline expired" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    assert "deadline expired while checking the inputs" in caplog.text, caplog.text
+    assert computed == [] and len(checks) == 1, (computed, checks)
