@@ -70,8 +70,14 @@ MAX_DIMS = wire.MAX_DIMS
 
 
 # ------------------------------------------------------------------------------------------- varints
+#: the one-byte varints (0-127: tags, lengths and dimensions of small messages), made once
+_SMALL_VARINTS = tuple(bytes((i,)) for i in range(128))
+
+
 def varint(value: int) -> bytes:
     """Protobuf base-128 varint of ``value`` (negative int64/int32 as 10-byte two's complement)."""
+    if 0 <= value < 128:  # most varints of a request: one byte, no loop
+        return _SMALL_VARINTS[value]
     value &= 0xFFFFFFFFFFFFFFFF
     out = bytearray()
     while value > 0x7F:
@@ -86,6 +92,10 @@ def _tag(number: int, wire_type: int) -> bytes:
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    if pos < end:
+        b = buf[pos]
+        if b < 0x80:  # a one-byte varint (most tags and lengths): no loop
+            return b, pos + 1
     result = shift = 0
     for _ in range(10):
         if pos >= end:
@@ -187,7 +197,14 @@ def _upb_map_order(a: bytes, b: bytes) -> int:
 
 
 def _sorted_keys(keys: Iterable[str]) -> list[str]:
-    return sorted(keys, key=functools.cmp_to_key(lambda x, y: _upb_map_order(x.encode("utf-8"), y.encode("utf-8"))))
+    keys = tuple(keys)
+    return list(keys) if len(keys) < 2 else list(_sorted_key_tuple(keys))
+
+
+@functools.lru_cache(maxsize=256)  # a caller sends the same input names call after call
+def _sorted_key_tuple(keys: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(keys, key=functools.cmp_to_key(
+        lambda x, y: _upb_map_order(x.encode("utf-8"), y.encode("utf-8")))))
 
 
 def _int32(v: int) -> int:
@@ -481,10 +498,12 @@ def decode_request(data: Any) -> DecodedRequest:
                 req.estimator, req._config_bytes = name, []
             segment = bytes(buf[start:stop])
             try:  # protobuf parses every occurrence, including those a later oneof member replaces
-                _CONFIG_CLS[name].FromString(segment)
+                parsed = _CONFIG_CLS[name].FromString(segment)
             except Exception as err:  # protobuf's DecodeError
                 raise CodecError(f"{name}: not a valid {_CONFIG_CLS[name].DESCRIPTOR.full_name} ({err})") from None
             req._config_bytes.append(segment)
+            # the config when this segment is its only one (the usual case): req.config() need not parse again
+            req._config = parsed if len(req._config_bytes) == 1 else None
         elif number == 10 and wt == _LEN:
             entries += 1
             if entries > MAX_INPUTS:

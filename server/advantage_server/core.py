@@ -9,6 +9,7 @@ malformed request. The gRPC servicer (``advantage_server.server``) is a thin lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -348,8 +349,14 @@ def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int], cfg
     return []
 
 
+@functools.lru_cache(maxsize=None)  # the registered patterns: a few dozen
+def _pattern_symbols(pattern: str) -> tuple[str, ...]:
+    """``"[B, T]"`` -> ``("B", "T")``."""
+    return tuple(s.strip() for s in pattern.strip("[]").split(",") if s.strip())
+
+
 def _shape_matches(pattern: str, shape: tuple[int, ...], dims: dict[str, int]) -> bool:
-    symbols = [s.strip() for s in pattern.strip("[]").split(",") if s.strip()]
+    symbols = _pattern_symbols(pattern)
     if len(symbols) != len(shape):
         return False
     return all(dims.get(sym, size) == size and size > 0 for sym, size in zip(symbols, shape))
@@ -520,11 +527,16 @@ def unpack(spec: EstimatorSpec, cu_seqlens: Any, raw: Mapping[str, Any], max_ele
 MAX_CONFIG_ITEMS = 1024
 
 
+@functools.lru_cache(maxsize=None)
+def _config_fields(config_cls: type, descriptor: Any) -> tuple[tuple[Any, Any], ...]:
+    """(dataclass field, proto field descriptor) of each field of ``config_cls``, looked up once per class."""
+    return tuple((f, descriptor.fields_by_name[f.name]) for f in dataclasses.fields(config_cls))
+
+
 def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
     """Typed proto config message -> the estimator's config dataclass (unset fields take defaults)."""
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(spec.config):
-        fd = msg.DESCRIPTOR.fields_by_name[f.name]
+    for f, fd in _config_fields(spec.config, msg.DESCRIPTOR):
         if fd.is_repeated:
             if len(getattr(msg, f.name)) > MAX_CONFIG_ITEMS:  # bounded work before any loop over it
                 raise InvalidInput(f"config.{f.name}", f"holds {len(getattr(msg, f.name))} values; at most "
@@ -539,7 +551,9 @@ def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
             code = getattr(msg, f.name)
             names = wire.enum_names(fd.enum_type)
             if code not in names:
-                known = ", ".join(v.name for v in fd.enum_type.values if v.number != 0)
+                choices = f.metadata.get("choices")  # the values this estimator offers, when it says
+                known = ", ".join(v.name for v in fd.enum_type.values
+                                  if v.number != 0 and (not choices or names.get(v.number) in choices))
                 raise InvalidInput(f"config.{f.name}", f"unknown enum value {code}; use {known}")
             if names[code] is not None:
                 values[f.name] = names[code]

@@ -105,11 +105,26 @@ def _numba_ok(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
     return jit.enabled() and t.device.type == "cpu" and not t.requires_grad and t.dtype in dtypes
 
 
+#: float CPU tensors of at most this many elements (a group's rewards, a per-sample result) are checked with one
+#: numpy call: the kernels' row split and dispatch cost more than the pass itself there (a few us per check)
+SMALL_ELEMENTS = 4096
+
+
+def _small_numpy(t: torch.Tensor) -> np.ndarray | None:
+    """``t`` as a numpy array when it is a small float32/float64 CPU tensor (see :data:`SMALL_ELEMENTS`)."""
+    if t.dtype in _NUMBA_FLOAT and t.device.type == "cpu" and t.numel() <= SMALL_ELEMENTS and not t.requires_grad:
+        return t.detach().numpy()
+    return None
+
+
 # ----------------------------------------------------------------------------------------- checks
 def all_finite(t: torch.Tensor) -> bool:
     """Every value of the float tensor ``t`` is finite (no NaN, no infinity). Integer tensors: True."""
     if not t.is_floating_point():
         return True
+    small = _small_numpy(t)
+    if small is not None:
+        return bool(np.isfinite(small).all())
     if _numba_ok(t, _NUMBA_FLOAT):
         return _run(_finite_rows, t.detach().numpy())
     return bool(torch.isfinite(t).all())
@@ -125,6 +140,12 @@ def max_abs_over(t: torch.Tensor, limit: float) -> float | None:
     """
     if not t.is_floating_point() or t.numel() == 0:
         return None
+    small = _small_numpy(t)
+    if small is not None:
+        magnitudes = np.abs(small)
+        magnitudes = magnitudes[~np.isnan(magnitudes)]  # NaN values ignored, as below
+        biggest = float(magnitudes.max()) if magnitudes.size else 0.0
+        return biggest if biggest > limit else None
     if _numba_ok(t, _NUMBA_FLOAT):
         r = _rows(t.detach().numpy())
         sums = np.empty(r.shape[0])
