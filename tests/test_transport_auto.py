@@ -182,6 +182,11 @@ def test_auto_size_limits_and_busy_region(make_server, monkeypatch):
         finally:
             c._shm_give(held)
         monkeypatch.setattr(shm, "room_for", lambda nbytes, path="/dev/shm": False)
+        if shm.memfd_supported():  # a sealed memfd does not live in /dev/shm: its room does not bound it
+            c.compute("gae", None, **large)
+            assert c.last_transport == "shm"
+            monkeypatch.setattr(shm, "memfd_supported", lambda: False)  # POSIX segments from here on
+            large = _batch(128, 4096)  # larger than the region just made
         c.compute("gae", None, **large)  # the region must grow, /dev/shm has no room: not this time
         assert c.last_transport == "unary" and c._shm_works is True
 

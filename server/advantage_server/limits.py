@@ -501,19 +501,23 @@ class MemoryTrimmer:
 
     def _run(self) -> None:
         floor = _resident_bytes() or 0  # the settled resident size to come back to
-        misses = 0
+        wait = 0.0  # seconds before the next trim while resident memory stays above floor + step
+        next_try = 0.0
         while not self._stop.wait(self.interval):
             rss = _resident_bytes() or 0
             if rss <= floor + self.step:
-                floor = min(floor, rss)
+                floor, wait = min(floor, rss), 0.0
+                continue
+            now = time.monotonic()
+            if now < next_try:
                 continue
             self._trim(0)
             self.trims += 1
             after = _resident_bytes() or rss
             log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, after >> 20)
             if after <= floor + self.step:
-                misses = 0
-            else:  # in use: a request in progress, or a working set that really grew (then adopt it)
-                misses += 1
-                if misses >= 5:
-                    floor, misses = after, 0
+                wait = 0.0
+            else:  # in use (a request in progress) or a working set that really grew: try again later, less
+                # often (1, 2, 4, ... 30 s), never giving up, so memory freed after a burst comes back too
+                wait = min(max(2 * wait, self.interval), 30.0)
+            next_try = now + wait
