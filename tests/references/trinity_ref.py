@@ -26,13 +26,11 @@ previous entries are restored afterwards) and only where the real module is not 
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 import types
 from typing import Any, Callable
 
-from references.stubs import restore_modules
+from references.stubs import import_with_stubs
 
 __all__ = ["STUBS", "load", "stubbed", "version", "StubUsed"]
 
@@ -64,16 +62,6 @@ _stubbed: list[str] = []
 _module: types.ModuleType | None = None
 
 
-def _really_installed(top: str) -> bool:
-    module = sys.modules.get(top)
-    if module is not None:
-        return bool(getattr(module, "__file__", None))
-    try:
-        return importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _build_stub(name: str, functions: tuple[str, ...]) -> types.ModuleType:
     module = types.ModuleType(name, f"stub of {name} (tests/references/trinity_ref.py): not advantage code")
     module.__path__ = []
@@ -96,23 +84,7 @@ def load() -> types.ModuleType:
     if MODULE in sys.modules:
         _module = sys.modules[MODULE]
         return _module
-    # only the stubbed names are put back afterwards: a real module Trinity imported (e.g. an installed Ray)
-    # stays imported, so its own exit hooks find it
-    to_stub = {name: functions for name, functions in STUBS.items()
-               if name.split(".")[0] in _stubbed or not _really_installed(name.split(".")[0])}
-    saved = {name: sys.modules.get(name) for name in to_stub}
-    try:
-        for name, functions in to_stub.items():
-            top = name.split(".")[0]
-            stub = _build_stub(name, functions)
-            sys.modules[name] = stub
-            if "." in name:
-                setattr(sys.modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1], stub)
-            if top not in _stubbed:
-                _stubbed.append(top)
-        _module = importlib.import_module(MODULE)
-    finally:
-        restore_modules(saved)
+    _module = import_with_stubs(MODULE, STUBS, _build_stub, _stubbed)
     return _module
 
 

@@ -36,14 +36,12 @@ those).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import os
 import sys
 import types
 from typing import Any, Callable
 
-from references.stubs import restore_modules
+from references.stubs import import_with_stubs
 
 __all__ = ["STUBS", "load", "registry", "version", "stubbed"]
 
@@ -111,18 +109,6 @@ _stubbed: list[str] = []
 _module: types.ModuleType | None = None
 
 
-def _really_installed(top: str) -> bool:
-    """Whether the real top-level module ``top`` is installed (another harness's stub, which has no
-    ``__file__``, does not count)."""
-    module = sys.modules.get(top)
-    if module is not None:
-        return bool(getattr(module, "__file__", None))
-    try:
-        return importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def load() -> types.ModuleType:
     """``verl.trainer.ppo.core_algos`` of the installed verl, imported once.
 
@@ -138,21 +124,7 @@ def load() -> types.ModuleType:
         _module = sys.modules["verl.trainer.ppo.core_algos"]
         return _module
     os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
-    saved = {name: sys.modules.get(name) for name in STUBS}
-    try:
-        for name, attrs in STUBS.items():
-            top = name.split(".")[0]
-            if top not in _stubbed and _really_installed(top):
-                continue  # verl gets the real one
-            stub = _build_stub(name, attrs)
-            sys.modules[name] = stub
-            if "." in name:
-                setattr(sys.modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1], stub)
-            if top not in _stubbed:
-                _stubbed.append(top)
-        _module = importlib.import_module("verl.trainer.ppo.core_algos")
-    finally:
-        restore_modules(saved)
+    _module = import_with_stubs("verl.trainer.ppo.core_algos", STUBS, _build_stub, _stubbed)
     return _module
 
 
