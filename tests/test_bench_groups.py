@@ -26,6 +26,7 @@ def test_groups_section_runs_and_prints_its_columns(tmp_path):
         *((f"service {t}, sync client", c) for t in ("unary", "stream") for c in ("on", "off")),
         ("service shm, sync client", "n/a"),
         *((f"service {t}, asyncio client", c) for t in ("unary", "stream") for c in ("on", "off")),
+        ("service unary, asyncio client, coalesced", "on"),
         ("echo, dense bytes each way, sync", "off"), ("echo, dense request, [B] response, sync", "off"),
         ("echo, the compact call's bytes, sync", "on"), ("echo, dense bytes each way, asyncio", "off"),
         ("echo, the compact call's bytes, asyncio", "on"),
@@ -46,3 +47,7 @@ def test_groups_section_runs_and_prints_its_columns(tmp_path):
     assert dense["bytes_in"] > small["bytes_in"]  # float32 mask against one byte per token
     assert by[("echo, dense bytes each way, sync", "off")]["bytes_in"] == dense["bytes_in"]
     assert by[("echo, the compact call's bytes, sync", "on")]["bytes_out"] == small["bytes_out"]
+    # coalesced: bytes per logical call; with 3 callers several groups share one request (per-sample out: 16
+    # values a group, so the response per logical call stays near the single call's)
+    co = {r["callers"]: r for r in rows if r["impl"] == "service unary, asyncio client, coalesced"}
+    assert co[1]["bytes_in"] == small["bytes_in"] and co[1]["bytes_out"] == small["bytes_out"]

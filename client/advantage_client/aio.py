@@ -19,16 +19,30 @@ Transports: ``"unary"``, ``"stream"`` (chunked ``ComputeAdvantageStream``) and `
 ``stream_threshold_mb`` up, unary below). Shared memory is not offered here (``transport="shm"`` raises
 ``ValueError``): its regions are the sync client's, one call at a time each; a trainer on the server's
 host that wants it uses :class:`~advantage_client.AdvantageClient` (from a thread: ``asyncio.to_thread``).
+
+Coalescing (opt-in, ``coalesce_ms > 0``; issue #12): a trainer that awaits one small ``compute`` per prompt
+group as groups finish pays gRPC's per-call CPU cost (about 1 ms across client and server) per group. With
+``coalesce_ms`` set, a call is held up to that long and sent together with the other compatible calls waiting
+then, as ONE request: their rows concatenated, each call's ``prompt_ids`` reduced to group ids and offset so
+that groups of different calls never merge; the result is split back into each call's rows. Only estimators
+and configs the server declares group-local (``EstimatorInfo.group_local``, read once with
+:meth:`AsyncAdvantageClient.list_estimators`: each row's result depends on its own prompt group only, so the
+split is bit-identical to calls sent alone; ``tests/test_coalesce.py``) are merged; others go alone.
 """
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
+import re
 from typing import Any, Sequence
+
+import numpy as np
 
 import grpc
 
-from advantage_client import codec, streaming
+from advantage_client import codec, masks, streaming, wire
+from advantage_client import conditions as conditions_mod
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_client.channel import auth_metadata, channel_target, make_channel
@@ -41,6 +55,13 @@ from advantage_client.client import (
 TRANSPORTS = ("auto", "unary", "stream")
 #: calls of one :class:`AsyncAdvantageClient` on the wire at once (the server's default --max-concurrent-requests)
 DEFAULT_MAX_IN_FLIGHT = 32
+#: rows of one coalesced request at most (``coalesce_max_rows``)
+DEFAULT_COALESCE_MAX_ROWS = 4096
+#: errors of a coalesced request that say nothing about its inputs: every caller gets them as they are
+#: (any other error, INVALID_ARGUMENT above all, makes each call go again alone to get its own answer)
+_SHARED_ERRORS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.CANCELLED})
 
 _last_transport: contextvars.ContextVar[str | None] = contextvars.ContextVar("advantage_last_transport", default=None)
 
@@ -57,6 +78,22 @@ class AsyncAdvantageClient:
              default ``--max-concurrent-requests``); more (an ``asyncio.gather`` over many groups) wait
              their turn here, in arrival order, instead of being refused (RESOURCE_EXHAUSTED). None: no limit.
              A call's deadline (``timeout``) starts when it is sent.
+    coalesce_ms: 0 (default): every ``compute`` is its own request. > 0: a call that can be coalesced (see
+             the module docstring: ``prompt_ids`` and a ``[B, T]`` ``mask``, no ``cu_seqlens``, every input with
+             ``B`` leading rows, numpy/torch/list tensors, an estimator and config the server declares
+             group-local) waits at most this many milliseconds for compatible calls, then all go as one
+             request. Compatible: same estimator, config, output_dtype, per_sample, as_numpy and transport,
+             same input names and dtypes and trailing shapes (so the same mask width T); ``prompt_ids`` may
+             differ in kind (they are reduced to group ids first). Each caller gets what it would get alone:
+             its rows of the advantages/returns (row views of the merged result), the same layout, no
+             metrics (estimators with metrics are never group-local). If the merged request fails with an
+             error about its inputs (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ..., or an encoding ValueError),
+             each call is sent again alone, so each caller gets its own answer or error; UNAVAILABLE,
+             DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED and CANCELLED reach every caller as they
+             are. A cancelled waiting caller is left out of the request. ``last_transport`` is not set for
+             coalesced calls.
+    coalesce_max_rows: a batch is sent at once when it reaches this many rows (default 4096); a call that
+             would take it past the cap sends the waiting batch first; a call with more rows goes alone.
     Raises ``ValueError`` for bad options (unknown transport, half a client certificate, an unreadable
     token file, ...). Create it inside the event loop that will await its calls.
     """
@@ -67,7 +104,19 @@ class AsyncAdvantageClient:
                  token_file: Any = None, retry: bool = True, wait_for_ready: bool = False,
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True,
-                 max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT):
+                 max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT, coalesce_ms: float = 0.0,
+                 coalesce_max_rows: int = DEFAULT_COALESCE_MAX_ROWS):
+        if not (isinstance(coalesce_ms, (int, float)) and not isinstance(coalesce_ms, bool)
+                and 0 <= coalesce_ms < float("inf")):
+            raise ValueError(f"coalesce_ms={coalesce_ms!r}: give a finite number of milliseconds >= 0 (0 = off)")
+        if isinstance(coalesce_max_rows, bool) or not isinstance(coalesce_max_rows, int) or coalesce_max_rows < 1:
+            raise ValueError(f"coalesce_max_rows={coalesce_max_rows!r}: give an integer >= 1")
+        self.coalesce_ms = float(coalesce_ms)
+        self.coalesce_max_rows = coalesce_max_rows
+        self._group_local: dict[str, tuple[list[str], dict[str, str]]] | None = None
+        self._group_local_task: asyncio.Future | None = None
+        self._batches: dict[tuple, _Batch] = {}
+        self._batch_tasks: set[asyncio.Task] = set()
         if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                                           or max_in_flight < 1):
             raise ValueError(f"max_in_flight={max_in_flight!r}: give an integer >= 1, or None for no limit")
@@ -149,6 +198,15 @@ class AsyncAdvantageClient:
         retries; DEADLINE_EXCEEDED after ``timeout``). Cancelling the awaiting task cancels the call.
         """
         transport = self._checked_transport(transport or self.transport)
+        if self.coalesce_ms > 0 and cu_seqlens is None:
+            entry = await self._coalescible(estimator, config, output_dtype, as_numpy, transport, per_sample, tensors)
+            if entry is not None:
+                return await self._enqueue(entry)
+        return await self._compute_direct(estimator, config, output_dtype, as_numpy, cu_seqlens, transport,
+                                          per_sample, tensors)
+
+    async def _compute_direct(self, estimator: str, config: Any, output_dtype: Any, as_numpy: bool, cu_seqlens: Any,
+                              transport: str, per_sample: bool, tensors: dict[str, Any]) -> AdvantageResult:
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                 compact=self.compact, as_lengths=self._lengths_ok)
         if self._in_flight is None:
@@ -188,6 +246,163 @@ class AsyncAdvantageClient:
                 raise AdvantageServiceError.from_rpc_error(err2, self.target, self.timeout) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
 
+    # ------------------------------------------------------------------------------------------ coalescing
+    async def _group_local_rules(self) -> dict[str, tuple[list[str], dict[str, str]]] | None:
+        """``{estimator: (group_local conditions, {config field: default text})}`` from ListEstimators, read
+        once (concurrent first callers share the one call); None while it cannot be read (no coalescing)."""
+        if self._group_local is not None:
+            return self._group_local
+        if self._group_local_task is None:
+            self._group_local_task = asyncio.ensure_future(self.list_estimators())
+        task = self._group_local_task
+        try:
+            listing = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the server's error reaches the caller by its own call
+            if self._group_local_task is task:
+                self._group_local_task = None  # try again with a later call
+            return None
+        self._group_local = {e.name: (list(e.group_local), {f.name: f.default_value for f in e.config_fields})
+                             for e in listing.estimators}
+        return self._group_local
+
+    async def _coalescible(self, estimator: str, config: Any, output_dtype: Any, as_numpy: bool, transport: str,
+                           per_sample: bool, tensors: dict[str, Any]) -> _Entry | None:
+        """The call as a batch entry (its key and a copy of its inputs), or None where it must go alone."""
+        tensors = {k: v for k, v in tensors.items() if v is not None}
+        if "prompt_ids" not in tensors or "mask" not in tensors or "lengths" in tensors or "mask_columns" in tensors:
+            return None
+        rules = await self._group_local_rules()
+        if rules is None or estimator not in rules or not rules[estimator][0]:
+            return None
+        try:
+            msg = wire.config_message(estimator, config)
+        except ValueError:
+            return None  # the direct path raises the error
+        if not group_local(rules[estimator][0], wire.config_to_dict(msg), rules[estimator][1]):
+            return None
+        mask = tensors["mask"]
+        shape = tuple(getattr(mask, "shape", ()))
+        if len(shape) != 2:
+            return None
+        rows, columns = int(shape[0]), int(shape[1])
+        # the mask compacted now, as prepare_call would for this call alone (lengths, or one byte per token):
+        # the copy kept until the batch goes is small, and the merged request needs no second pass
+        small = masks.compact_mask(mask, tensors, prefix=self._lengths_ok) if self.compact else None
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in tensors.items():
+            if name == "prompt_ids" or (name == "mask" and small is not None):
+                continue
+            arr = _numpy_copy(value)
+            if arr is None:
+                return None
+            arrays[name] = arr
+        form = "as given"
+        if small is not None:
+            if small.lengths is not None:
+                arrays["lengths"], form = np.asarray(small.lengths), "lengths"
+            else:
+                bool_mask = small.bool_mask
+                arrays["mask"] = bool_mask.cpu().numpy() if hasattr(bool_mask, "cpu") else np.asarray(bool_mask)
+                form = "bool"
+        if rows < 1 or rows > self.coalesce_max_rows or any(a.ndim < 1 or a.shape[0] != rows for a in arrays.values()):
+            return None
+        try:
+            ids = wire.reduce_prompt_ids(tensors["prompt_ids"])
+        except ValueError:
+            return None
+        if ids.ndim != 1 or ids.shape[0] != rows or ids.dtype.kind not in "iu":
+            return None
+        arrays["prompt_ids"] = np.unique(ids, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        key = (estimator, msg.SerializeToString(deterministic=True), str(output_dtype), bool(per_sample),
+               bool(as_numpy), transport, form, columns, str(getattr(mask, "dtype", type(mask))),
+               tuple(sorted((k, a.dtype.str, a.shape[1:]) for k, a in arrays.items() if k != "prompt_ids")))
+        args = (estimator, config, output_dtype, as_numpy, None, transport, per_sample)
+        return _Entry(key, args, arrays, rows, asyncio.get_running_loop().create_future(),
+                      columns if form == "lengths" else 0)
+
+    async def _enqueue(self, entry: _Entry) -> AdvantageResult:
+        batch = self._batches.get(entry.key)
+        if batch is not None and batch.rows + entry.rows > self.coalesce_max_rows:
+            self._flush(entry.key, batch)
+            batch = None
+        if batch is None:
+            batch = self._batches[entry.key] = _Batch()
+            batch.timer = asyncio.get_running_loop().call_later(self.coalesce_ms / 1000.0, self._flush, entry.key,
+                                                                 batch)
+        batch.entries.append(entry)
+        batch.rows += entry.rows
+        if batch.rows >= self.coalesce_max_rows:
+            self._flush(entry.key, batch)
+        return await entry.future  # cancelling the caller cancels its future: the batch leaves it out
+
+    def _flush(self, key: tuple, batch: _Batch) -> None:
+        if self._batches.get(key) is batch:
+            del self._batches[key]
+        if batch.timer is not None:
+            batch.timer.cancel()
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch.entries))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+
+    async def _run_alone(self, entry: _Entry) -> None:
+        try:
+            result = await self._compute_direct(*entry.args, _with_columns(dict(entry.arrays), entry.columns))
+        except Exception as err:  # noqa: BLE001 - handed to the caller
+            if not entry.future.done():
+                entry.future.set_exception(err)
+        else:
+            if not entry.future.done():
+                entry.future.set_result(result)
+
+    async def _run_batch(self, entries: list[_Entry]) -> None:
+        live = [e for e in entries if not e.future.done()]
+        if len(live) <= 1:
+            if live:
+                await self._run_alone(live[0])
+            return
+        merged: dict[str, np.ndarray] = {}
+        offset = 0
+        ids = []
+        for e in live:
+            ids.append(e.arrays["prompt_ids"] + offset)
+            offset += int(e.arrays["prompt_ids"].max()) + 1
+        merged["prompt_ids"] = np.concatenate(ids)
+        for name in live[0].arrays:
+            if name != "prompt_ids":
+                merged[name] = np.concatenate([e.arrays[name] for e in live])
+        try:
+            result = await self._compute_direct(*live[0].args, _with_columns(merged, live[0].columns))
+        except AdvantageServiceError as err:
+            if err.code in _SHARED_ERRORS:
+                for e in live:
+                    if not e.future.done():
+                        e.future.set_exception(err)
+                return
+            await asyncio.gather(*(self._run_alone(e) for e in live))
+            return
+        except ValueError:  # an input that cannot be encoded: each call finds out its own
+            await asyncio.gather(*(self._run_alone(e) for e in live))
+            return
+        except BaseException as err:  # cancelled by close(), or a bug: no caller waits forever
+            for e in live:
+                if not e.future.done():
+                    e.future.set_exception(err if isinstance(err, Exception) else AdvantageServiceError(
+                        grpc.StatusCode.CANCELLED, "the client was closed while the call was in flight"))
+            if not isinstance(err, Exception):
+                raise
+            return
+        start = 0
+        for e in live:
+            stop = start + e.rows
+            part = dataclasses.replace(
+                result, advantages=result.advantages[start:stop],
+                returns=None if result.returns is None else result.returns[start:stop], metrics=dict(result.metrics))
+            start = stop
+            if not e.future.done():
+                e.future.set_result(part)
+
     async def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields, inputs and per-sample layouts.
         Raises :class:`AdvantageServiceError` (UNAVAILABLE, UNAUTHENTICATED, ...) when the call fails."""
@@ -211,7 +426,16 @@ class AsyncAdvantageClient:
         return _last_transport.get()
 
     async def close(self) -> None:
-        """Close the channels (calls in flight are cancelled)."""
+        """Close the channels (calls in flight are cancelled; calls still waiting to be coalesced fail with
+        CANCELLED)."""
+        for batch in list(self._batches.values()):
+            if batch.timer is not None:
+                batch.timer.cancel()
+            for e in batch.entries:
+                if not e.future.done():
+                    e.future.set_exception(AdvantageServiceError(
+                        grpc.StatusCode.CANCELLED, "the client was closed before the call was sent"))
+        self._batches.clear()
         if self._own_stream_channel and self._stream_channel is not None:
             await self._stream_channel.close()
             self._stream_channel = None
@@ -222,3 +446,71 @@ class AsyncAdvantageClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One caller's call waiting to be coalesced: its compatibility key, the arguments of the direct path,
+    its inputs (numpy copies; ``prompt_ids`` as group ids 0..G-1; the mask compacted to ``lengths`` or bool as
+    the direct path would send it), its rows and the future it awaits."""
+    key: tuple
+    args: tuple
+    arrays: dict
+    rows: int
+    future: asyncio.Future
+    columns: int = 0  # the mask width T when the mask is held as ``lengths``, else 0
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Compatible calls waiting together; sent when ``coalesce_ms`` has passed since the first or at the cap."""
+    entries: list = dataclasses.field(default_factory=list)
+    rows: int = 0
+    timer: Any = None
+
+
+def _with_columns(tensors: dict[str, Any], columns: int) -> dict[str, Any]:
+    if columns:
+        tensors["mask_columns"] = columns  # lengths [B] stand for a [B, T] mask (see prepare_call)
+    return tensors
+
+
+def _numpy_copy(value: Any) -> np.ndarray | None:
+    """A numpy copy of a numpy array, a CPU/GPU torch tensor (not bfloat16) or a list; None for anything else."""
+    try:
+        if hasattr(value, "detach"):
+            return np.array(value.detach().cpu().numpy(), copy=True)
+        arr = np.array(value, copy=True)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return arr if arr.dtype.kind in "biuf" else None
+
+
+_PER_SEMANTICS = re.compile(r"^(.*?) \(([^)]*)\)$")
+_UNKNOWN = conditions_mod.UNKNOWN
+
+
+def _default(text: str, semantics: Any) -> Any:
+    """A config field's default from its ``ConfigField.default_value`` text: a plain value, or the entry of
+    ``"v1 (s1, s2); v2 (s3)"`` for ``semantics``; ``_UNKNOWN`` where the text does not say."""
+    if "(" not in text:
+        return None if text == "unset" else conditions_mod.value_of(text)
+    for part in text.split(";"):
+        m = _PER_SEMANTICS.match(part.strip())
+        if m and semantics in [s.strip() for s in m.group(2).split(",")]:
+            return conditions_mod.value_of(m.group(1))
+    return _UNKNOWN
+
+
+def group_local(conditions: Sequence[str], config: dict[str, Any], defaults: dict[str, str]) -> bool:
+    """Whether one of the server's ``EstimatorInfo.group_local`` conditions holds for ``config`` (the fields the
+    caller set, as :func:`advantage_client.wire.config_to_dict` gives them; unset fields take their listed
+    defaults, per ``semantics`` where they depend on it). A field whose value cannot be told counts as not
+    matching: the call then goes alone (never a wrong merge)."""
+    semantics = config.get("semantics", defaults.get("semantics"))
+
+    def lookup(name: str) -> Any:
+        if name in config:
+            return config[name]
+        return _default(defaults[name], semantics) if name in defaults else _UNKNOWN
+    return any(conditions_mod.holds(when, lookup) for when in conditions)

@@ -639,6 +639,7 @@ def describe(spec: EstimatorSpec) -> pb.EstimatorInfo:
         produces_returns=spec.produces_returns, metrics=list(spec.metrics),
         returns_when=spec.returns_when[1] if spec.returns_when else "",
         per_sample=[pb.PerSampleRule(when=when, layout=layout) for when, layout in spec.per_sample],
+        group_local=list(spec.group_local),
     )
     for f in dataclasses.fields(spec.config):
         default = "unset" if f.default is None else (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))

@@ -9,6 +9,9 @@ event loop for the asyncio one). Side by side in one run:
 * the service over unary, stream and shared memory with the sync client, and over unary and stream with
   :class:`~advantage_client.AsyncAdvantageClient`, each with per-sample results and compact masks on (the
   clients' default, ``compact=True``) and off (``compact=False``: float mask in, dense ``[B, T]`` out);
+* the asyncio client with client-side coalescing (``coalesce_ms = 1``, compact on; issue #12): the callers'
+  concurrent calls go as fewer, larger requests; its rows count logical calls (one awaited ``compute`` of
+  one group), as every other row does, and bytes per logical call;
 * a raw grpcio echo server (``advantage_server.bench.echo``, its own process, no interceptors) moving the
   dense call's bytes each way, the dense request with a ``[B]`` response, and the compact call's bytes.
 
@@ -249,6 +252,9 @@ def groups_section(report: Any, Row: type, tokens: tuple[int, ...], callers_list
                                 add(f"service {transport}, asyncio client", tag, callers, m, b_in, b_out, err,
                                     "callers are tasks in one event loop")
                     asyncio.run(run_aio())
+                if compact:
+                    asyncio.run(_coalesced_rows(AsyncAdvantageClient, server.address, estimator, config, tensors, ref,
+                                                callers_list, seconds, metrics_port, add))
 
             # the echo, moving the bytes the unary calls moved (dense: compact off; compact: on)
             import grpc
@@ -285,6 +291,33 @@ def groups_section(report: Any, Row: type, tokens: tuple[int, ...], callers_list
         server.close()
         echo.close()
     _ratios(report)
+
+
+#: the window of the coalesced rows (``AsyncAdvantageClient(coalesce_ms=...)``)
+COALESCE_MS = 1.0
+
+
+async def _coalesced_rows(client_cls: type, address: str, estimator: str, config: Any, tensors: Any, ref: Any,
+                          callers_list: tuple[int, ...], seconds: float, metrics_port: int, add: Callable) -> None:
+    """Rows "service unary, asyncio client, coalesced": the asyncio client with ``coalesce_ms`` (compact on), each
+    caller a task awaiting one group per call. Latencies and calls/s count LOGICAL calls (one per awaited
+    ``compute``, as the other rows), whatever number of requests they went in; bytes are per logical call (the
+    server's request/response byte totals over the logical calls made, warm-up included)."""
+    async with client_cls(address, timeout=120.0, transport="unary", coalesce_ms=COALESCE_MS) as client:
+        await client.wait_ready(30.0)
+        call = lambda: client.compute(estimator, config, **tensors)  # noqa: E731
+        err = _err((await call()).advantages, ref)
+        for callers in callers_list:
+            before = wire_bytes(metrics_port)
+            m = await run_tasks(call, callers, seconds)
+            after = wire_bytes(metrics_port)
+            logical = m.n + 8  # run_tasks' 8 warm-up calls are counted by the server too
+            requests = after["request_count"] - before["request_count"]
+            add("service unary, asyncio client, coalesced", "on", callers, m,
+                (after["request_sum"] - before["request_sum"]) / logical,
+                (after["response_sum"] - before["response_sum"]) / logical, err,
+                f"coalesce_ms={COALESCE_MS:g}; calls/s, p50, p99 and bytes per LOGICAL call (one awaited compute "
+                f"of one group); {requests / logical:.3f} requests per logical call at {callers} callers")
 
 
 def _ratios(report: Any) -> None:

@@ -98,7 +98,10 @@ class GRPOConfig(EstimatorConfig):
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
                     "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
           per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl", BROADCAST_TIMES_MASK),
-                      ("semantics = openrlhf", UP_TO_LAST_VALID), ("semantics = trl", BROADCAST)))
+                      ("semantics = openrlhf", UP_TO_LAST_VALID), ("semantics = trl", BROADCAST)),
+          # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch
+          group_local=("semantics = nemo_rl or semantics = verl or semantics = openrlhf or "
+                       "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none",))
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
 

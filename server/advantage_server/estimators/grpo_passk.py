@@ -84,7 +84,8 @@ def grpo_passk_loop(group: torch.Tensor, scores: torch.Tensor, normalize: bool, 
 
 @register("grpo_passk", config=GRPOPassKConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
           reference="arXiv:2503.19595; verl compute_grpo_passk_outcome_advantage",
-          per_sample=(("", BROADCAST_TIMES_MASK),))
+          per_sample=(("", BROADCAST_TIMES_MASK),),
+          group_local=("",))  # statistics of the prompt group only
 def grpo_passk(cfg: GRPOPassKConfig, batch: Batch) -> AdvantageResult:
     """Pass@k advantage: the best sample of each prompt group gets its margin over the runner-up, the others 0.
 

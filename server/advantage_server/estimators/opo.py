@@ -70,7 +70,8 @@ def opo_baseline_loop(group: torch.Tensor, scores: torch.Tensor, lengths: torch.
 
 @register("opo", config=OPOConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
           reference="arXiv:2505.23585; verl compute_opo_outcome_advantage",
-          per_sample=(("", BROADCAST_TIMES_MASK),))
+          per_sample=(("", BROADCAST_TIMES_MASK),),
+          group_local=("",))  # statistics of the prompt group only
 def opo(cfg: OPOConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the length-weighted mean reward of the prompt group, on the valid tokens.
 

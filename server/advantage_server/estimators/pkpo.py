@@ -190,7 +190,8 @@ def pkpo_loop(group: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor
 
 @register("pkpo", config=PKPOConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
           reference="arXiv:2505.15201; rLLM PR #743 calculate_pkpo_advantages_per_group (commit 6b3b2da5)",
-          per_sample=(("", BROADCAST_TIMES_MASK),))
+          per_sample=(("", BROADCAST_TIMES_MASK),),
+          group_local=("",))  # statistics of the prompt group only
 def pkpo(cfg: PKPOConfig, batch: Batch) -> AdvantageResult:
     """PKPO pass@k advantage: each sample's unbiased pass@k credit minus its prompt group's mean credit.
 

@@ -129,7 +129,8 @@ def qae_loop(group: torch.Tensor, scores: torch.Tensor, quantile_k: float, norma
 @register("qae", config=QAEConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
           reference="arXiv:2509.22611; QAE release (github junkangwu/QAE): verl compute_grpo_outcome_advantage "
                     "with the K-quantile baseline",
-          per_sample=(("", BROADCAST_TIMES_MASK),))
+          per_sample=(("", BROADCAST_TIMES_MASK),),
+          group_local=("",))  # statistics of the prompt group only
 def qae(cfg: QAEConfig, batch: Batch) -> AdvantageResult:
     """QAE advantage: reward minus the prompt group's K-quantile, optionally over the group's std.
 

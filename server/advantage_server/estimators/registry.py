@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 # SEMANTICS: the ``Semantics`` enum's short names; REFERENCES: the release each one reproduces
+from advantage_client import conditions
 from advantage_client.references import REFERENCES, SEMANTICS  # noqa: F401  (re-exported)
 from advantage_server.errors import InvalidInput
 
@@ -245,6 +246,8 @@ class EstimatorSpec:
     returns_when: tuple[Callable[[Any], bool], str] | None = None
     #: ``(when, layout)`` rules (see :func:`register`): where the results are one value per row
     per_sample: tuple[tuple[str, int], ...] = ()
+    #: conditions (see :func:`register`) under which rows of different prompt groups do not interact
+    group_local: tuple[str, ...] = ()
 
     def returns_for(self, cfg: Any) -> bool:
         """Whether the estimator fills ``returns`` under the (resolved) config ``cfg``."""
@@ -258,33 +261,22 @@ class EstimatorSpec:
                 return layout
         return 0
 
-
-def _condition_value(text: str) -> Any:
-    if text in ("true", "false"):
-        return text == "true"
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    def group_local_for(self, cfg: Any) -> bool:
+        """Whether, under the resolved config ``cfg``, every row's advantages (and returns) depend only on
+        the rows of its own prompt group: then a batch of whole groups split anywhere between groups and
+        computed piece by piece gives bit-identical results (what client-side coalescing relies on)."""
+        return any(condition_holds(when, cfg) for when in self.group_local)
 
 
 def condition_holds(when: str, cfg: Any) -> bool:
-    """Whether a listing condition holds for a resolved config: ``""`` (always), or ``field = value``
-    terms joined by ``and``, clauses joined by ``or`` (``"semantics = nemo_rl and use_kl_in_reward =
-    false"``; values ``true``/``false``, numbers, enum short names). The text ``ListEstimators`` shows is
-    the one evaluated, so the two cannot disagree. Raises ``ValueError`` for a field the config lacks."""
-    if not when:
-        return True
-    for clause in when.split(" or "):
-        ok = True
-        for term in clause.split(" and "):
-            name, _, value = (x.strip() for x in term.partition("="))
-            if not hasattr(cfg, name):
-                raise ValueError(f"condition {when!r}: {type(cfg).__name__} has no field {name!r}")
-            ok = ok and getattr(cfg, name) == _condition_value(value)
-        if ok:
-            return True
-    return False
+    """Whether a listing condition (:mod:`advantage_client.conditions`: ``field = value`` terms joined by
+    ``and``, clauses joined by ``or``) holds for a resolved config. The text ``ListEstimators`` shows is the
+    one evaluated, so the two cannot disagree. Raises ``ValueError`` for a field the config lacks."""
+    def lookup(name: str) -> Any:
+        if not hasattr(cfg, name):
+            raise ValueError(f"condition {when!r}: {type(cfg).__name__} has no field {name!r}")
+        return getattr(cfg, name)
+    return conditions.holds(when, lookup)
 
 
 REGISTRY: dict[str, EstimatorSpec] = {}
@@ -299,6 +291,7 @@ def register(
     produces_returns: bool | tuple[Callable[[Any], bool], str] = False,
     metrics: tuple[str, ...] = (),
     per_sample: tuple[tuple[str, int], ...] = (),
+    group_local: tuple[str, ...] = (),
 ) -> Callable:
     """Register an estimator function under ``name``. Registering a name twice is a ``ValueError``.
 
@@ -308,6 +301,13 @@ def register(
     :func:`condition_holds`; ``""`` = always) the advantages, and the returns when filled, are one value
     per row laid out as ``layout`` (an ``advantage.v1.ResultLayout``; see ``advantage_client.layout``).
     ``tests/test_per_sample.py`` checks every rule against the dense results.
+    ``group_local``: conditions (same syntax; any one holding suffices; ``""`` = always) under which rows
+    of different prompt groups (``prompt_ids``) do not interact: no batch-level whitening, std, scalar or
+    metric, no grouping input other than ``prompt_ids``. Published as ``EstimatorInfo.group_local``; the
+    asyncio client's coalescing (``AsyncAdvantageClient(coalesce_ms=...)``) merges only such calls.
+    An estimator with ``metrics`` cannot declare it (its metrics are batch values; a ``ValueError``).
+    ``tests/test_coalesce.py`` checks every declaration: whole groups computed apart and merged agree bit
+    for bit.
     """
 
     def deco(fn: Callable[[Any, Batch], AdvantageResult]) -> Callable:
@@ -315,6 +315,9 @@ def register(
             raise ValueError(f"estimator {name!r} is already registered by {REGISTRY[name].fn.__module__}")
         if not any(i.name == "mask" for i in inputs):
             raise ValueError(f"estimator {name!r} must declare `mask`: it defines B and T")
+        if group_local and (metrics or not any(i.name == "prompt_ids" for i in inputs)):
+            raise ValueError(f"estimator {name!r}: group_local needs a prompt_ids input and no metrics "
+                             "(batch metrics cannot be split per call)")
         REGISTRY[name] = EstimatorSpec(
             name=name,
             fn=fn,
@@ -326,6 +329,7 @@ def register(
             metrics=tuple(metrics),
             returns_when=produces_returns if isinstance(produces_returns, tuple) else None,
             per_sample=tuple(per_sample),
+            group_local=tuple(group_local),
         )
         return fn
 

@@ -74,7 +74,8 @@ def rloo_scalars_loop(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor
           produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
           # openrlhf: a on the last valid token, reverse cumsum (returns = advantages); KL makes it per token
           per_sample=(("semantics = verl", BROADCAST_TIMES_MASK),
-                      ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID)))
+                      ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID)),
+          group_local=("",))  # leave-one-out means within the group; KL and returns per row
 def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
     """Reward minus the mean reward of the other samples of the same prompt.
 

@@ -1884,6 +1884,7 @@ class EstimatorInfo(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     RETURNS_WHEN_FIELD_NUMBER: _builtins.int
     PER_SAMPLE_FIELD_NUMBER: _builtins.int
+    GROUP_LOCAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name as used by NeMo RL and by the client ("grpo", "gae", ...)."""
     config_field: _builtins.str
@@ -1915,6 +1916,17 @@ class EstimatorInfo(_message.Message):
         layout); none: always dense. Empty when it never is.
         """
 
+    @_builtins.property
+    def group_local(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Config conditions (syntax of InputSpec.required_when; empty string =
+        always) under which the estimator is group-local: each row's advantages
+        and returns depend only on the rows with its prompt_ids (no batch-level
+        whitening, std, scalar or metric), so whole prompt groups may be computed
+        in one request or split across several with bit-identical results. The
+        asyncio client's opt-in coalescing merges concurrent calls only where one
+        of these holds. Empty list: never.
+        """
+
     def __init__(
         self,
         *,
@@ -1929,10 +1941,11 @@ class EstimatorInfo(_message.Message):
         metrics: _abc.Iterable[_builtins.str] | None = ...,
         returns_when: _builtins.str = ...,
         per_sample: _abc.Iterable[Global___PerSampleRule] | None = ...,
+        group_local: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_field", b"config_field", "config_fields", b"config_fields", "config_message", b"config_message", "description", b"description", "inputs", b"inputs", "metrics", b"metrics", "name", b"name", "per_sample", b"per_sample", "produces_returns", b"produces_returns", "reference", b"reference", "returns_when", b"returns_when"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_field", b"config_field", "config_fields", b"config_fields", "config_message", b"config_message", "description", b"description", "group_local", b"group_local", "inputs", b"inputs", "metrics", b"metrics", "name", b"name", "per_sample", b"per_sample", "produces_returns", b"produces_returns", "reference", b"reference", "returns_when", b"returns_when"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
