@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import ctypes
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -471,7 +472,9 @@ class MemoryTrimmer:
     freed but still resident in glibc's heap; without trimming, a server that saw a few 200 MB requests
     keeps gigabytes resident (measured: 8 cancelled 192 MiB uploads took a server from 233 MiB to 3 GiB
     resident; with this, it comes back to ~240 MiB). Checks every ``interval`` seconds (one read of
-    /proc/self/statm); a no-op where glibc's ``malloc_trim`` or /proc is missing.
+    /proc/self/statm); a no-op where glibc's ``malloc_trim`` or /proc is missing. When a trim leaves resident
+    memory high, it runs a full garbage collection and trims again (cyclic garbage can hold a request's
+    bytes), then retries after 1, 2, 4 ... 30 s for as long as memory stays high.
     """
 
     def __init__(self, interval: float = 1.0, step: int = 64 << 20):
@@ -514,6 +517,10 @@ class MemoryTrimmer:
             self._trim(0)
             self.trims += 1
             after = _resident_bytes() or rss
+            if after > floor + self.step:  # held: perhaps by garbage in a reference cycle (a failed call's
+                gc.collect()  # traceback and the buffers its frames hold), which only a full collection frees
+                self._trim(0)
+                after = _resident_bytes() or rss
             log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, after >> 20)
             if after <= floor + self.step:
                 wait = 0.0
