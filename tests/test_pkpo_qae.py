@@ -350,3 +350,11 @@ def test_listing_documents_the_fields(client):
     qa = {f.name: f for f in infos["qae"].config_fields}
     assert qa["quantile_k"].type == "double" and float(qa["quantile_k"].default_value) == 0.4
     assert "2505.15201" in infos["pkpo"].reference and "2509.22611" in infos["qae"].reference
+
+
+def test_a_one_sided_range_reads_as_a_bound(client):
+    """k = 0: "must be >= 1", not "must be in [1, None]"."""
+    with pytest.raises(AdvantageServiceError) as err:
+        client.compute("pkpo", {"k": 0}, prompt_ids=np.array([0, 0]), rewards=np.array([1.0, 0.0]),
+                       mask=np.ones((2, 2)))
+    assert "config.k: must be >= 1, got 0" in str(err.value) and "None" not in str(err.value)

@@ -361,3 +361,33 @@ def test_a_memfd_region_whose_descriptor_is_closed_is_forgotten(proc_server, tmp
         leaked.shm.close()
         if how != "closed":
             os.close(number)
+
+
+def test_a_region_larger_than_any_call_can_use_is_refused(make_server):
+    """A sealed sparse memfd costs its client nothing but is mapped whole by the server: regions beyond
+    4 x --max-stream-mb were registered and mapped, and ~90 of 64 TiB each used up the server's address space
+    (every later call of every client timed out). Now such a region is RESOURCE_EXHAUSTED naming the flag;
+    registering a part of the same segment (byte_size within the cap) still works."""
+    import fcntl
+    srv = make_server(max_stream_mb=1)  # cap: 4 MiB
+    fd = os.memfd_create("advantage-shm", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 40)  # 1 TiB, sparse
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        name = f"memfd:{os.getpid()}:{fd}"
+        with AdvantageClient(srv.address, timeout=30.0) as c:
+            for byte_size, refused in ((0, True), ((4 << 20) + 1, True), (4 << 20, False)):
+                first = c._call("RegisterSharedMemory", pb.RegisterSharedMemoryRequest(name=name, byte_size=byte_size),
+                                pb.RegisterSharedMemoryResponse)
+                os.pwrite(fd, first.challenge, 0)
+                request = pb.RegisterSharedMemoryRequest(name=name, byte_size=byte_size, proof=first.challenge)
+                if refused:
+                    with pytest.raises(AdvantageServiceError) as err:
+                        c._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+                    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "--max-stream-mb=1" in str(err.value) and str(4 << 20) in str(err.value)
+                else:
+                    reply = c._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+                    assert reply.region_id and reply.key
+    finally:
+        os.close(fd)

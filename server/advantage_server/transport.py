@@ -433,6 +433,13 @@ def _check_counts(request: pb.ComputeAdvantageShmRequest) -> None:
                                                  "supported")
 
 
+def region_cap(limits: Any) -> int:
+    """The most bytes one registered shared-memory region may span: 4 x ``--max-stream-mb`` (a call's inputs
+    are bounded by it, its outputs by a few times that). With at most 256 regions, the server's mappings stay
+    far below the address space (256 x 32 GiB = 8 TiB at the defaults)."""
+    return 4 * limits.max_stream_bytes
+
+
 def tensor_fields(msg: Any) -> dict[str, Any]:
     """Every ``advantage.v1.Tensor`` at the top level of ``msg`` (fields and map values), by field path."""
     if hasattr(msg, "tensor_fields"):  # a codec-decoded request (codec.DecodedRequest)
@@ -677,6 +684,15 @@ class TransportMethods:
             raise InvalidInput("byte_size", f"{size} bytes registered but segment {request.name!r} has {region.size}")
         if size:
             region.size = size
+        # no call can use more than its inputs (--max-stream-mb) and its outputs: a larger region only costs the
+        # server address space (a sealed memfd is mapped whole; sparse ones of many TiB cost their client
+        # nothing, and 128 TiB of mappings left the server unable to serve anyone), so it is refused
+        cap = region_cap(self.limits)
+        if region.size > cap:
+            region.close()
+            raise ResourceLimit(f"a shared-memory region holds at most {cap} bytes (4 x --max-stream-mb="
+                                f"{self.limits.max_stream_mb}), this one {region.size}: register byte_size <= "
+                                f"{cap}, or a smaller segment")
         region.map_if_sealed()  # a memfd sealed against shrinking: read and written in place from now on
         region_id = secrets.token_hex(8)
         region.owner = client

@@ -89,7 +89,8 @@ class EstimatorConfig:
                     raise InvalidInput(f"config.{f.name}", f"must be in the open interval ({lo}, {hi}) (the "
                                                            f"bounds excluded), got {value}")
             elif (lo is not None and value < lo) or (hi is not None and value > hi):
-                raise InvalidInput(f"config.{f.name}", f"must be in [{lo}, {hi}], got {value}")
+                bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+                raise InvalidInput(f"config.{f.name}", f"must be {bounds}, got {value}")
 
     def resolved(self) -> "EstimatorConfig":
         """This config with its ``semantics`` and the semantics-dependent defaults filled in.
