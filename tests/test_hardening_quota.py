@@ -380,3 +380,29 @@ def test_an_expired_call_stops_in_prepare_and_never_computes(make_server, monkey
         time.sleep(0.5)
     assert "deadline expired while checking the inputs" in caplog.text, caplog.text
     assert computed == [] and len(checks) == 1, (computed, checks)
+
+
+def test_large_chunks_above_the_minimum_rate_are_never_cut_and_a_trickle_still_is():
+    """The rate counts whole chunks (gRPC hands a message over only once all of it has arrived): a reviewer's
+    128 MiB chunks at ~11 MiB/s read as 0 KiB/s over the 5 s window and were cut. The window now widens to two
+    chunks' time at the minimum, so 8 MiB chunks every 4 s (2 MiB/s) against 1 MiB/s over a 1 s window are
+    never cut, checked at every 0.1 s of a simulated minute; 1-byte chunks every 0.1 s still are, and nothing
+    is measured before the first chunk (the idle timeout bounds that wait)."""
+    from advantage_server.limits import _Upload
+    mib = 1 << 20
+    big = _Upload(context=None, idle_deadline=1e9, min_rate=mib, window=1.0, now=0.0)
+    trickle = _Upload(context=None, idle_deadline=1e9, min_rate=mib, window=1.0, now=0.0)
+    assert big.rate_below(3.0) is None  # no chunk yet: not measured
+    cut_at = None
+    for step in range(1, 601):
+        now = step / 10
+        if step % 40 == 0:  # a whole 8 MiB chunk arrives every 4 s
+            big.received += 8 * mib
+            big.largest = max(big.largest, 8 * mib)
+        assert big.rate_below(now) is None, f"cut at {now} s, span {big.span()} s"
+        trickle.received += 1
+        trickle.largest = 1
+        if cut_at is None and trickle.rate_below(now) is not None:
+            cut_at = now
+    assert big.span() == 16.0
+    assert cut_at is not None and cut_at <= 1.2

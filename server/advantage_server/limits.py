@@ -304,27 +304,38 @@ class UploadCut(ResourceLimit):
 class _Upload:
     """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
 
-    __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples")
+    __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples",
+                 "largest")
 
     def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
         self.context, self.idle_deadline = context, idle_deadline
         self.cut: UploadCut | None = None
         self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
         self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
+        self.largest = 0  # the largest chunk received: bytes count only once a whole chunk has arrived
+
+    def span(self) -> float:
+        """The window the rate is averaged over: ``window``, widened to two chunks' time at the minimum rate
+        for a client that sends large chunks (gRPC hands a message over only when all of it has arrived, so
+        a 128 MiB chunk on a 10 MiB/s link reads as 0 bytes for 12 s). An upload arriving at 1.5x the
+        minimum or faster is then never cut, whatever its chunk size."""
+        return max(self.window, 2.0 * self.largest / self.min_rate) if self.min_rate else self.window
 
     def rate_below(self, now: float) -> float | None:
-        """Bytes per second received over the last ``window`` seconds when below ``min_rate`` (else None);
-        None too before the upload has lasted ``window`` seconds (the grace: a call's first bytes may wait
-        for a connection, TLS, flow-control windows) or without a minimum rate. Takes a sample of
-        ``received`` (called by the watch thread, a few times per window)."""
-        if not self.min_rate:
+        """Bytes per second received over the last :meth:`span` seconds when below ``min_rate`` (else None);
+        None too before the first chunk has arrived (``--stream-idle-timeout`` bounds that wait), before the
+        upload has lasted a span (the grace: a call's first bytes may wait for a connection, TLS,
+        flow-control windows) or without a minimum rate. Takes a sample of ``received`` (called by the watch
+        thread, a few times per window)."""
+        if not self.min_rate or not self.largest:  # before the first chunk: --stream-idle-timeout bounds it
             return None
         self.samples.append((now, self.received))
-        # keep the newest sample at or before now - window (the start of the window) and all after it
-        while len(self.samples) > 1 and self.samples[1][0] <= now - self.window:
+        span = self.span()
+        # keep the newest sample at or before now - span (the start of the window) and all after it
+        while len(self.samples) > 1 and self.samples[1][0] <= now - span:
             self.samples.popleft()
         t0, n0 = self.samples[0]
-        if t0 > now - self.window or now <= t0:
+        if t0 > now - span or now <= t0:
             return None
         rate = (self.received - n0) / (now - t0)
         return rate if rate < self.min_rate else None
@@ -380,6 +391,7 @@ class UploadWatch:
         def touch(nbytes: int = 0) -> None:
             entry.idle_deadline = time.monotonic() + self.timeout
             entry.received += nbytes
+            entry.largest = max(entry.largest, nbytes)
 
         try:
             yield touch
@@ -400,7 +412,7 @@ class UploadWatch:
 
     @staticmethod
     def slow_error(rate: float, entry: _Upload) -> UploadCut:
-        return UploadCut(f"the upload arrived at {rate / 1024:.1f} KiB/s over the last {entry.window:g} s, below the "
+        return UploadCut(f"the upload arrived at {rate / 1024:.1f} KiB/s over the last {entry.span():g} s, below the "
                          f"server's --min-upload-rate-kib={entry.min_rate // 1024} (KiB per second, averaged over "
                          f"--upload-rate-window={entry.window:g} s), so the server cut the call; send the request at "
                          "full speed (or ask the operator to lower the minimum; 0 turns it off)")
