@@ -5,7 +5,9 @@ One Ray cluster for the module (``ray.init(num_cpus=2)``, no dashboard) and one 
 (one CPU each) that the tests use in order: requests spread over both (each replica's own count of the calls
 it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from two threads with no
 failed request, Ray restarting it on a new port and the client reaching the new one, the asyncio twin, and
-``advantage-ray down`` leaving no replica process, port or actor name behind.
+``advantage-ray down`` leaving no replica process, port or actor name behind. Beside it (no CPU reserved):
+one-replica deployments whose only replica is killed (the client waits for Ray's restart instead of failing),
+one with ``max_restarts=0`` that ``status`` must report DEAD, and the flags refused before anything starts.
 """
 from __future__ import annotations
 
@@ -115,6 +117,35 @@ def test_cli_bad_flags_exit_2(capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--health-port"])
+def test_cli_port_range_exit_2(flag, capsys):
+    """A fixed port P gives replica i the port P + i: past 65535 it would silently become an ephemeral one."""
+    assert ray_deploy.main(["up", "--namespace", "advantage-bad", "--replicas", "2", flag, "65535"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "65536 > 65535" in err and "<= 65534" in err
+    ray_deploy._check_local(ray_deploy.server_args([flag, "65534"]), 2)  # 65534, 65535: fits
+    ray_deploy._check_local(ray_deploy.server_args([flag, "65535"]), 1)
+
+
+@pytest.mark.parametrize("flag", ["--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file"])
+def test_cli_unreadable_file_exit_2_before_anything_starts(flag, tmp_path, capsys):
+    missing, present = str(tmp_path / "nonexistent.pem"), tmp_path / "present.pem"
+    present.write_text("readable\n")  # the partner flag's file is there: the error names the missing one
+    argv = {"--tls-cert": ["--tls-key", str(present)], "--tls-key": ["--tls-cert", str(present)]}.get(flag, [])
+    assert ray_deploy.main(["up", "--namespace", "advantage-bad", flag, missing, *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {missing}: cannot read it here" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("grace", ["-5", "nan", "inf", "x"])
+def test_down_bad_grace_exit_2(grace, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ray_deploy.main(["down", "--namespace", "advantage-bad", "--grace", grace])
+    assert exc.value.code == 2 and "--grace" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="grace"):
+        ray_deploy.down(namespace="advantage-bad", grace=float(grace) if grace != "x" else grace)
+
+
 def test_every_server_flag_reaches_the_server():
     """Each ``advantage-server`` flag is a ``create_server`` argument or read by the replica (a new flag that
     neither knows fails here rather than being dropped on Ray)."""
@@ -222,6 +253,118 @@ def test_replica_killed_mid_run_no_failed_request(deployment):
         client.close()
     assert not failures, failures[:3]
     assert not psutil.pid_exists(victim["pid"])
+
+
+def run_while(client, stop: threading.Event, done: list, failures: list, offset: int) -> None:
+    seed = offset
+    while not stop.is_set():
+        try:
+            compute(client, seed)
+            done[0] += 1
+        except BaseException as exc:
+            failures.append(exc)
+        seed += 2
+
+
+def test_only_replica_killed_calls_wait_for_its_restart(cluster):
+    """``up --replicas 1``: the only replica killed (SIGKILL) during calls from two threads. gRPC's retries
+    (about 1.5 s) end before Ray has restarted it, the look-up then finds no live replica: the client looks
+    again until the restarted one answers (within the call's timeout) and sends the call there. No failed call."""
+    name = "solo"
+    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5"], name=name,
+                          namespace=NAMESPACE, num_cpus=0, timeout=120)
+    failures: list[BaseException] = []
+    done = [0]
+    stop = threading.Event()
+    client = AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None, retry=False,
+                                      lookup_timeout=0.3)
+    threads = [threading.Thread(target=run_while, args=(client, stop, done, failures, i)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: done[0] >= 10, 30, "10 requests before the kill")
+        os.kill(infos[0]["pid"], signal.SIGKILL)
+        killed_at = done[0]
+        wait_for(lambda: client.addresses != [infos[0]["address"]], 30, "the client follows the restarted replica")
+        wait_for(lambda: done[0] >= killed_at + 10, 30, "requests after the restart")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        client.close()
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
+    assert not failures, failures[:3]
+
+
+def test_only_replica_killed_asyncio_twin_waits_too(cluster):
+    """The same as the asyncio twin: two tasks calling while the only replica is killed; no failed call."""
+    name = "solo-aio"
+    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5"], name=name,
+                          namespace=NAMESPACE, num_cpus=0, timeout=120)
+    failures: list[BaseException] = []
+    done = [0]
+
+    async def main() -> None:
+        client = await AsyncAdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None,
+                                                     retry=False, lookup_timeout=0.3)
+        stop = asyncio.Event()
+
+        async def run(seed: int) -> None:
+            while not stop.is_set():
+                rewards, expected = batch(seed)
+                try:
+                    result = await client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=rewards, mask=MASK,
+                                                  as_numpy=True)
+                    np.testing.assert_allclose(result.advantages, expected, atol=1e-6)
+                    done[0] += 1
+                except BaseException as exc:
+                    failures.append(exc)
+                seed += 2
+
+        async def until(predicate, timeout: float, what: str) -> None:
+            deadline = time.monotonic() + timeout
+            while not predicate():
+                assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(2)]
+        try:
+            await until(lambda: done[0] >= 10, 30, "10 requests before the kill")
+            os.kill(infos[0]["pid"], signal.SIGKILL)
+            killed_at = done[0]
+            await until(lambda: client.addresses != [infos[0]["address"]], 30, "the client follows the restart")
+            await until(lambda: done[0] >= killed_at + 10, 30, "requests after the restart")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
+    assert not failures, failures[:3]
+
+
+def test_status_shows_a_replica_whose_restarts_are_spent(cluster, capsys):
+    """``--max-restarts 0``: a killed replica is gone from Ray's named actors; status lists it as DEAD and
+    exits 1 saying ``down`` then ``up``; ``down`` clears it."""
+    name = "mortal"
+    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1"], name=name, namespace=NAMESPACE, num_cpus=0,
+                          max_restarts=0, timeout=120)
+    try:
+        assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 0
+        os.kill(infos[0]["pid"], signal.SIGKILL)
+        wait_for(lambda: not ray_discovery.replica_handles(name, NAMESPACE), 30, "Ray forgets the dead replica")
+        assert ray_deploy.status(name, NAMESPACE) == [{"index": 0, "state": "DEAD"}]
+        capsys.readouterr()
+        assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 1
+        out = capsys.readouterr()
+        assert "DEAD" in out.out and "replica(s) 0" in out.err and "down" in out.err and "up" in out.err
+    finally:
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
+    assert ray_deploy.status(name, NAMESPACE) == []
+    assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 1  # nothing up
 
 
 def test_asyncio_twin_spreads_over_both(deployment):

@@ -20,7 +20,10 @@ the replicas' addresses (round_robin over the replicas that report SERVING, UNAV
 on another one: :mod:`advantage_client.channel`), re-read the addresses every ``refresh_s`` seconds (a
 background thread, or task for asyncio) and at once when a call fails with UNAVAILABLE after those retries;
 when the set of addresses changed they build a new client on the new set (calls in progress finish on the
-old one, closed when its last call ends) and the call that failed is sent once more on it.
+old one, closed when its last call ends) and the call that failed is sent once more on it. When that look-up
+finds no live replica (the only one died and Ray is still restarting it: gRPC's retries, about 1.5 s of
+backoff, run out before a restart, 1-2 s), they look again every ``POLL_S`` seconds until one answers or the
+call's own deadline (the client's ``timeout``, else ``wait_s``) is spent, then send the call once more.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ REPLICA_INFIX = "-replica-"
 DEFAULT_REFRESH_S = 10.0
 #: seconds a look-up waits for the replicas' answers (a replica Ray is restarting answers later)
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0
+#: seconds between two look-ups while no replica is alive after a call failed UNAVAILABLE
+POLL_S = 0.2
 
 
 def replica_actor_name(name: str, index: int) -> str:
@@ -177,8 +182,9 @@ class _Lookup:
     def __init__(self, name: str, namespace: str, address: str | None, lookup_timeout: float):
         self.name, self.namespace, self.address, self.lookup_timeout = name, namespace, address, lookup_timeout
 
-    def __call__(self) -> list[str]:
-        return replica_addresses(self.name, self.namespace, address=self.address, timeout=self.lookup_timeout)
+    def __call__(self, timeout: float | None = None) -> list[str]:
+        wait = self.lookup_timeout if timeout is None else max(0.05, min(timeout, self.lookup_timeout))
+        return replica_addresses(self.name, self.namespace, address=self.address, timeout=wait)
 
     def first(self, wait_s: float) -> list[str]:
         """The addresses, looking again until at least one replica answers or ``wait_s`` seconds passed."""
@@ -190,6 +196,14 @@ class _Lookup:
                     raise _none_found(self.name, self.namespace, time.monotonic() - start)
                 return found
             time.sleep(0.25)
+
+
+def _call_deadline(client: Any, method: str, args: tuple, wait_s: float) -> float:
+    """``time.monotonic()`` by which a call that failed UNAVAILABLE must have found a live replica again: its
+    own timeout (``wait_ready``'s argument, else the client's ``timeout``; ``wait_s`` when that is None),
+    counted from now (the failed call's gRPC retries used part of it; the resent call gets its own)."""
+    timeout = args[0] if method == "wait_ready" and args else getattr(client, "timeout", None)
+    return time.monotonic() + (wait_s if timeout is None else float(timeout))
 
 
 class RayClient:
@@ -213,6 +227,7 @@ class RayClient:
         _check(refresh_s, lookup_timeout, wait_s)
         self._factory, self._kwargs = factory, client_kwargs
         self._lookup = _Lookup(name, namespace, address, lookup_timeout)
+        self.wait_s = wait_s
         addresses = self._lookup.first(wait_s)
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -232,15 +247,20 @@ class RayClient:
     def refresh(self) -> bool:
         """Look the addresses up now; when they changed (and some replica answered), switch to a client on the
         new set. Returns whether it switched. A look-up that fails (Ray unreachable) keeps the current set."""
+        return self._refresh()[0]
+
+    def _refresh(self, timeout: float | None = None) -> tuple[bool, bool]:
+        """:meth:`refresh` (look-up waiting ``timeout`` seconds at most); returns (switched, some replica
+        alive)."""
         with self._refresh_lock:
             if self._closed.is_set():
-                return False
+                return False, False
             try:
-                found = self._lookup()
+                found = self._lookup(timeout)
             except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
-                return False
+                return False, False
             if not found or set(found) == set(self._slot.addresses):
-                return False
+                return False, bool(found)
             new = _Slot(self._factory(found, **self._kwargs), found)
             with self._lock:
                 old, self._slot = self._slot, new
@@ -248,7 +268,7 @@ class RayClient:
                 close_old = old.users == 0
             if close_old:
                 old.client.close()
-            return True
+            return True, True
 
     def _refresh_loop(self) -> None:
         while not self._closed.wait(self.refresh_s):
@@ -274,7 +294,7 @@ class RayClient:
         try:
             return getattr(slot.client, method)(*args, **kwargs)
         except AdvantageServiceError as err:
-            if err.code != grpc.StatusCode.UNAVAILABLE or not (self.refresh() or self._slot is not slot):
+            if err.code != grpc.StatusCode.UNAVAILABLE or not self._recover(slot, method, args):
                 raise
         finally:
             self._release(slot)
@@ -283,6 +303,24 @@ class RayClient:
             return getattr(slot.client, method)(*args, **kwargs)
         finally:
             self._release(slot)
+
+    def _recover(self, slot: _Slot, method: str, args: tuple) -> bool:
+        """After a call on ``slot`` failed UNAVAILABLE: whether to send it once more. Yes when the look-up
+        switched to new addresses (or another call did); no when the same replicas are alive (they answered
+        UNAVAILABLE themselves); when no replica is alive, look again every ``POLL_S`` seconds until one is
+        (yes) or the call's deadline is spent (no: the UNAVAILABLE stands)."""
+        deadline = _call_deadline(slot.client, method, args, self.wait_s)
+        switched, alive = self._refresh(deadline - time.monotonic())
+        if switched or self._slot is not slot:
+            return True
+        if alive:
+            return False
+        while not self._closed.is_set() and time.monotonic() + POLL_S < deadline:
+            time.sleep(POLL_S)
+            switched, alive = self._refresh(deadline - time.monotonic())
+            if switched or alive or self._slot is not slot:
+                return True
+        return False
 
     def compute(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`advantage_client.AdvantageClient.compute` on the current replicas."""
@@ -326,8 +364,9 @@ class AsyncRayClient:
     and ``list_estimators`` are coroutines; :meth:`close` too (or ``async with``)."""
 
     def __init__(self, factory: Callable[..., Any], lookup: _Lookup, addresses: list[str],
-                 refresh_s: float | None, client_kwargs: dict[str, Any]):
+                 refresh_s: float | None, client_kwargs: dict[str, Any], wait_s: float = 30.0):
         self._factory, self._kwargs, self._lookup = factory, client_kwargs, lookup
+        self.wait_s = wait_s
         self._slot = _Slot(factory(addresses, **client_kwargs), addresses)
         self._refresh_lock = asyncio.Lock()
         self._closed = False
@@ -344,7 +383,7 @@ class AsyncRayClient:
         _check(refresh_s, lookup_timeout, wait_s)
         lookup = _Lookup(name, namespace, address, lookup_timeout)
         addresses = await asyncio.to_thread(lookup.first, wait_s)
-        return cls(factory, lookup, addresses, refresh_s, client_kwargs)
+        return cls(factory, lookup, addresses, refresh_s, client_kwargs, wait_s)
 
     @property
     def addresses(self) -> list[str]:
@@ -353,20 +392,39 @@ class AsyncRayClient:
 
     async def refresh(self) -> bool:
         """As :meth:`RayClient.refresh`."""
+        return (await self._refresh())[0]
+
+    async def _refresh(self, timeout: float | None = None) -> tuple[bool, bool]:
+        """As :meth:`RayClient._refresh`."""
         async with self._refresh_lock:
             if self._closed:
-                return False
+                return False, False
             try:
-                found = await asyncio.to_thread(self._lookup)
+                found = await asyncio.to_thread(self._lookup, timeout)
             except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
-                return False
+                return False, False
             if not found or set(found) == set(self._slot.addresses):
-                return False
+                return False, bool(found)
             old, self._slot = self._slot, _Slot(self._factory(found, **self._kwargs), found)
             old.retired = True
             if old.users == 0:
                 await old.client.close()
+            return True, True
+
+    async def _recover(self, slot: _Slot, method: str, args: tuple) -> bool:
+        """As :meth:`RayClient._recover`."""
+        deadline = _call_deadline(slot.client, method, args, self.wait_s)
+        switched, alive = await self._refresh(deadline - time.monotonic())
+        if switched or self._slot is not slot:
             return True
+        if alive:
+            return False
+        while not self._closed and time.monotonic() + POLL_S < deadline:
+            await asyncio.sleep(POLL_S)
+            switched, alive = await self._refresh(deadline - time.monotonic())
+            if switched or alive or self._slot is not slot:
+                return True
+        return False
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -386,7 +444,7 @@ class AsyncRayClient:
         try:
             return await getattr(slot.client, method)(*args, **kwargs)
         except AdvantageServiceError as err:
-            if err.code != grpc.StatusCode.UNAVAILABLE or not (await self.refresh() or self._slot is not slot):
+            if err.code != grpc.StatusCode.UNAVAILABLE or not await self._recover(slot, method, args):
                 raise
         finally:
             await self._release(slot)

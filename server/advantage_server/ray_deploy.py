@@ -23,7 +23,8 @@ and shared-memory transports keep working (a Serve proxy hop would carry neither
 service drives the client's round_robin, and the server's limits, TLS and token apply as with any other
 deployment. The files a flag names (TLS, token) must exist on every node a replica may run on.
 
-Errors: ``ValueError`` for a bad option or server flag (before anything is started), ``RuntimeError`` when
+Errors: ``ValueError`` for a bad option or server flag (before anything is started: a fixed port whose last
+replica's port ``P + replicas - 1`` passes 65535, a TLS/CA/token file this process cannot read), ``RuntimeError`` when
 the deployment already exists (``up``) or a replica failed to start (its error; the replicas started by that
 ``up`` are removed), ``ImportError`` without Ray.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -51,6 +53,63 @@ from advantage_client.ray_discovery import (
 _REPLICA_FLAGS = {"host", "port", "device", "auth_token_file", "grace", "log_level", "log_format"}
 #: port flags offset by the replica's index when not 0 (several replicas may share a node)
 _PORT_FLAGS = ("port", "metrics_port", "health_port")
+#: server flags naming a file the replicas read (checked readable here before anything starts)
+_FILE_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+#: key (in Ray's internal key-value store) of the number of replicas ``up`` started, so that ``status`` can
+#: report a replica whose actor Ray has forgotten (restarts spent) as DEAD
+_KV_KEY = "advantage-ray/{namespace}/{name}/replicas"
+
+
+def _check_local(args: argparse.Namespace, replicas: int) -> None:
+    """``ValueError`` naming the flag when a fixed port ``P`` leaves no room for ``P + replicas - 1`` (the last
+    replica's port) or a file flag names a file this process cannot read (TLS, CA, token: checked here so that
+    nothing starts; the replicas read them again on their nodes)."""
+    for flag in _PORT_FLAGS:
+        port = getattr(args, flag, None)
+        if port and port + replicas - 1 > 65535:
+            raise ValueError(f"--{flag.replace('_', '-')} {port} with {replicas} replicas: replica i binds "
+                             f"{port} + i, up to {port + replicas - 1} > 65535; give a port <= {65536 - replicas}")
+    for flag in _FILE_FLAGS:
+        path = getattr(args, flag, None)
+        if path:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot read it here "
+                                 f"({exc.strerror or exc})") from None
+
+
+def _kv(ray: Any) -> Any:
+    """Ray's internal key-value store module, or None where this Ray has none."""
+    try:
+        from ray.experimental import internal_kv
+        return internal_kv if internal_kv._internal_kv_initialized() else None
+    except Exception:  # noqa: BLE001 - an older/newer Ray without it: status then sees live actors only
+        return None
+
+
+def _recorded_replicas(ray: Any, name: str, namespace: str) -> int:
+    kv = _kv(ray)
+    try:
+        value = kv._internal_kv_get(_KV_KEY.format(namespace=namespace, name=name)) if kv else None
+        return int(value) if value else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _record_replicas(ray: Any, name: str, namespace: str, replicas: int | None) -> None:
+    kv = _kv(ray)
+    if kv is None:
+        return
+    key = _KV_KEY.format(namespace=namespace, name=name)
+    try:
+        if replicas is None:
+            kv._internal_kv_del(key)
+        else:
+            kv._internal_kv_put(key, str(int(replicas)), overwrite=True)
+    except Exception:  # noqa: BLE001 - the record only helps status name dead replicas
+        return
 
 
 def server_args(argv: Sequence[str] = ()) -> argparse.Namespace:
@@ -186,11 +245,15 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
         raise ValueError(f"bundle_index: give one index for all replicas or {replicas} (one per replica)")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
         raise ValueError(f"max_restarts={max_restarts!r}: give -1 (always) or an integer >= 0")
-    server_kwargs(server_args(server_argv))  # every flag checked (and files read) here, before anything starts
+    parsed = server_args(server_argv)
+    _check_local(parsed, replicas)  # ports in range, files readable: before anything starts
+    server_kwargs(parsed)  # every flag checked (and the token read) here, before anything starts
     ray = connect(address, namespace)
     if replica_handles(name, namespace):
-        raise RuntimeError(f"deployment {name!r} is already up in Ray namespace {namespace!r}: "
-                           f"`advantage-ray down --name {name} --namespace {namespace}` first")
+        raise RuntimeError(f"deployment {name!r} is already up in Ray namespace {namespace!r} (some replicas may "
+                           f"be dead: `advantage-ray status`): `advantage-ray down --name {name} --namespace "
+                           f"{namespace}` first, then `up` again")
+    _record_replicas(ray, name, namespace, replicas)
     actor_class = ray.remote(Replica)
     handles = []
     for index in range(replicas):
@@ -215,6 +278,7 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
     except Exception as exc:
         for handle in handles:
             ray.kill(handle, no_restart=True)
+        _record_replicas(ray, name, namespace, None)
         if isinstance(exc, ray.exceptions.RayError):
             raise RuntimeError(f"a replica of {name!r} failed to start: {exc}") from None
         raise
@@ -223,8 +287,15 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
 def status(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
            timeout: float = 5.0) -> list[dict[str, Any]]:
     """Each replica's :meth:`Replica.info` plus ``state`` (``ALIVE``, ``PENDING``: being (re)started, or
-    ``DEAD``), by index (:func:`advantage_client.ray_discovery.replica_infos`); empty when none is up."""
-    return replica_infos(name, namespace, address=address, timeout=timeout)
+    ``DEAD``), by index (:func:`advantage_client.ray_discovery.replica_infos`); a replica that ``up`` started
+    but whose actor Ray no longer knows (its restarts, ``max_restarts``, are spent) is ``{"index": i,
+    "state": "DEAD"}`` (``up`` records how many it started in Ray's internal key-value store; ``down``
+    removes the record). Empty when none is up."""
+    ray = connect(address, namespace)
+    infos = replica_infos(name, namespace, address=address, timeout=timeout)
+    seen = {info["index"] for info in infos}
+    dead = [{"index": i, "state": "DEAD"} for i in range(_recorded_replicas(ray, name, namespace)) if i not in seen]
+    return sorted(infos + dead, key=lambda info: info["index"])
 
 
 def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
@@ -232,7 +303,10 @@ def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, addres
     """Drain every replica of ``name`` (calls in progress get ``grace`` seconds), then end its actor for good
     (``ray.kill(no_restart=True)``: its process exits and its port is freed) and wait until Ray has forgotten
     its name (at most ``timeout`` seconds). Returns what :func:`status` reported before; ``[]`` when none
-    was up. Raises ``RuntimeError`` when a replica is still registered after ``timeout``."""
+    was up. Raises ``ValueError`` for a ``grace`` that is not a finite number >= 0 (as the server's
+    ``--grace``), ``RuntimeError`` when a replica is still registered after ``timeout``."""
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
+        raise ValueError(f"grace={grace!r}: give a finite number of seconds >= 0")
     ray = connect(address, namespace)
     before = status(name, namespace, timeout=min(5.0, timeout))
     handles = replica_handles(name, namespace)
@@ -246,11 +320,14 @@ def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, addres
         if time.monotonic() > deadline:
             raise RuntimeError(f"replicas of {name!r} still registered in {namespace!r} after {timeout:g}s")
         time.sleep(0.1)
+    _record_replicas(ray, name, namespace, None)
     return before
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``advantage-ray``'s flags; ``up`` passes every flag it does not know to the servers."""
+    from advantage_server.cli import seconds
+
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--name", default=DEFAULT_NAME, help=f"deployment name (default {DEFAULT_NAME})")
     common.add_argument("--namespace", default=DEFAULT_NAMESPACE,
@@ -277,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[common], allow_abbrev=False, help="each replica's address and state")
     s.add_argument("--json", action="store_true", help="one JSON list instead of a table")
     d = sub.add_parser("down", parents=[common], allow_abbrev=False, help="drain and remove every replica")
-    d.add_argument("--grace", type=float, default=10.0, help="seconds calls in progress get (default 10)")
+    d.add_argument("--grace", type=seconds(allow_zero=True), default=10.0,
+                   help="seconds calls in progress get (default 10)")
     return p
 
 
@@ -290,8 +368,8 @@ def _table(infos: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``advantage-ray up|status|down``: exit 0 on success, 1 when nothing is up (status) or an operation
-    failed, 2 for bad flags."""
+    """``advantage-ray up|status|down``: exit 0 on success, 1 when nothing is up or some replica is not ALIVE
+    (status; DEAD ones need ``down`` then ``up``) or an operation failed, 2 for bad flags."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "up":
@@ -311,7 +389,16 @@ def main(argv: list[str] | None = None) -> int:
             infos = status(args.name, args.namespace, address=args.address)
             print(json.dumps(infos, indent=1) if args.json else _table(infos) if infos
                   else f"no replica of {args.name!r} in namespace {args.namespace!r}")
-            return 0 if infos else 1
+            dead = [str(i["index"]) for i in infos if i["state"] == "DEAD"]
+            pending = [str(i["index"]) for i in infos if i["state"] == "PENDING"]
+            if dead:
+                print(f"advantage-ray: replica(s) {', '.join(dead)} of {args.name!r} DEAD (Ray's restarts spent): "
+                      f"`advantage-ray down --name {args.name} --namespace {args.namespace}` then `advantage-ray "
+                      "up` again", file=sys.stderr)
+            if pending:
+                print(f"advantage-ray: replica(s) {', '.join(pending)} of {args.name!r} PENDING (being restarted "
+                      "by Ray, or busy): run status again", file=sys.stderr)
+            return 0 if infos and not dead and not pending else 1
         infos = down(args.name, args.namespace, address=args.address, grace=args.grace)
         print(f"stopped {len(infos)} replica(s) of {args.name!r} in namespace {args.namespace!r}")
         return 0
