@@ -406,3 +406,39 @@ def test_large_chunks_above_the_minimum_rate_are_never_cut_and_a_trickle_still_i
             cut_at = now
     assert big.span() == 16.0
     assert cut_at is not None and cut_at <= 1.2
+
+
+def test_memfd_regions_count_against_their_process_whatever_the_connection(make_server):
+    """A reviewer took all 256 regions by opening 64 connections (a quota each). A memfd region now counts
+    against the process holding it (its name says memfd:<pid>:<fd>, and the proof shows the caller can write
+    it): with --max-shm-regions-per-client=2, this process's third memfd is refused on a second connection
+    too, while its POSIX segments still count per connection."""
+    import fcntl
+    import os
+    srv = make_server(max_shm_regions_per_client=2)
+    fds = []
+    try:
+        for _ in range(3):
+            fd = os.memfd_create("advantage-shm", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, 4096)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            fds.append(fd)
+
+        def register(stub, fd):
+            name = f"memfd:{os.getpid()}:{fd}"
+            reply = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, byte_size=4096), timeout=10)
+            os.pwrite(fd, reply.challenge, 0)
+            return stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, byte_size=4096,
+                                                                            proof=reply.challenge), timeout=10)
+
+        with _channel(srv.address) as a, _channel(srv.address) as b:
+            stub_a, stub_b = pb_grpc.AdvantageServiceStub(a), pb_grpc.AdvantageServiceStub(b)
+            assert register(stub_a, fds[0]).region_id and register(stub_b, fds[1]).region_id
+            with pytest.raises(grpc.RpcError) as err:
+                register(stub_b, fds[2])
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"pid:{os.getpid()}" in err.value.details()
+            assert "--max-shm-regions-per-client=2" in err.value.details()
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -456,6 +456,21 @@ def tensor_fields(msg: Any) -> dict[str, Any]:
     return out
 
 
+def region_owner(connection: str, name: str) -> str:
+    """Whom a region of segment ``name`` counts against for ``--max-shm-regions-per-client``: for a memfd
+    (``memfd:<pid>:<fd>``) the process holding it, ``pid:<pid>`` (a client opening many connections is still
+    one process: its memfds all carry its pid; the registration's proof shows the caller can write that
+    process's memfd, which only that process, or one of the same user, can); for a POSIX segment the
+    connection (:func:`client_identity`). A malformed memfd name counts against the connection (it is
+    refused before anything is opened). Pending challenges always count against the connection, since the
+    pid in a first step's name is not yet proven."""
+    try:
+        memfd = parse_memfd_name(name)
+    except InvalidInput:
+        memfd = None
+    return f"pid:{memfd[0]}" if memfd is not None else connection
+
+
 def client_identity(context: Any) -> str:
     """The client a shared-memory quota is charged to: gRPC's peer string of the call's connection.
 
@@ -607,7 +622,7 @@ class TransportMethods:
 
     def _client_quota_error(self, client: str, held: int) -> ResourceLimit:
         quota = self.limits.max_shm_regions_per_client
-        return ResourceLimit(f"this client (connection {client}) holds {held} shared-memory regions, the most one "
+        return ResourceLimit(f"this client ({client}) holds {held} shared-memory regions, the most one "
                              f"client may: the server's --max-shm-regions-per-client={quota}; unregister the regions "
                              "it no longer uses (AdvantageClient.close() does), or ask the operator to raise the flag")
 
@@ -640,7 +655,8 @@ class TransportMethods:
         (:meth:`Region.map_if_sealed`): later calls on it read and write in place."""
         self._sweep_regions()
         regions, lock = self._regions()
-        client = client_identity(context)
+        connection = client_identity(context)
+        client = region_owner(connection, request.name)  # memfd regions count against their process
         with lock:
             if len(regions) >= MAX_REGIONS:
                 raise ResourceLimit(f"{MAX_REGIONS} shared-memory regions are registered already; unregister some")
@@ -654,7 +670,7 @@ class TransportMethods:
         if not proof:  # step 1: a challenge the caller must write into the segment (proof of write access)
             # for any well-formed name, without looking the segment up: the answer tells nothing about which
             # names exist in /dev/shm
-            return pb.RegisterSharedMemoryResponse(challenge=self._issue_challenge(client, request.name))
+            return pb.RegisterSharedMemoryResponse(challenge=self._issue_challenge(connection, request.name))
         with lock:  # step 2: the challenge this server issued for this segment, now at its offset 0
             issued_for = self._challenges.pop(proof, (None, None))[1]
         region = None
