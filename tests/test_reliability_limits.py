@@ -368,3 +368,34 @@ def test_readme_lists_every_server_flag():
     documented = {flag for cell in first_cells for flag in re.findall(r"`(--[a-z0-9-]+)`", cell)}
     accepted = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
     assert documented == accepted, (sorted(accepted - documented), sorted(documented - accepted))
+
+
+def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
+    """Resident memory stays high (a burst's buffers still in use): the trimmer used to adopt that level after
+    5 fruitless trims and never trim again, so memory freed later stayed resident. Now it keeps trying, less
+    often (1, 2, 4 ... 30 intervals), runs a full garbage collection when a trim frees nothing, and comes
+    back down once the memory is freed."""
+    from advantage_server import limits
+    mib = 1 << 20
+    level = [100 * mib]
+    monkeypatch.setattr(limits, "_resident_bytes", lambda: level[0])
+    collections = []
+    monkeypatch.setattr(limits.gc, "collect", lambda *a: collections.append(1) or 0)
+    trimmer = limits.MemoryTrimmer(interval=0.01, step=64 * mib)
+    trims = []
+    trimmer._trim = lambda pad: trims.append(level[0])
+    trimmer.start()
+    try:
+        time.sleep(0.05)
+        level[0] = 900 * mib  # held: no trim brings it down
+        deadline = time.monotonic() + 10
+        while len(collections) < 7 and time.monotonic() < deadline:  # attempts: the old trimmer stopped after 5
+            time.sleep(0.01)
+        assert len(collections) >= 7 and len(trims) >= 14  # each attempt: trim, collect, trim again
+        level[0] = 120 * mib  # freed: back under floor + step, no more trims
+        time.sleep(0.5)
+        settled = len(trims)
+        time.sleep(0.3)
+        assert len(trims) == settled
+    finally:
+        trimmer.stop()

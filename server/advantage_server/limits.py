@@ -470,9 +470,13 @@ def _cancel_with_status(context: Any, exc: ResourceLimit) -> None:
 
 # ------------------------------------------------------------------------------ memory
 def _resident_bytes() -> int | None:
+    """Resident bytes the heap trim can act on: resident minus resident shared pages (``/proc/self/statm``
+    fields 2 - 3). Shared pages are files and shared memory (libraries, and the clients' memfd regions the
+    server maps: touched, they count as resident, but no trim gives them back); None without /proc."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
 
