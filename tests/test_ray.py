@@ -1,7 +1,7 @@
 """The service on a real local Ray cluster (issue #14): ``advantage-ray`` / ``advantage_server.ray_deploy`` and
 ``AdvantageClient.from_ray`` / ``AsyncAdvantageClient.from_ray`` (``advantage_client.ray_discovery``).
 
-One Ray cluster for the module (``ray.init(num_cpus=2)``, no dashboard) and one deployment of two replicas
+One Ray cluster for the module (``ray start --head --num-cpus=2``, no dashboard, this process its driver) and one deployment of two replicas
 (one CPU each) that the tests use in order: requests spread over both (each replica's own count of the calls
 it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from two threads with no
 failed request, Ray restarting it on a new port and the client reaching the new one, the asyncio twin, and
@@ -12,11 +12,14 @@ one with ``max_restarts=0`` that ``status`` must report DEAD, and the flags refu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -72,11 +75,91 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"not within {timeout}s: {what}")
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ray_logs(temp_dir: str, lines: int = 15) -> str:
+    """The last lines of the head's own logs, for a start that failed."""
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    out = []
+    for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err"):
+        try:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError as err:
+            tail = [f"({err})\n"]
+        out.append(f"--- {name}\n" + "".join(line[:300] for line in tail))
+    return "\n".join(out)
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """``ray start --block`` stops the head's processes when it gets SIGTERM; whatever is left in its process
+    group is killed (never ``ray stop``, which stops every Ray cluster of this machine)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def start_head(tmp: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """A one-node Ray cluster in processes of its own, as a trainer's node runs one (``ray start --head``),
+    two CPUs, no dashboard, no token (``RAY_AUTH_MODE=disabled``, so the CLI runs below reach it as they are).
+
+    Not ``ray.init()`` in the pytest process: on a loaded 2-core machine Ray's start-up (which gives its raylet a
+    fixed 30 s to register) timed out once in CI at the end of the suite and once here; a start that fails is
+    retried, its processes killed, and the head's log tails end up in the error of the last try."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    errors = []
+    for attempt in range(attempts):
+        port = _free_port()
+        temp_dir = os.path.join(tmp, f"ray{attempt}")
+        log_path = os.path.join(tmp, f"ray-start-{attempt}.log")
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                 "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false", f"--temp-dir={temp_dir}",
+                 "--disable-usage-stats"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            with open(log_path, "rb") as f:
+                if b"Ray runtime started" in f.read():
+                    return proc, f"127.0.0.1:{port}"
+            time.sleep(0.25)
+        _stop_head(proc)
+        with open(log_path, errors="replace") as f:
+            said = f.read()[-3000:]
+        errors.append(f"try {attempt + 1}: ray start exited {proc.returncode}\n{said}\n{_ray_logs(temp_dir)}")
+        print(f"[ray] head start failed, try {attempt + 1} of {attempts}", file=sys.stderr)
+    raise RuntimeError("a local Ray head did not start:\n" + "\n\n".join(errors))
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="advantage-test-driver")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it (108-byte limit)
+    proc, address = start_head(tmp)
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's ray.init(address=...) and from_ray's, as the head
+    try:
+        ray.init(address=address, log_to_driver=False, namespace="advantage-test-driver")
+        yield address
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+        _stop_head(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
