@@ -1,13 +1,14 @@
 """The service on a real local Ray cluster (issue #14): ``advantage-ray`` / ``advantage_server.ray_deploy`` and
 ``AdvantageClient.from_ray`` / ``AsyncAdvantageClient.from_ray`` (``advantage_client.ray_discovery``).
 
-One Ray cluster for the module (``ray start --head --num-cpus=2``, no dashboard, this process its driver) and one deployment of two replicas
-(one CPU each) that the tests use in order: requests spread over both (each replica's own count of the calls
-it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from two threads with no
-failed request, Ray restarting it on a new port and the client reaching the new one, the asyncio twin, and
-``advantage-ray down`` leaving no replica process, port or actor name behind. Beside it (no CPU reserved):
-one-replica deployments whose only replica is killed (the client waits for Ray's restart instead of failing),
-one with ``max_restarts=0`` that ``status`` must report DEAD, and the flags refused before anything starts.
+One Ray cluster for the module (``ray start --head --num-cpus=2``, no dashboard, this process its driver) and one
+deployment of two replicas (one CPU each) that the tests use in order: requests spread over both (each replica's
+own count of the calls it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from
+two threads with no failed request, Ray restarting it on a new port and the client reaching the new one, the
+asyncio twin, and ``advantage-ray down`` leaving no replica process, port or actor name behind. Beside it (no CPU
+reserved): one-replica deployments whose only replica is killed (the client waits for Ray's restart instead of
+failing), one with ``max_restarts=0`` that ``status`` must report DEAD, and the flags refused before anything
+starts.
 """
 from __future__ import annotations
 
@@ -146,7 +147,11 @@ def start_head(tmp: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def cluster():
     tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it (108-byte limit)
-    proc, address = start_head(tmp)
+    try:
+        proc, address = start_head(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's ray.init(address=...) and from_ray's, as the head
     try:
