@@ -11,7 +11,6 @@ import gc
 import math
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 from multiprocessing import shared_memory
@@ -22,14 +21,9 @@ import pytest
 import torch
 from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from test_server_cli import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ advantage-server flags
@@ -80,7 +74,7 @@ def test_resolve_device_names_the_devices_the_server_runs_on():
 
 # ------------------------------------------------------------------------------ client errors with a hint
 def test_nothing_listening_names_the_target_and_what_to_do():
-    target = f"localhost:{_free_port()}"
+    target = f"localhost:{free_port()}"
     with AdvantageClient(target, timeout=10.0, retry=False) as client:
         for call in (client.list_estimators,
                      lambda: client.compute("grpo", None, transport="unary", prompt_ids=torch.tensor([0, 0]),

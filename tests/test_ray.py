@@ -39,6 +39,7 @@ from advantage_client import (
     ray_discovery,
 )
 from advantage_server import ray_deploy
+from test_server_cli import free_port
 
 NAMESPACE = "advantage-test"
 CONFIG = {"normalize_rewards": False, "use_leave_one_out_baseline": False}
@@ -74,12 +75,6 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"not within {timeout}s: {what}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ray_logs(temp_dir: str, lines: int = 15) -> str:
@@ -120,7 +115,7 @@ def start_head(tmp: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     errors = []
     for attempt in range(attempts):
-        port = _free_port()
+        port = free_port()
         temp_dir = os.path.join(tmp, f"ray{attempt}")
         log_path = os.path.join(tmp, f"ray-start-{attempt}.log")
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
