@@ -401,3 +401,43 @@ def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
         assert len(trims) == settled
     finally:
         trimmer.stop()
+
+
+class _FakeContext:
+    """What ``grpc_liveness`` reads of a ``grpc.ServicerContext``, with a count of the locked asks."""
+
+    def __init__(self, remaining):
+        self.remaining, self.active, self.asks = remaining, True, 0
+
+    def time_remaining(self):
+        return self.remaining
+
+    def is_active(self):
+        self.asks += 1
+        return self.active
+
+
+def test_liveness_asks_grpc_at_most_once_a_period_and_sees_the_deadline_at_every_check(monkeypatch):
+    from advantage_server import limits
+    clock = [100.0]
+    monkeypatch.setattr(limits.time, "monotonic", lambda: clock[0])
+    context = _FakeContext(remaining=0.5)
+    check = limits.grpc_liveness(context)
+    for _ in range(12):  # a small call's stages, microseconds apart: one ask
+        check("stage")
+    assert context.asks == 1
+    clock[0] += limits.LIVENESS_PERIOD
+    context.active = False  # the client cancelled
+    with pytest.raises(limits.RequestExpired) as exc:
+        check("later")
+    assert context.asks == 2 and not exc.value.deadline and "cancelled" in str(exc.value)
+    context.active = True
+    clock[0] += 0.5  # the deadline (read once, at 0.5 s) has passed: refused without asking gRPC
+    with pytest.raises(limits.RequestExpired) as exc:
+        check("at the deadline")
+    assert exc.value.deadline and context.asks == 2
+    no_deadline = _FakeContext(remaining=None)
+    check = limits.grpc_liveness(no_deadline)
+    clock[0] += 1e6
+    check("no deadline")
+    assert no_deadline.asks == 1
