@@ -95,10 +95,11 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
     check_mask_columns(tensors)
     mask = tensors.get("mask")
     columns, mask_columns = None, 0
+    own_mask = None  # a bool mask this call made itself (the compaction's): the rebuild may keep it uncopied
     if compact and mask is not None and "lengths" not in tensors:
         small = masks.compact_mask(mask, tensors, prefix=cu_seqlens is None and as_lengths)
         if small is not None:
-            mask = small.bool_mask
+            mask = own_mask = small.bool_mask
             if small.lengths is not None:
                 del tensors["mask"]
                 tensors["lengths"] = small.lengths
@@ -116,8 +117,11 @@ def prepare_call(estimator: str, config: Any, output_dtype: Any, cu_seqlens: Any
     pieces = streaming.build_request_pieces(estimator, config, output_dtype, cu_seqlens, per_sample=ask,
                                             mask_columns=mask_columns, **tensors)
     # the rebuild of a per-sample answer reads the mask that was sent, never the caller's object, which the
-    # caller may reuse (write the next batch into) while the call is in flight: a bool snapshot of it
-    snapshot = _mask_snapshot(mask) if ask and mask is not None else None
+    # caller may reuse (write the next batch into) while the call is in flight: a bool snapshot of it (the
+    # compaction's bool mask is a new array already, nobody else's)
+    snapshot = None
+    if ask and mask is not None:
+        snapshot = layout.bool_mask(own_mask, like=np.empty(0)) if own_mask is not None else _mask_snapshot(mask)
     return PreparedCall(streaming.Request(pieces), per_sample, snapshot, columns, own_lengths,
                         sent_lengths=own_lengths is None and "lengths" in tensors)
 
