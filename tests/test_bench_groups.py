@@ -51,3 +51,39 @@ def test_groups_section_runs_and_prints_its_columns(tmp_path):
     # values a group, so the response per logical call stays near the single call's)
     co = {r["callers"]: r for r in rows if r["impl"] == "service unary, asyncio client, coalesced"}
     assert co[1]["bytes_in"] == small["bytes_in"] and co[1]["bytes_out"] == small["bytes_out"]
+
+
+def test_floor_probe_work_only_arithmetic_is_the_services():
+    """The floor probe's work-only server computes what the service answers (NeMo RL GRPO, default config,
+    one group: leave-one-out baseline and std), tied groups included, so its row is a floor of the same work."""
+    import numpy as np
+    import torch
+    from advantage_client.client import prepare_call
+    from advantage_client.proto import advantage_pb2 as pb
+    from advantage_server.bench import floor
+    from advantage_server.core import AdvantageCore
+    core = AdvantageCore("cpu")
+    gen = torch.Generator().manual_seed(3)
+    for rewards in (torch.randn(16, generator=gen), (torch.rand(16, generator=gen) < 0.5).float(),
+                    torch.ones(16), torch.tensor([1.0] + [0.0] * 15)):
+        mask = (torch.rand(16, 64, generator=gen) < 0.7).float()
+        tensors = {"prompt_ids": torch.zeros(16, dtype=torch.int64), "rewards": rewards, "mask": mask}
+        want = core.run("grpo", {}, tensors).advantages
+        request = prepare_call("grpo", {}, None, None, False, dict(tensors)).request.tobytes()
+        reply = floor.work_only_answer(request)
+        assert pb.AdvantageResult.FromString(reply).layout == pb.RESULT_LAYOUT_BROADCAST
+        own, bool_mask = floor.work_only_request(rewards.numpy(), tensors["prompt_ids"].numpy(), mask.numpy())
+        assert np.array_equal(bool_mask, mask.numpy() != 0)
+        got = floor.work_only_result(floor.work_only_answer(own), bool_mask)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_floor_probe_runs_and_prints_every_row():
+    cmd = [sys.executable, "-m", "advantage_server.bench.floor", "--rounds", "1", "--calls", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("echo (the same bytes, [B] answer)", "work-only server", "service", "work-only client + "
+                "work-only server", "sync client + service", "asyncio client + service", "client work, work-only"):
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(row)), None)
+        assert line is not None, (row, proc.stdout)
+        assert float(line[len(row):].split()[0]) > 0, line
