@@ -84,6 +84,9 @@ def test_nothing_listening_names_the_target_and_what_to_do():
             err = exc.value
             assert err.code == grpc.StatusCode.UNAVAILABLE and type(err) is AdvantageServiceError
             assert target in str(err) and "start advantage-server" in str(err), str(err)
+            # what to do comes first, gRPC's own text (whose first status word is "UNKNOWN") after it
+            assert str(err).startswith(f"no advantage service answered at {target}:"), str(err)
+            assert "(gRPC: " in str(err), str(err)
 
 
 @pytest.mark.parametrize("target", ["http://localhost:50051", "https://localhost:50051/", "grpc://10.0.0.1:50051",

@@ -72,11 +72,13 @@ class InvalidArgumentError(AdvantageServiceError, ValueError):
 
 
 def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
-    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (gRPC's own text names
-    the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and DEADLINE_EXCEEDED."""
+    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (what to do first, then
+    gRPC's own text, which names the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and
+    DEADLINE_EXCEEDED."""
     if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
-        return (f"{message} (no advantage service answered at {target}: start advantage-server there, or check "
-                "the address and port and that the server is running and reachable)")
+        # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
+        return (f"no advantage service answered at {target}: start advantage-server there, or check the address "
+                f"and port and that the server is running and reachable (gRPC: {message})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
         return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
                 "timeout= to the client, or timeout=None for no deadline)")
