@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import threading
 import time
@@ -12,6 +13,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from advantage_client import AdvantageClient, AdvantageServiceError
@@ -266,3 +268,29 @@ def test_json_log_records_carry_the_call_context():
     assert (inside["request_id"], inside["method"], inside["estimator"]) == ("r-1", "ComputeAdvantage", "gae")
     assert inside["shape"] == "[2, 3]" and inside["time"].endswith("Z")
     assert failed["request_id"] == "r-1" and "ValueError: boom" in failed["exception"]
+
+
+def test_cpu_memory_gauge_counts_mapped_shared_memory_apart_from_resident():
+    """A client's shared-memory region mapped and touched by the server is ``kind="shared_memory"``, not the
+    server's resident memory (before: /proc/self/statm's resident set, which counts those pages too)."""
+    import mmap
+    from advantage_server.metrics import DeviceMemoryCollector
+    collector = DeviceMemoryCollector(torch.device("cpu"))
+
+    def kinds() -> dict[str, float]:
+        return {s.labels["kind"]: s.value for family in collector.collect() for s in family.samples}
+
+    before = kinds()
+    assert set(before) == {"resident", "shared_memory"} and before["resident"] > 1e6
+    size = 64 << 20
+    fd = os.memfd_create("metrics-test")
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as region:
+            for offset in range(0, size, mmap.PAGESIZE):
+                region[offset] = 1  # touch every page
+            during = kinds()
+    finally:
+        os.close(fd)
+    assert during["shared_memory"] - before["shared_memory"] >= size * 0.95, (before, during)
+    assert during["resident"] - before["resident"] < 8 << 20, (before, during)

@@ -25,8 +25,11 @@ wraps each unary ``advantage.v1.AdvantageService`` call:
   estimator field (``grpo``, ``gae``, ...), ``none`` when the request names none (or for
   ``ListEstimators``), ``invalid`` when its bytes are not a protobuf message. Sizes are the serialized
   message bytes; the duration runs from the request bytes to the serialized response. Device memory:
-  ``kind="allocated"`` and ``"reserved"`` (PyTorch's caching allocator) on a CUDA device,
-  ``kind="resident"`` (the process's resident set) on the CPU.
+  ``kind="allocated"`` and ``"reserved"`` (PyTorch's caching allocator) on a CUDA device; on the CPU
+  ``kind="resident"``, the server's own resident memory (heap, tensors, libraries: ``RssAnon + RssFile`` of
+  ``/proc/self/status``), and ``kind="shared_memory"``, the touched pages of the shared memory it has mapped
+  (``RssShmem``: the clients' registered regions, which the clients own and free; counted apart so that a
+  client's large region does not read as the server's memory growing).
 
 :class:`HealthPort` serves only ``grpc.health.v1.Health``, in plaintext, on a second port (``--health-port``),
 sharing the main server's health states (NOT_SERVING while draining): the kubelet's native gRPC probes
@@ -35,7 +38,6 @@ speak neither TLS nor bearer tokens, so they cannot check a TLS main port.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import time
 import uuid
@@ -66,7 +68,9 @@ class DeviceMemoryCollector:
     def collect(self) -> Iterable[GaugeMetricFamily]:
         family = GaugeMetricFamily("advantage_device_memory_bytes",
                                    "Memory in use on the server's compute device: allocated and reserved by "
-                                   "PyTorch's CUDA caching allocator, or the process's resident set on the CPU",
+                                   "PyTorch's CUDA caching allocator; on the CPU the process's resident set "
+                                   "without shared memory (resident) and the clients' shared-memory regions it "
+                                   "has mapped and touched (shared_memory)",
                                    labels=["device", "kind"])
         name = str(self.device)
         if self.device.type == "cuda":
@@ -74,18 +78,28 @@ class DeviceMemoryCollector:
                 family.add_metric([name, "allocated"], float(torch.cuda.memory_allocated(self.device)))
                 family.add_metric([name, "reserved"], float(torch.cuda.memory_reserved(self.device)))
         else:
-            rss = _resident_bytes()
-            if rss is not None:
-                family.add_metric([name, "resident"], float(rss))
+            for kind, value in resident_memory().items():
+                family.add_metric([name, kind], float(value))
         yield family
 
 
-def _resident_bytes() -> int | None:
+def resident_memory() -> dict[str, int]:
+    """``{"resident": bytes, "shared_memory": bytes}`` of this process (see the module docstring): the
+    resident set without shared memory, and the resident shared memory (``/proc/self/status`` ``RssAnon +
+    RssFile`` and ``RssShmem``, Linux 4.5+); ``{"resident": VmRSS}`` where the split is missing; ``{}``
+    without /proc."""
+    fields: dict[str, int] = {}
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                key, _, rest = line.partition(b":")
+                if key in (b"VmRSS", b"RssAnon", b"RssFile", b"RssShmem"):
+                    fields[key.decode()] = int(rest.split()[0]) * 1024  # kB
     except (OSError, ValueError, IndexError):
-        return None
+        return {}
+    if {"RssAnon", "RssFile", "RssShmem"} <= fields.keys():
+        return {"resident": fields["RssAnon"] + fields["RssFile"], "shared_memory": fields["RssShmem"]}
+    return {"resident": fields["VmRSS"]} if "VmRSS" in fields else {}
 
 
 class ServerMetrics:
