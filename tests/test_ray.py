@@ -379,6 +379,40 @@ def test_only_replica_killed_calls_wait_for_its_restart(cluster):
     assert not failures, failures[:3]
 
 
+def test_only_replica_on_a_fixed_port_killed_no_failed_call(cluster):
+    """``up --replicas 1 --port P``: Ray restarts the killed replica on the same port P, so its address does not
+    change. The client tells the restarted process from the old one (its pid in ``info()``), builds a fresh
+    client on the same address and sends the calls that failed meanwhile once more: no failed call, whether the
+    look-up after the failure finds the replica still restarting or already back."""
+    name = "fixed"
+    port = free_port()
+    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5", "--port", str(port)], name=name,
+                          namespace=NAMESPACE, num_cpus=0, timeout=120)
+    assert infos[0]["address"].endswith(f":{port}")
+    failures: list[BaseException] = []
+    done = [0]
+    stop = threading.Event()
+    client = AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None, lookup_timeout=0.3)
+    threads = [threading.Thread(target=run_while, args=(client, stop, done, failures, i)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: done[0] >= 10, 30, "10 requests before the kill")
+        os.kill(infos[0]["pid"], signal.SIGKILL)
+        killed_at = done[0]
+        wait_for(lambda: f"/{infos[0]['pid']}/" not in next(iter(client._slot.found.values())), 30,
+                 "the client follows the replica restarted on the same port")
+        wait_for(lambda: done[0] >= killed_at + 10, 30, "requests after the restart")
+        assert client.addresses == [infos[0]["address"]]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        client.close()
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
+    assert not failures, failures[:3]
+
+
 def test_only_replica_killed_asyncio_twin_waits_too(cluster):
     """The same as the asyncio twin: two tasks calling while the only replica is killed; no failed call."""
     name = "solo-aio"

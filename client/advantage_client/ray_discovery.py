@@ -19,8 +19,10 @@ client module (the client classes are handed in), so nothing here imports anythi
 the replicas' addresses (round_robin over the replicas that report SERVING, UNAVAILABLE retried with backoff
 on another one: :mod:`advantage_client.channel`), re-read the addresses every ``refresh_s`` seconds (a
 background thread, or task for asyncio) and at once when a call fails with UNAVAILABLE after those retries;
-when the set of addresses changed they build a new client on the new set (calls in progress finish on the
-old one, closed when its last call ends) and the call that failed is sent once more on it. When that look-up
+when the set of addresses changed, or a replica answers from a new process at its old address (Ray restarted
+it on a fixed ``--port``; told apart by the pid and start time in its ``info()``), they build a new client on
+the new set (calls in progress finish on the old one, closed when its last call ends) and the call that failed
+is sent once more on it. When that look-up
 finds no live replica (the only one died and Ray is still restarting it: gRPC's retries, about 1.5 s of
 backoff, run out before a restart, 1-2 s), they look again every ``POLL_S`` seconds until one answers or the
 call's own deadline (the client's ``timeout``, else ``wait_s``) is spent, then send the call once more.
@@ -150,6 +152,16 @@ def replica_addresses(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPA
                   if info["state"] == "ALIVE" and info.get("serving", True))
 
 
+def replica_incarnations(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *,
+                         address: str | None = None, timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> dict[str, str]:
+    """``{"host:port": incarnation}`` of the replicas :func:`replica_addresses` lists, where the incarnation
+    (``"<node_id>/<pid>/<started_at>"``) tells a replica restarted on the same address (a fixed ``--port``)
+    from the process that was there before."""
+    return {info["address"]: f"{info.get('node_id')}/{info.get('pid')}/{info.get('started_at')}"
+            for info in replica_infos(name, namespace, address=address, timeout=timeout)
+            if info["state"] == "ALIVE" and info.get("serving", True)}
+
+
 def _none_found(name: str, namespace: str, waited: float) -> AdvantageServiceError:
     return AdvantageServiceError(
         grpc.StatusCode.UNAVAILABLE,
@@ -168,12 +180,22 @@ def _check(refresh_s: float | None, lookup_timeout: float, wait_s: float) -> Non
 
 
 class _Slot:
-    """One inner client and the calls using it; ``retired`` once a newer address set replaced it."""
+    """One inner client and the calls using it, built on ``found`` (:func:`replica_incarnations`);
+    ``retired`` once a newer look-up replaced it."""
 
-    __slots__ = ("client", "addresses", "users", "retired")
+    __slots__ = ("client", "found", "addresses", "users", "retired")
 
-    def __init__(self, client: Any, addresses: list[str]):
-        self.client, self.addresses, self.users, self.retired = client, addresses, 0, False
+    def __init__(self, factory: Callable[..., Any], found: dict[str, str], client_kwargs: dict[str, Any]):
+        self.found = dict(found)
+        self.addresses = sorted(found)
+        self.client = factory(self.addresses, **client_kwargs)
+        self.users, self.retired = 0, False
+
+    def current(self, found: dict[str, str]) -> bool:
+        """Whether a look-up's answer is what this client was built on: the same replica processes at the same
+        addresses. A replica Ray restarted on the same address (a fixed ``--port``) is a new process: the
+        client is rebuilt (a fresh channel) and a call that failed while it was down is sent once more."""
+        return found == self.found
 
 
 class _Lookup:
@@ -182,11 +204,12 @@ class _Lookup:
     def __init__(self, name: str, namespace: str, address: str | None, lookup_timeout: float):
         self.name, self.namespace, self.address, self.lookup_timeout = name, namespace, address, lookup_timeout
 
-    def __call__(self, timeout: float | None = None) -> list[str]:
+    def __call__(self, timeout: float | None = None) -> dict[str, str]:
+        """:func:`replica_incarnations`, waiting ``timeout`` seconds at most (``lookup_timeout`` when None)."""
         wait = self.lookup_timeout if timeout is None else max(0.05, min(timeout, self.lookup_timeout))
-        return replica_addresses(self.name, self.namespace, address=self.address, timeout=wait)
+        return replica_incarnations(self.name, self.namespace, address=self.address, timeout=wait)
 
-    def first(self, wait_s: float) -> list[str]:
+    def first(self, wait_s: float) -> dict[str, str]:
         """The addresses, looking again until at least one replica answers or ``wait_s`` seconds passed."""
         start = time.monotonic()
         while True:
@@ -228,10 +251,10 @@ class RayClient:
         self._factory, self._kwargs = factory, client_kwargs
         self._lookup = _Lookup(name, namespace, address, lookup_timeout)
         self.wait_s = wait_s
-        addresses = self._lookup.first(wait_s)
+        found = self._lookup.first(wait_s)
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
-        self._slot = _Slot(factory(addresses, **client_kwargs), addresses)
+        self._slot = _Slot(factory, found, client_kwargs)
         self._closed = threading.Event()
         self.refresh_s = refresh_s
         self._thread: threading.Thread | None = None
@@ -245,8 +268,9 @@ class RayClient:
         return list(self._slot.addresses)
 
     def refresh(self) -> bool:
-        """Look the addresses up now; when they changed (and some replica answered), switch to a client on the
-        new set. Returns whether it switched. A look-up that fails (Ray unreachable) keeps the current set."""
+        """Look the addresses up now; when they changed (and some replica answered), or a replica was restarted
+        on its old address, switch to a client on the new set. Returns whether it switched. A look-up that
+        fails (Ray unreachable) keeps the current set."""
         return self._refresh()[0]
 
     def _refresh(self, timeout: float | None = None) -> tuple[bool, bool]:
@@ -259,9 +283,9 @@ class RayClient:
                 found = self._lookup(timeout)
             except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
                 return False, False
-            if not found or set(found) == set(self._slot.addresses):
+            if not found or self._slot.current(found):
                 return False, bool(found)
-            new = _Slot(self._factory(found, **self._kwargs), found)
+            new = _Slot(self._factory, found, self._kwargs)
             with self._lock:
                 old, self._slot = self._slot, new
                 old.retired = True
@@ -306,8 +330,8 @@ class RayClient:
 
     def _recover(self, slot: _Slot, method: str, args: tuple) -> bool:
         """After a call on ``slot`` failed UNAVAILABLE: whether to send it once more. Yes when the look-up
-        switched to new addresses (or another call did); no when the same replicas are alive (they answered
-        UNAVAILABLE themselves); when no replica is alive, look again every ``POLL_S`` seconds until one is
+        switched to new addresses or to a replica restarted on its old one (or another call did); no when the
+        same replica processes are alive (they answered UNAVAILABLE themselves); when no replica is alive, look again every ``POLL_S`` seconds until one is
         (yes) or the call's deadline is spent (no: the UNAVAILABLE stands)."""
         deadline = _call_deadline(slot.client, method, args, self.wait_s)
         switched, alive = self._refresh(deadline - time.monotonic())
@@ -363,11 +387,11 @@ class AsyncRayClient:
     periodic one as a task of the loop that created it; create and use it inside one event loop. ``compute``
     and ``list_estimators`` are coroutines; :meth:`close` too (or ``async with``)."""
 
-    def __init__(self, factory: Callable[..., Any], lookup: _Lookup, addresses: list[str],
+    def __init__(self, factory: Callable[..., Any], lookup: _Lookup, found: dict[str, str],
                  refresh_s: float | None, client_kwargs: dict[str, Any], wait_s: float = 30.0):
         self._factory, self._kwargs, self._lookup = factory, client_kwargs, lookup
         self.wait_s = wait_s
-        self._slot = _Slot(factory(addresses, **client_kwargs), addresses)
+        self._slot = _Slot(factory, found, client_kwargs)
         self._refresh_lock = asyncio.Lock()
         self._closed = False
         self.refresh_s = refresh_s
@@ -382,8 +406,8 @@ class AsyncRayClient:
         as :class:`RayClient`."""
         _check(refresh_s, lookup_timeout, wait_s)
         lookup = _Lookup(name, namespace, address, lookup_timeout)
-        addresses = await asyncio.to_thread(lookup.first, wait_s)
-        return cls(factory, lookup, addresses, refresh_s, client_kwargs, wait_s)
+        found = await asyncio.to_thread(lookup.first, wait_s)
+        return cls(factory, lookup, found, refresh_s, client_kwargs, wait_s)
 
     @property
     def addresses(self) -> list[str]:
@@ -403,9 +427,9 @@ class AsyncRayClient:
                 found = await asyncio.to_thread(self._lookup, timeout)
             except Exception:  # noqa: BLE001 - Ray down or restarting: keep what works
                 return False, False
-            if not found or set(found) == set(self._slot.addresses):
+            if not found or self._slot.current(found):
                 return False, bool(found)
-            old, self._slot = self._slot, _Slot(self._factory(found, **self._kwargs), found)
+            old, self._slot = self._slot, _Slot(self._factory, found, self._kwargs)
             old.retired = True
             if old.users == 0:
                 await old.client.close()
