@@ -16,6 +16,8 @@ floor:
   checked to be 0/1 and sent as one byte per token, the request written by upb, the ``[B]`` answer parsed
   and broadcast back to the dense ``[B, T]`` tensor times the mask) over a plain channel: the Python floor
   of the whole call;
+* ``work-only client, bool mask given``: the same when the trainer hands over a bool mask (no 0/1 check, no
+  conversion): the least client work a call can take;
 * ``sync client`` and ``asyncio client``: :class:`~advantage_client.AdvantageClient` /
   :class:`~advantage_client.AsyncAdvantageClient` (``compute(...)`` as a trainer calls it) on the service.
 
@@ -84,11 +86,14 @@ def serve_work_only() -> None:
 
 # ------------------------------------------------------------------------------ the work-only client
 def work_only_request(rewards: np.ndarray, prompt_ids: np.ndarray, mask: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """The work-only client's request (mask checked to hold 0/1 only, sent as bool) and its bool mask."""
+    """The work-only client's request and its bool mask: a float mask checked to hold 0/1 only and sent as
+    bool; a bool mask sent as it is (nothing to check)."""
     from advantage_client.proto import advantage_pb2 as pb
-    b = mask.astype(np.bool_)
-    if not np.array_equal(b, mask):
-        raise ValueError("mask holds values other than 0 and 1")
+    b = mask
+    if mask.dtype != np.bool_:
+        b = mask.astype(np.bool_)
+        if not np.array_equal(b, mask):
+            raise ValueError("mask holds values other than 0 and 1")
     req = pb.ComputeAdvantageRequest(per_sample=True)
     req.grpo.SetInParent()
     for key, value, code in (("mask", b, pb.DTYPE_BOOL), ("prompt_ids", prompt_ids, pb.DTYPE_INT64),
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             "service": lambda: to_service(request),
             "work-only client + work-only server": lambda: work_only_result(
                 to_work(work_only_request(np_in["rewards"], np_in["prompt_ids"], np_in["mask"])[0]), own_mask),
+            "work-only client, bool mask given + work-only server": lambda: work_only_result(
+                to_work(work_only_request(np_in["rewards"], np_in["prompt_ids"], own_mask)[0]), own_mask),
             "work-only client + service": lambda: work_only_result(
                 to_service(work_only_request(np_in["rewards"], np_in["prompt_ids"], np_in["mask"])[0]), own_mask),
             "sync client + service": lambda: sync.compute("grpo", config, **tensors),
