@@ -38,6 +38,7 @@ class FakeClient:
 
     def __init__(self, addresses: list[str], **kwargs):
         self.addresses, self.timeout, self.closed = list(addresses), kwargs.get("timeout", 5.0), False
+        self.channel_options = kwargs.get("channel_options")
         FakeClient.built.append(self)
 
     def _answer(self) -> list[str]:
@@ -86,6 +87,10 @@ def test_replica_restarted_on_its_fixed_port_gets_the_failed_call_resent(monkeyp
         assert client.compute("grpo") == [ADDRESS]
         assert len(FakeClient.built) == 2 and first.closed, "a new client on the same address, the old closed"
         assert client.addresses == [ADDRESS]
+        # each client gets connections of its own: with gRPC's process-wide pool the new client would reuse the
+        # old one's connection to the address, still in its reconnect backoff
+        for built in FakeClient.built:
+            assert ("grpc.use_local_subchannel_pool", 1) in built.channel_options
     finally:
         client.close()
 
@@ -108,8 +113,11 @@ def test_same_process_answering_unavailable_itself_is_not_resent(monkeypatch):
 def test_periodic_refresh_follows_a_restart_on_the_same_address(monkeypatch):
     script = Script([info(pid=100)], [info(pid=100)], [info(pid=300, started_at=9.0)])
     monkeypatch.setattr(ray_discovery, "replica_infos", script)
-    client = ray_discovery.RayClient(FakeClient, refresh_s=None, timeout=5.0)
+    client = ray_discovery.RayClient(FakeClient, refresh_s=None, timeout=5.0,
+                                     channel_options=[("grpc.keepalive_time_ms", 20_000)])
     try:
+        assert FakeClient.built[0].channel_options == (("grpc.keepalive_time_ms", 20_000),
+                                                      ("grpc.use_local_subchannel_pool", 1))  # the caller's kept
         assert client.refresh() is False  # the same process: nothing to do
         assert client.refresh() is True   # restarted in place: a fresh client
         assert len(FakeClient.built) == 2 and FakeClient.built[0].closed and client.addresses == [ADDRESS]

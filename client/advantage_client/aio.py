@@ -72,6 +72,7 @@ class AsyncAdvantageClient:
     target, timeout, max_message_mb, tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file,
     retry, wait_for_ready, stream_threshold_mb, chunk_mb, compact: as :class:`advantage_client.AdvantageClient`.
     channel: a ``grpc.aio.Channel`` to use instead of making one (closed by :meth:`close`).
+    channel_options: more gRPC channel arguments, added to the client's own on every channel it makes.
     transport: ``"auto"`` (default), ``"unary"`` or ``"stream"``; ``"shm"`` raises ``ValueError`` (see the
              module docstring).
     max_in_flight: at most this many calls of this client on the wire at once (default 32, the server's
@@ -105,7 +106,7 @@ class AsyncAdvantageClient:
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True,
                  max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT, coalesce_ms: float = 0.0,
-                 coalesce_max_rows: int = DEFAULT_COALESCE_MAX_ROWS):
+                 coalesce_max_rows: int = DEFAULT_COALESCE_MAX_ROWS, channel_options: Sequence[tuple[str, Any]] = ()):
         if not (isinstance(coalesce_ms, (int, float)) and not isinstance(coalesce_ms, bool)
                 and 0 <= coalesce_ms < float("inf")):
             raise ValueError(f"coalesce_ms={coalesce_ms!r}: give a finite number of milliseconds >= 0 (0 = off)")
@@ -132,7 +133,7 @@ class AsyncAdvantageClient:
         self._metadata = auth_metadata(token, token_file)
         self._channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                                   tls_key=tls_key, tls_server_name=tls_server_name, retry=retry,
-                                  wait_for_ready=wait_for_ready, aio=True)
+                                  wait_for_ready=wait_for_ready, aio=True, options=tuple(channel_options))
         self._own_stream_channel = channel is None
         self._channel = channel or make_channel(self.target, **self._channel_args)
         self._stream_channel: Any = None if channel is None else channel
