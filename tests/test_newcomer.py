@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_server import create_server
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from test_server_cli import free_port
 
@@ -87,6 +88,27 @@ def test_nothing_listening_names_the_target_and_what_to_do():
             # what to do comes first, gRPC's own text (whose first status word is "UNKNOWN") after it
             assert str(err).startswith(f"no advantage service answered at {target}:"), str(err)
             assert "(gRPC: " in str(err), str(err)
+
+
+def test_unavailable_hints_match_what_went_wrong():
+    """Nothing listening or no such host: what to do leads; a TLS client against a plaintext server: gRPC's
+    handshake error leads and the hint says TLS, not "start advantage-server" (the server is running)."""
+    server = create_server("127.0.0.1", 0, device="cpu").start()
+    try:
+        with AdvantageClient(server.address, timeout=10.0, retry=False, tls=True) as client:
+            with pytest.raises(AdvantageServiceError) as exc:
+                client.list_estimators()
+        text = str(exc.value)
+        assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "handshake" in text.lower().split("(the tls handshake")[0], text  # gRPC's own words first
+        assert f"the TLS handshake with {server.address} failed" in text and "plaintext server" in text, text
+        assert "start advantage-server" not in text, text
+    finally:
+        server.stop(0)
+    with AdvantageClient("no-such-host.invalid:50051", timeout=10.0, retry=False) as client:
+        with pytest.raises(AdvantageServiceError) as exc:
+            client.list_estimators()
+    assert str(exc.value).startswith("no advantage service answered at no-such-host.invalid:50051:"), str(exc.value)
 
 
 @pytest.mark.parametrize("target", ["http://localhost:50051", "https://localhost:50051/", "grpc://10.0.0.1:50051",

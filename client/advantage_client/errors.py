@@ -71,14 +71,29 @@ class InvalidArgumentError(AdvantageServiceError, ValueError):
     memory) carried the call. ``code`` is always ``grpc.StatusCode.INVALID_ARGUMENT``."""
 
 
+#: gRPC's words for "nothing listens there / no such host" (then what to do leads the message)
+_NOBODY_THERE = ("connection refused", "failed to connect", "resolv", "lookup", "no route to host",
+                 "network is unreachable", "connection timed out")
+
+
 def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
-    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (what to do first, then
-    gRPC's own text, which names the resolved address, e.g. ``ipv6:%5B::1%5D:50999``, not the target) and
-    DEADLINE_EXCEEDED."""
+    """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (when nothing listens at
+    the target: what to do first, then gRPC's own text, which names the resolved address, e.g.
+    ``ipv6:%5B::1%5D:50999``, not the target; a failed TLS handshake or a dropped connection: gRPC's text
+    first, then the hint) and DEADLINE_EXCEEDED."""
     if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
-        # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
-        return (f"no advantage service answered at {target}: start advantage-server there, or check the address "
-                f"and port and that the server is running and reachable (gRPC: {message})")
+        low = message.lower()
+        if "handshake" in low or "ssl" in low:  # something answered, but not in this client's TLS (or plaintext)
+            return (f"{message} (the TLS handshake with {target} failed: a client with tls=True or tls_ca against "
+                    "a plaintext server fails so, as does a certificate the client does not trust or whose name "
+                    "is not the target's; match the client's TLS options to the server's --tls-cert, or pass "
+                    "tls_server_name)")
+        if any(k in low for k in _NOBODY_THERE):
+            # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
+            return (f"no advantage service answered at {target}: start advantage-server there, or check the "
+                    f"address and port and that the server is running and reachable (gRPC: {message})")
+        return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
+                "advantage-server is running there and reachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
         return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
                 "timeout= to the client, or timeout=None for no deadline)")
