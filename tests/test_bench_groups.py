@@ -55,7 +55,8 @@ def test_groups_section_runs_and_prints_its_columns(tmp_path):
 
 def test_floor_probe_work_only_arithmetic_is_the_services():
     """The floor probe's work-only server computes what the service answers (NeMo RL GRPO, default config,
-    one group: leave-one-out baseline and std), tied groups included, so its row is a floor of the same work."""
+    one group: leave-one-out baseline and std), tied, one-hot, tiny and prefix-mask groups included, so its row
+    is a floor of the same work; and the work-only client rebuilds the service's dense tensor from it."""
     import numpy as np
     import torch
     from advantage_client.client import prepare_call
@@ -64,14 +65,24 @@ def test_floor_probe_work_only_arithmetic_is_the_services():
     from advantage_server.core import AdvantageCore
     core = AdvantageCore("cpu")
     gen = torch.Generator().manual_seed(3)
-    for rewards in (torch.randn(16, generator=gen), (torch.rand(16, generator=gen) < 0.5).float(),
-                    torch.ones(16), torch.tensor([1.0] + [0.0] * 15)):
-        mask = (torch.rand(16, 64, generator=gen) < 0.7).float()
-        tensors = {"prompt_ids": torch.zeros(16, dtype=torch.int64), "rewards": rewards, "mask": mask}
+    cases = [(torch.randn(16, generator=gen), False), ((torch.rand(16, generator=gen) < 0.5).float(), False),
+             (torch.ones(16), False), (torch.tensor([1.0] + [0.0] * 15), False), (torch.randn(16, generator=gen), True),
+             (torch.tensor([0.3, 1.7]), False), (torch.tensor([2.5]), False)]
+    for rewards, prefix in cases:
+        B = len(rewards)
+        if prefix:  # sent as lengths by the client
+            mask = (torch.arange(64)[None, :] < torch.randint(1, 65, (B, 1), generator=gen)).float()
+        else:
+            mask = (torch.rand(B, 64, generator=gen) < 0.7).float()
+        tensors = {"prompt_ids": torch.zeros(B, dtype=torch.int64), "rewards": rewards, "mask": mask}
         want = core.run("grpo", {}, tensors).advantages
         request = prepare_call("grpo", {}, None, None, False, dict(tensors)).request.tobytes()
-        reply = floor.work_only_answer(request)
-        assert pb.AdvantageResult.FromString(reply).layout == pb.RESULT_LAYOUT_BROADCAST
+        assert ("lengths" in pb.ComputeAdvantageRequest.FromString(request).inputs) == prefix
+        reply = pb.AdvantageResult.FromString(floor.work_only_answer(request))  # the service's own request bytes
+        assert list(reply.dense_shape) == [B, 64]
+        values = torch.from_numpy(np.frombuffer(reply.advantages.data, dtype=np.float32).copy())
+        torch.testing.assert_close(values, want[:, 0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(want, want[:, :1].expand(B, 64))  # GRPO (nemo_rl) broadcasts over every column
         own, bool_mask = floor.work_only_request(rewards.numpy(), tensors["prompt_ids"].numpy(), mask.numpy())
         assert np.array_equal(bool_mask, mask.numpy() != 0)
         got = floor.work_only_result(floor.work_only_answer(own), bool_mask)

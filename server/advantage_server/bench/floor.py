@@ -47,18 +47,25 @@ METHOD = "/advantage.v1.AdvantageService/ComputeAdvantage"
 # ------------------------------------------------------------------------------ the work-only server
 def work_only_answer(data: bytes) -> bytes:
     """The work-only server's answer to a serialized GRPO request of one group (NeMo RL semantics, default
-    config): the ``[B]`` per-sample ``AdvantageResult`` (layout BROADCAST, ``dense_shape`` from the mask)."""
+    config; float32 ``rewards``): the ``[B]`` per-sample ``AdvantageResult`` (layout BROADCAST, ``dense_shape``
+    ``[B, T]`` from the mask, or from ``lengths`` and ``mask_columns``)."""
     from advantage_client.proto import advantage_pb2 as pb
     req = pb.ComputeAdvantageRequest.FromString(data)
     r = np.frombuffer(req.inputs["rewards"].data, dtype=np.float32)
-    mask = req.inputs["mask"]
+    if "mask" in req.inputs:
+        columns = req.inputs["mask"].shape[1]
+    else:  # a prefix mask sent as lengths
+        columns = req.mask_columns or int(np.frombuffer(req.inputs["lengths"].data, dtype=np.int64).max())
     r64 = r.astype(np.float64)
     n = len(r64)
-    others = np.broadcast_to(r64, (n, n))[~np.eye(n, dtype=np.bool_)].reshape(n, n - 1)  # leave one out
-    std = others.std(axis=1, ddof=1)
-    centred = r64 - others.mean(axis=1)
-    a = np.where(std > 0, centred / (std + EPSILON), centred).astype(np.float32)
-    out = pb.AdvantageResult(layout=pb.RESULT_LAYOUT_BROADCAST, dense_shape=list(mask.shape))
+    if n < 2:  # a group of one: 0 (as the service answers)
+        a = np.zeros(n, dtype=np.float32)
+    else:
+        others = np.broadcast_to(r64, (n, n))[~np.eye(n, dtype=np.bool_)].reshape(n, n - 1)  # leave one out
+        std = others.std(axis=1, ddof=1) if n > 2 else np.zeros(n)  # std of one value: 0 (the service's rule)
+        centred = r64 - others.mean(axis=1)
+        a = np.where(std > 0, centred / (std + EPSILON), centred).astype(np.float32)
+    out = pb.AdvantageResult(layout=pb.RESULT_LAYOUT_BROADCAST, dense_shape=[n, columns])
     out.advantages.dtype = pb.DTYPE_FLOAT32
     out.advantages.shape.append(len(r))
     out.advantages.data = a.tobytes()
@@ -165,14 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     request = b"".join(bytes(p) for p in prepared.request.pieces)
     mine, own_mask = work_only_request(np_in["rewards"], np_in["prompt_ids"], np_in["mask"])
 
-    service = Process("advantage_server.bench.serve")
-    echo = Process("advantage_server.bench.echo", "--threads", "8")
-    work = Process("advantage_server.bench.floor", "--serve-work-only")
+    processes: list[Any] = []
     channels: list[Any] = []
     clients: list[Any] = []
+    aio: Any = None
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
+        for module, *options in (("advantage_server.bench.serve",), ("advantage_server.bench.echo", "--threads", "8"),
+                                 ("advantage_server.bench.floor", "--serve-work-only")):
+            processes.append(Process(module, *options))  # each started inside the try: closed if a later one fails
+        service, echo, work = processes
+
         def raw(address: str, method: str) -> Any:
             ch = grpc.insecure_channel(address)
             grpc.channel_ready_future(ch).result(timeout=30)
@@ -224,14 +235,15 @@ def main(argv: list[str] | None = None) -> None:
                 figures[name].append(p50_us(call, args.calls))
             for name, call in in_loop.items():
                 figures[name].append(loop.run_until_complete(p50_us_async(call, args.calls)))
-        loop.run_until_complete(aio.close())
     finally:
+        if aio is not None:
+            loop.run_until_complete(aio.close())
         for c in clients:
             c.close()
         for ch in channels:
             ch.close()
         loop.close()
-        for p in (service, echo, work):
+        for p in processes:
             p.close()
 
     floor = statistics.median(figures[next(iter(rows))])
