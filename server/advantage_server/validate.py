@@ -179,5 +179,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # not to float16: torch rounds float64 -> float16 through float32, numpy directly (the two can differ
     # in the last bit); such casts stay with torch
     if t.device.type == "cpu" and t.dtype in _NP and dtype in _NP and dtype != torch.float16 and not t.requires_grad:
-        return torch.from_numpy(t.detach().numpy().astype(_NP[dtype]))
+        # an overflow to inf is the caller's to find (run() checks the results are finite and names the input):
+        # not a RuntimeWarning on the server's stderr for each such request
+        with np.errstate(over="ignore"):
+            return torch.from_numpy(t.detach().numpy().astype(_NP[dtype]))
     return t.to(dtype)
