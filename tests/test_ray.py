@@ -349,18 +349,29 @@ def run_while(client, stop: threading.Event, done: list, failures: list, offset:
         seed += 2
 
 
-def test_only_replica_killed_calls_wait_for_its_restart(cluster):
+@pytest.mark.parametrize("fixed_port", [False, True], ids=["ephemeral-port", "fixed-port"])
+def test_only_replica_killed_calls_wait_for_its_restart(cluster, fixed_port):
     """``up --replicas 1``: the only replica killed (SIGKILL) during calls from two threads. gRPC's retries
     (about 1.5 s) end before Ray has restarted it, the look-up then finds no live replica: the client looks
-    again until the restarted one answers (within the call's timeout) and sends the call there. No failed call."""
-    name = "solo"
-    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5"], name=name,
-                          namespace=NAMESPACE, num_cpus=0, timeout=120)
+    again until the restarted one answers (within the call's timeout) and sends the call there. No failed call.
+
+    ``--port P`` (fixed-port): Ray restarts it on the same port, so its address does not change. The client
+    tells the restarted process from the old one (its pid in ``info()``), builds a fresh client (connections of
+    its own) on the same address and sends the calls that failed meanwhile once more, whether the look-up after
+    the failure finds the replica still restarting or already back (gRPC's retries on here)."""
+    name = "fixed" if fixed_port else "solo"
+    flags = ["--device", "cpu", "--workers", "1", "--grace", "0.5"]
+    if fixed_port:
+        port = free_port()
+        flags += ["--port", str(port)]
+    infos = ray_deploy.up(1, flags, name=name, namespace=NAMESPACE, num_cpus=0, timeout=120)
+    if fixed_port:
+        assert infos[0]["address"].endswith(f":{port}")
     failures: list[BaseException] = []
     done = [0]
     stop = threading.Event()
-    client = AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None, retry=False,
-                                      lookup_timeout=0.3)
+    client = AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None,
+                                      retry=fixed_port, lookup_timeout=0.3)
     threads = [threading.Thread(target=run_while, args=(client, stop, done, failures, i)) for i in range(2)]
     try:
         for thread in threads:
@@ -368,42 +379,14 @@ def test_only_replica_killed_calls_wait_for_its_restart(cluster):
         wait_for(lambda: done[0] >= 10, 30, "10 requests before the kill")
         os.kill(infos[0]["pid"], signal.SIGKILL)
         killed_at = done[0]
-        wait_for(lambda: client.addresses != [infos[0]["address"]], 30, "the client follows the restarted replica")
+        if fixed_port:
+            wait_for(lambda: f"/{infos[0]['pid']}/" not in next(iter(client._slot.found.values())), 30,
+                     "the client follows the replica restarted on the same port")
+        else:
+            wait_for(lambda: client.addresses != [infos[0]["address"]], 30, "the client follows the restarted replica")
         wait_for(lambda: done[0] >= killed_at + 10, 30, "requests after the restart")
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        client.close()
-        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
-    assert not failures, failures[:3]
-
-
-def test_only_replica_on_a_fixed_port_killed_no_failed_call(cluster):
-    """``up --replicas 1 --port P``: Ray restarts the killed replica on the same port P, so its address does not
-    change. The client tells the restarted process from the old one (its pid in ``info()``), builds a fresh
-    client on the same address and sends the calls that failed meanwhile once more: no failed call, whether the
-    look-up after the failure finds the replica still restarting or already back."""
-    name = "fixed"
-    port = free_port()
-    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5", "--port", str(port)], name=name,
-                          namespace=NAMESPACE, num_cpus=0, timeout=120)
-    assert infos[0]["address"].endswith(f":{port}")
-    failures: list[BaseException] = []
-    done = [0]
-    stop = threading.Event()
-    client = AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20, refresh_s=None, lookup_timeout=0.3)
-    threads = [threading.Thread(target=run_while, args=(client, stop, done, failures, i)) for i in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        wait_for(lambda: done[0] >= 10, 30, "10 requests before the kill")
-        os.kill(infos[0]["pid"], signal.SIGKILL)
-        killed_at = done[0]
-        wait_for(lambda: f"/{infos[0]['pid']}/" not in next(iter(client._slot.found.values())), 30,
-                 "the client follows the replica restarted on the same port")
-        wait_for(lambda: done[0] >= killed_at + 10, 30, "requests after the restart")
-        assert client.addresses == [infos[0]["address"]]
+        if fixed_port:
+            assert client.addresses == [infos[0]["address"]]
     finally:
         stop.set()
         for thread in threads:
