@@ -150,15 +150,14 @@ def replica_addresses(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPA
                       timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> list[str]:
     """The ``host:port`` of every replica of ``name`` that answered within ``timeout`` seconds and serves
     (not stopping), sorted; empty when none did."""
-    return sorted(info["address"] for info in replica_infos(name, namespace, address=address, timeout=timeout)
-                  if info["state"] == "ALIVE" and info.get("serving", True))
+    return sorted(replica_incarnations(name, namespace, address=address, timeout=timeout))
 
 
 def replica_incarnations(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *,
                          address: str | None = None, timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> dict[str, str]:
-    """``{"host:port": incarnation}`` of the replicas :func:`replica_addresses` lists, where the incarnation
-    (``"<node_id>/<pid>/<started_at>"``) tells a replica restarted on the same address (a fixed ``--port``)
-    from the process that was there before."""
+    """``{"host:port": incarnation}`` of every replica of ``name`` that answered within ``timeout`` seconds and
+    serves (not stopping); the incarnation, ``"<node_id>/<pid>/<started_at>"``, tells a replica restarted on
+    the same address (a fixed ``--port``) from the process that was there before."""
     return {info["address"]: f"{info.get('node_id')}/{info.get('pid')}/{info.get('started_at')}"
             for info in replica_infos(name, namespace, address=address, timeout=timeout)
             if info["state"] == "ALIVE" and info.get("serving", True)}
@@ -338,8 +337,9 @@ class RayClient:
     def _recover(self, slot: _Slot, method: str, args: tuple) -> bool:
         """After a call on ``slot`` failed UNAVAILABLE: whether to send it once more. Yes when the look-up
         switched to new addresses or to a replica restarted on its old one (or another call did); no when the
-        same replica processes are alive (they answered UNAVAILABLE themselves); when no replica is alive, look again every ``POLL_S`` seconds until one is
-        (yes) or the call's deadline is spent (no: the UNAVAILABLE stands)."""
+        same replica processes are alive (they answered UNAVAILABLE themselves); when no replica is alive,
+        look again every ``POLL_S`` seconds until one is (yes) or the call's deadline is spent (no: the
+        UNAVAILABLE stands)."""
         deadline = _call_deadline(slot.client, method, args, self.wait_s)
         switched, alive = self._refresh(deadline - time.monotonic())
         if switched or self._slot is not slot:

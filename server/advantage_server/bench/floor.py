@@ -9,8 +9,8 @@ floor:
 * ``work-only server``: a grpcio server in its own process (``--serve-work-only``) that does only the work the
   call needs and nothing a service must also do: upb parses the request, numpy computes NeMo RL's GRPO for
   the one group (default config: leave-one-out baseline and std, ``(r_i - baseline_i) / (std_i + 1e-6)`` in
-  float64; the probe checks it equals the service's answer), upb writes the ``[B]`` per-sample result. No validation, admission gate, liveness checks,
-  metrics or request ids;
+  float64; the probe checks it equals the service's answer), upb writes the ``[B]`` per-sample result. No
+  validation, admission gate, liveness checks, metrics or request ids;
 * ``service``: the advantage server (:mod:`advantage_server.bench.serve`) on the same request bytes;
 * ``work-only client + work-only server``: the client side reduced to its own necessary work (the float mask
   checked to be 0/1 and sent as one byte per token, the request written by upb, the ``[B]`` answer parsed
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         if name == next(iter(local)):
             print("work alone, in this process (no network):")
         v, m = statistics.median(figures[name]), min(figures[name])
-        print(f"{name:62s} {v:7.0f} {v / floor:6.2f} {m:7.0f} {m / low:6.2f}  {' '.join(f'{x:.0f}' for x in figures[name])}")
+        rounds = " ".join(f"{x:.0f}" for x in figures[name])
+        print(f"{name:62s} {v:7.0f} {v / floor:6.2f} {m:7.0f} {m / low:6.2f}  {rounds}")
 
 
 if __name__ == "__main__":
