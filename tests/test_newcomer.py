@@ -105,6 +105,11 @@ def test_unavailable_hints_match_what_went_wrong():
         assert "start advantage-server" not in text, text
     finally:
         server.stop(0)
+    for bad in ("localhost:abc", "localhost:50051/"):  # not "start advantage-server": the target is malformed
+        with AdvantageClient(bad, timeout=10.0, retry=False) as client:
+            with pytest.raises(AdvantageServiceError) as exc:
+                client.list_estimators()
+        assert str(exc.value).startswith(f"the target {bad!r} is not a host:port address"), str(exc.value)
     with AdvantageClient("no-such-host.invalid:50051", timeout=10.0, retry=False) as client:
         with pytest.raises(AdvantageServiceError) as exc:
             client.list_estimators()

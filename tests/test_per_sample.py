@@ -178,3 +178,23 @@ def test_per_sample_over_grpc_rebuilds_the_dense_answer(client, target, semantic
     if output_dtype == "bfloat16":  # numpy holds bfloat16 as raw uint16 bits: compare the float32 they stand for
         raw, want = ((x.astype(np.uint32) << 16).view(np.float32) for x in (raw, want))
     assert (raw == want).all()
+
+
+def test_rebuild_takes_the_layout_name_a_result_carries_and_any_0_1_mask():
+    """``compute(..., per_sample=True)`` returns ``layout`` as a name ("broadcast"); ``layout.rebuild`` takes it
+    as it is (before: "not a per-sample layout: broadcast"), and a float 0/1 mask as well as a bool one."""
+    import numpy as np
+    import torch
+    from advantage_client import layout
+    values = torch.tensor([1.5, -2.0])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    for name, want in (("broadcast", [[1.5, 1.5, 1.5], [-2.0, -2.0, -2.0]]),
+                       ("broadcast_times_mask", [[1.5, 0.0, 1.5], [0.0, -2.0, 0.0]]),
+                       ("up_to_last_valid", [[1.5, 1.5, 1.5], [-2.0, -2.0, 0.0]])):
+        assert layout.rebuild(values, name, mask).tolist() == want
+        assert layout.rebuild(values, layout.layout_code(name), mask != 0).tolist() == want
+        assert layout.rebuild(values.numpy(), name, mask.numpy()).tolist() == want
+    with pytest.raises(ValueError, match="per-sample layouts are broadcast"):
+        layout.rebuild(values, "broadcst", mask)
+    with pytest.raises(ValueError, match="not a per-sample layout: dense"):
+        layout.rebuild(values, "dense", mask)

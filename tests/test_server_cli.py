@@ -270,3 +270,32 @@ def test_sigint_exits_zero_and_stops_listening(tmp_path):
         assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         srv.close()
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_server_goes_on():
+    """``kill -USR1``: the stacks of a server that seems stuck (faulthandler), without stopping it."""
+    import signal as _signal
+    import subprocess as _sp
+    import time as _time
+    proc = _sp.Popen([sys.executable, "-m", "advantage_server.cli", "--port", "0", "--device", "cpu"],
+                     stdout=_sp.PIPE, stderr=_sp.PIPE, text=True)
+    try:
+        line = ""
+        deadline = _time.monotonic() + 60
+        while "listening" not in line and _time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        assert "listening" in line, line
+        proc.send_signal(_signal.SIGUSR1)
+        stacks = []
+        while _time.monotonic() < deadline:
+            stacks.append(proc.stderr.readline())
+            if "Thread 0x" in "".join(stacks) and "most recent call first" in "".join(stacks) and len(stacks) > 5:
+                break
+        assert "most recent call first" in "".join(stacks), stacks[:20]
+        assert proc.poll() is None  # still serving
+        proc.send_signal(_signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

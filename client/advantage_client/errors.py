@@ -88,6 +88,9 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
                     "a plaintext server fails so, as does a certificate the client does not trust or whose name "
                     "is not the target's; match the client's TLS options to the server's --tls-cert, or pass "
                     "tls_server_name)")
+        if "failed to parse" in low:  # "localhost:abc", "host:50051/": not a target at all
+            return (f"the target {target!r} is not a host:port address ({message}); give it as host:port, e.g. "
+                    "'localhost:50051', or a gRPC target such as 'dns:///advantage.svc:50051'")
         if any(k in low for k in _NOBODY_THERE):
             # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
             return (f"no advantage service answered at {target}: start advantage-server there, or check the "

@@ -88,19 +88,35 @@ def row_values(dense: Any, layout: int, mask: Any = None) -> Any:
     raise ValueError(f"not a per-sample layout: {layout}")
 
 
-def rebuild(values: Any, layout: int, mask: Any = None, columns: int | None = None, view: bool = False) -> Any:
+def layout_code(layout: int | str) -> int:
+    """A ``ResultLayout`` value from itself or from its name as results carry it (``"broadcast"``, see
+    :func:`layout_name`); ``ValueError`` for an unknown name."""
+    if isinstance(layout, str):
+        try:
+            return pb.ResultLayout.Value("RESULT_LAYOUT_" + layout.upper()) if layout != "dense" else DENSE
+        except ValueError:
+            names = ", ".join(layout_name(v) for v in PER_SAMPLE_LAYOUTS)
+            raise ValueError(f"unknown layout {layout!r}; per-sample layouts are {names}") from None
+    return layout
+
+
+def rebuild(values: Any, layout: int | str, mask: Any = None, columns: int | None = None, view: bool = False) -> Any:
     """The ``[B, T]`` tensor that ``[B]`` ``values`` stand for under ``layout`` (torch or numpy, as
     ``values``; same dtype; bfloat16 as numpy's raw ``uint16`` works too, 0 being +0.0).
 
-    mask:    ``[B, T]`` bool (:func:`bool_mask`), needed for BROADCAST_TIMES_MASK and UP_TO_LAST_VALID;
-             T is its width.
+    layout:  a ``ResultLayout`` value, or its name as ``AdvantageResult.layout`` carries it (``"broadcast"``).
+    mask:    ``[B, T]`` 0/1 mask (bool, or any dtype: made bool by :func:`bool_mask`), needed for
+             BROADCAST_TIMES_MASK and UP_TO_LAST_VALID; T is its width.
     columns: T for BROADCAST when no mask is given.
     view:    BROADCAST only: an ``expand`` view of ``values`` (no copy; read-only: in-place writes
              raise) instead of a new writable tensor.
     Raises ``ValueError`` for a layout that is not per-sample or a missing mask / width.
     """
+    layout = layout_code(layout)
     if layout not in PER_SAMPLE_LAYOUTS:
-        raise ValueError(f"not a per-sample layout: {layout}")
+        raise ValueError(f"not a per-sample layout: {layout_name(layout) if layout == DENSE else layout}")
+    if mask is not None and getattr(mask, "dtype", None) not in (np.bool_, getattr(torch, "bool", None)):
+        mask = bool_mask(mask)
     is_torch = _is_torch(values)
     if (is_torch and values.device.type == "cpu" and not (view and layout == BROADCAST)
             and (mask is None or not _is_torch(mask) or mask.device.type == "cpu")):

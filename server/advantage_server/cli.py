@@ -5,6 +5,8 @@
 Logs its address and device at start, once (stderr: ``advantage-server listening on ADDRESS device=DEVICE
 (...)``). On SIGTERM or SIGINT it drains: health reports NOT_SERVING,
 new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds), then it exits 0.
+``kill -USR1 PID`` prints every thread's Python stack to stderr and the server goes on (for a server that
+seems stuck).
 Exits 2 with a message when a flag is out of range (a port outside 0-65535, a limit that is not a
 positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), the port cannot
 be bound (for example, already in use), the device does not exist, or a TLS or token file cannot be read.
@@ -19,6 +21,7 @@ call but health checks). See RELIABILITY.md.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import math
 import re
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed the usage and what is wrong with the flag (or --help)
         return exc.code if isinstance(exc.code, int) else 2
     logs.configure(args.log_level, args.log_format)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack on stderr (a stuck server)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         token = load_token(args.auth_token_file) if args.auth_token_file else None
         server = create_server(args.host, args.port, args.device,
