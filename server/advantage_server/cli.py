@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logs.configure(args.log_level, args.log_format)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack on stderr (a stuck server)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:  # the process's own stderr (fd 2): sys.stderr may be a stream without a file descriptor (in tests)
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no usable stderr at all: no dump, the server still runs
+            pass
     try:
         token = load_token(args.auth_token_file) if args.auth_token_file else None
         server = create_server(args.host, args.port, args.device,
