@@ -40,8 +40,16 @@ def main(argv: list[str] | None = None) -> None:
             out = answers[n] = bytes(n)
         return out
 
-    handler = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.threads),
+    serve_until_stdin_closes(
+        grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),
+        args.threads)
+
+
+def serve_until_stdin_closes(handler: grpc.GenericRpcHandler, threads: int) -> None:
+    """A bare grpcio server (no interceptors, no message size limits) with ``handler`` on an ephemeral loopback
+    port: prints ``{"address": ..., "pid": ...}`` as one JSON line and serves until standard input closes
+    (the benchmark holding the pipe ends, or dies). The bench's helper servers are started this way."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
                                   ("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((handler,))

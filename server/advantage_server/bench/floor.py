@@ -30,12 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
-import sys
 import time
-from concurrent import futures
 from typing import Any, Callable
 
 import numpy as np
@@ -78,17 +74,9 @@ def serve_work_only() -> None:
     def handle(requests: Any, context: Any) -> bytes:  # request-streaming, as the service's handler is
         return work_only_answer(next(requests))
 
-    handler = grpc.method_handlers_generic_handler("advantage.v1.AdvantageService", {
-        "ComputeAdvantage": grpc.stream_unary_rpc_method_handler(handle)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    print(json.dumps({"address": f"127.0.0.1:{port}", "pid": os.getpid()}), flush=True)
-    try:
-        sys.stdin.read()
-    finally:
-        server.stop(grace=1.0)
+    from advantage_server.bench.echo import serve_until_stdin_closes
+    serve_until_stdin_closes(grpc.method_handlers_generic_handler("advantage.v1.AdvantageService", {
+        "ComputeAdvantage": grpc.stream_unary_rpc_method_handler(handle)}), threads=8)
 
 
 # ------------------------------------------------------------------------------ the work-only client
