@@ -13,7 +13,9 @@ from advantage_client import AdvantageClient
 from advantage_server import create_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GOLDEN = pathlib.Path(os.environ.get("ADVANTAGE_GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+#: The golden vectors live in the repository (tests/golden/, copied from the references' runs; format in its
+#: README). ADVANTAGE_GOLDEN_DIR points the suite at another copy (e.g. a newer drop of the same format).
+GOLDEN = pathlib.Path(os.environ.get("ADVANTAGE_GOLDEN_DIR", ROOT / "tests" / "golden"))
 
 
 @pytest.fixture(scope="session")
@@ -58,8 +60,22 @@ def _decode(value):
     return value
 
 
+class GoldenDataMissing(RuntimeError):
+    """Raised at collection when a golden suite would collect no case: an empty or missing golden directory
+    is an error of the run (pytest exits non-zero), never a suite that silently passes with nothing in it."""
+
+
 def golden_cases(source: str) -> list[pathlib.Path]:
-    return sorted((GOLDEN / source).glob("*.json"))
+    """The golden case files of ``source`` (``nemo-rl``, ``verl``), sorted by name.
+
+    Raises GoldenDataMissing when there are none, so that every module that parametrizes over them fails
+    to collect (tests/test_golden_data.py proves it on an emptied copy)."""
+    cases = sorted((GOLDEN / source).glob("*.json"))
+    if not cases:
+        raise GoldenDataMissing(f"no golden cases in {GOLDEN / source}: the golden vectors live in the repository "
+                                "(tests/golden/); restore them (git checkout -- tests/golden) or point "
+                                "ADVANTAGE_GOLDEN_DIR at a copy")
+    return cases
 
 
 def load_case(path: pathlib.Path) -> dict:

@@ -19,7 +19,7 @@ class Reference:
     release:   the release reproduced: a PyPI version (``"0.9.1"``), or ``"main@<commit>"`` where the
                project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL).
     package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
-               produced at ``release``, ``shared/golden/nemo-rl``; verl-agent and ROLL: golden cases
+               produced at ``release``, ``tests/golden/nemo-rl``; verl-agent and ROLL: golden cases
                in ``tests/golden_gigpo``).
     code:      where the reproduced estimators live in that release.
     """

@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// Runs the NeMo RL golden cases (../shared/golden/nemo-rl/*.json beside the repository, or
+// Runs the NeMo RL golden cases (tests/golden/nemo-rl/*.json in the repository, or
 // $ADVANTAGE_GOLDEN_DIR/nemo-rl) through a running advantage server from Node.js and checks every value with
 // the golden tolerance, |got - want| <= 1e-5 + 1e-4 |want| against `expected` or `expected_f64`.
 //
@@ -34,7 +34,7 @@ function parseArgs(argv) {
 }
 
 function goldenDir(args) {
-  return args.goldenDir || process.env.ADVANTAGE_GOLDEN_DIR || path.resolve(REPO_ROOT, "..", "shared", "golden");
+  return args.goldenDir || process.env.ADVANTAGE_GOLDEN_DIR || path.resolve(REPO_ROOT, "tests", "golden");
 }
 
 // The golden files write non-finite floats as strings.

@@ -1,4 +1,4 @@
-"""Where the verl golden vectors (``shared/golden/verl``, generated at an older verl commit, named in each
+"""Where the verl golden vectors (``tests/golden/verl``, generated at an older verl commit, named in each
 case's ``source``) no longer describe the pinned release (verl 0.9.1, ``advantage_client.references``).
 
 The golden tests (tests/test_golden_verl.py, tests/test_estimators_refs.py) ask :func:`changed_in_release`
