@@ -1,4 +1,4 @@
-# `make demo`: set up .venv and train a small transformer on addition with GRPO through the service
+# `make demo`: set up .venv (the demo's dependencies only) and train a small transformer on addition with GRPO through the service
 # (`make demo-cartpole`: PPO on CartPole through the service's GAE).
 # `make test`: set up .venv and run the test suite (what CI runs).
 # `make lint`: only the deployment checks (hadolint, Kubernetes schemas, buf lint and breaking); `make test` runs them too.
@@ -7,6 +7,9 @@ PYTHON ?= python3
 # tests/references/requirements.txt: the released references the differential tests run (installed --no-deps)
 REFS := tests/references/requirements.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt $(REFS) | cksum | cut -d' ' -f1)
+# `make demo` installs only what the demos run: the service's own dependencies and the `demo` extra (not the
+# test extra's Ray, buf, hadolint, kubernetes-validate and reference packages)
+DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 # The Node.js example's packages (the lockfile's exact versions), where npm exists.
 NODE_EXAMPLE := examples/node
 NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modules/.installed)
@@ -16,6 +19,8 @@ NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modu
 setup: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt $(REFS)
+	@echo "make: installing the service and its test tools into $(VENV) (torch, numba, grpcio, Ray, buf, hadolint,"
+	@echo "make: kubernetes-validate, the reference packages the differential tests run: about 1.9 GB with a CPU-only torch, 2-4 min)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt -r $(REFS)
@@ -26,11 +31,19 @@ $(NODE_EXAMPLE)/node_modules/.installed: $(NODE_EXAMPLE)/package.json $(NODE_EXA
 	cd $(NODE_EXAMPLE) && npm ci --ignore-scripts --no-audit --no-fund
 	touch $@
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	@echo "make: installing the service and the demo extra into $(VENV) (torch, numba, grpcio, gymnasium, matplotlib:"
+	@echo "make: about 1.3 GB and 1-2 min with a CPU-only torch; a torch that bundles CUDA adds several GB)"
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[demo]'
+	rm -f $(VENV)/.demo-installed-*
+	touch $@
+
+demo: $(DEMO_STAMP)
 	mkdir -p runs
 	$(VENV)/bin/advantage-demo lm --csv runs/lm.csv --plot runs/lm.png
 
-demo-cartpole: $(STAMP)
+demo-cartpole: $(DEMO_STAMP)
 	mkdir -p runs
 	$(VENV)/bin/advantage-demo cartpole --csv runs/cartpole.csv --plot runs/cartpole.png
 
