@@ -225,11 +225,12 @@ def test_unknown_kl_type_name_rejected_by_client_before_sending(client):
 
 # ------------------------------------------------------------------------------ dtypes
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.bool_])
-def test_integer_dtype_for_rewards(client, dtype):
+def test_integer_dtype_for_rewards_is_accepted(client, dtype):
+    """Not malformed (issue 21): integer/bool rewards are the float32 values (tests/test_int_inputs.py)."""
     rewards = np.array([1, 0, 1, 1]).astype(dtype)
-    err = expect_invalid(client, lambda: client.compute("grpo", None, prompt_ids=IDS, rewards=rewards, mask=MASK),
-                         "rewards")
-    assert "float" in str(err)
+    got = client.compute("grpo", None, prompt_ids=IDS, rewards=rewards, mask=MASK, as_numpy=True)
+    want = client.compute("grpo", None, prompt_ids=IDS, rewards=rewards.astype(np.float32), mask=MASK, as_numpy=True)
+    np.testing.assert_array_equal(got.advantages, want.advantages)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])

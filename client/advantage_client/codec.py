@@ -31,11 +31,6 @@ import numpy as np
 from advantage_client import wire
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 
-try:
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
-
 _VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
 _REQ = pb.ComputeAdvantageRequest.DESCRIPTOR
 #: estimator oneof: field number -> (field name, config class)
@@ -290,29 +285,13 @@ def _merge_tensor(t: TensorView, buf: memoryview, pos: int, end: int, budget: li
 
 def tensor_parts(value: Any, name: str = "tensor") -> tuple[int, tuple[int, ...], memoryview]:
     """(dtype code, shape, payload bytes view) of a tensor-like, with at most one copy (to make it
-    contiguous / move it to the CPU). Accepts ``torch.Tensor``, ``numpy.ndarray``, nested lists,
-    and ``Tensor`` messages or :class:`TensorView`\\ s (written as they are)."""
+    contiguous, move it to the CPU, or widen an integer dtype the wire lacks: :func:`wire.tensor_array`).
+    Accepts ``torch.Tensor``, ``numpy.ndarray``, nested lists, and ``Tensor`` messages or
+    :class:`TensorView`\\ s (written as they are). Raises ``wire.WireError`` naming ``name`` for a dtype
+    the schema does not have."""
     if isinstance(value, (TensorView, pb.Tensor)):
         return int(value.dtype), tuple(int(d) for d in value.shape), memoryview(value.data)
-    if torch is not None and isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.dtype not in wire._FROM_TORCH:
-            raise wire.WireError(name, f"dtype {t.dtype} is not supported; use one of {sorted(wire._BY_NAME)}")
-        code = wire._FROM_TORCH[t.dtype]
-        shape = tuple(t.shape)
-        t = t.to("cpu").contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        arr = t.numpy()
-    else:
-        arr = np.asarray(value)
-        if arr.dtype == np.float64 and not isinstance(value, np.ndarray):
-            arr = arr.astype(np.float32)
-        if arr.dtype not in wire._FROM_NP:
-            raise wire.WireError(name, f"dtype {arr.dtype} is not supported; use one of {sorted(wire._BY_NAME)}")
-        code = wire._FROM_NP[arr.dtype]
-        shape = arr.shape
-        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    code, shape, arr = wire.tensor_array(value, name)
     return code, shape, memoryview(arr.reshape(-1).view(np.uint8))
 
 

@@ -33,7 +33,13 @@ log = logging.getLogger("advantage_server")
 
 _FLOAT = {torch.float32, torch.float64, torch.bfloat16, torch.float16}
 _INTEGER = {torch.int64, torch.int32, torch.uint8}
-_KINDS = {"float": _FLOAT, "integer": _INTEGER, "mask": _FLOAT | _INTEGER | {torch.bool}}
+#: integer and bool dtypes a float input may have too (a 0/1 verifier's rewards): converted to the compute
+#: dtype exactly (see prepare): float32 holds every integer up to FLOAT32_EXACT_INTEGER, float64 up to
+#: FLOAT64_EXACT_INTEGER
+_INT_AS_FLOAT = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+_KINDS = {"float": _FLOAT | _INT_AS_FLOAT, "integer": _INTEGER, "mask": _FLOAT | _INTEGER | {torch.bool}}
+FLOAT32_EXACT_INTEGER = 2 ** 24
+FLOAT64_EXACT_INTEGER = 2 ** 53
 #: inputs of larger magnitude are refused (INVALID_ARGUMENT naming the input): 2^150 ~ 1.4e45. Squares
 #: and products of up to six such values (2^900), summed over up to 2^100 elements, stay below float64's
 #: 2^1024, so no statistic overflows to infinity (which used to turn every advantage into a silent 0).
@@ -184,7 +190,10 @@ class AdvantageCore:
         Collects all violations and raises them together as one ``InvalidInput``. The compute dtype is
         float64 when any input is float64, or when a float input holds a magnitude beyond
         :data:`FLOAT32_PROMOTE_MAGNITUDE` (:meth:`run` casts such results back to float32); else float32.
-        A float input beyond :data:`MAX_INPUT_MAGNITUDE` is a violation naming it.
+        A float input beyond :data:`MAX_INPUT_MAGNITUDE` is a violation naming it. A float input may also be
+        integer or bool (``_INT_AS_FLOAT``): converted exactly, in float32 up to :data:`FLOAT32_EXACT_INTEGER`
+        (2^24), in float64 beyond (results cast back to float32 as above); beyond
+        :data:`FLOAT64_EXACT_INTEGER` (2^53) a violation naming it.
         """
         tensors = {k: torch.as_tensor(v) for k, v in raw.items()}
         owners: dict[str, InputSpec] = {}
@@ -218,6 +227,17 @@ class AdvantageCore:
         compute_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors.values()) else torch.float32
         for key, t in tensors.items():  # huge but finite values (issue 11 item 7): refuse, or compute in float64
             if owners[key].kind != "float":
+                continue
+            if not t.is_floating_point():  # integers/bools (issue 21): exact in float32 up to 2^24, float64 2^53
+                biggest = validate.max_abs_int_over(t, FLOAT32_EXACT_INTEGER)
+                checkpoint("while checking the inputs")
+                if biggest is not None and biggest > FLOAT64_EXACT_INTEGER:
+                    violations.append((f"inputs[{key!r}]", f"holds an integer of magnitude {biggest}, beyond "
+                                       f"2^53 = {FLOAT64_EXACT_INTEGER}: integer inputs are computed as floats, and "
+                                       "float64 holds integers exactly only up to 2^53. Rescale the input, or send "
+                                       "it as float64 if rounding it is acceptable"))
+                if biggest is not None:
+                    compute_dtype = torch.float64
                 continue
             biggest = validate.max_abs_over(t, FLOAT32_PROMOTE_MAGNITUDE)
             checkpoint("while checking the inputs")
@@ -330,8 +350,13 @@ def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int], cfg
                         f"{key!r}; send one of {allowed}")]
     if not any(_shape_matches(pattern, tuple(t.shape), dims) for pattern in spec.shapes):
         want = " or ".join(re.sub(r"\b([BT])\b", lambda m: str(dims[m.group(1)]), p) for p in spec.shapes)
+        mask = [dims["B"], dims["T"]]
+        if any(len(_pattern_symbols(p)) == t.dim() for p in spec.shapes):  # right rank, sizes disagree with mask
+            return [(field, f"{key} has shape {list(t.shape)} but mask has {mask}: every input must match mask, "
+                            f"which sets B and T ({key} must be {' or '.join(spec.shapes)} = {want}); fix "
+                            "whichever of the two is wrong")]
         return [(field, f"has shape {list(t.shape)} but must be {' or '.join(spec.shapes)} = {want} "
-                        f"(B and T come from `mask` {[dims['B'], dims['T']]})")]
+                        f"(B and T come from `mask` {mask})")]
     if spec.kind == "mask" and t.dtype != torch.bool:
         if validate.is_binary(t):  # 0/1 values are finite: one pass checks both
             return []
@@ -577,8 +602,11 @@ def cast_output(t: torch.Tensor, dtype: torch.dtype, label: str) -> torch.Tensor
     out = validate.cast(t, dtype)
     if out.dtype != t.dtype and not validate.all_finite(out):
         biggest = float(t.abs().max())
+        wider = " or ".join(f'output_dtype="{name}"' for name, d in (("float32", torch.float32),
+                                                                      ("float64", torch.float64))
+                            if torch.finfo(d).max > torch.finfo(dtype).max)
         raise InvalidInput("output_dtype", f"{label} reach {biggest:.3g}, beyond the range of "
-                                           f"{str(dtype).replace('torch.', '')}; request float32 or float64")
+                                           f"{str(dtype).replace('torch.', '')}; request {wider}")
     return out
 
 

@@ -10,7 +10,8 @@ GIL released, and no temporaries. On a GPU, without numba, and for dtypes numba 
 (float16, bfloat16) the torch expressions run as before; both give the same answers.
 
 :func:`cast` moves a CPU tensor to another dtype with numpy (single pass, off torch's thread pool), and
-returns the tensor itself when it already has the dtype.
+returns the tensor itself when it already has the dtype. :func:`max_abs_int_over` finds an integer input too
+large for float32 (or float64) to hold exactly, before the core casts it to the compute dtype.
 """
 from __future__ import annotations
 
@@ -159,6 +160,27 @@ def max_abs_over(t: torch.Tensor, limit: float) -> float | None:
         biggest = float(torch.linalg.vector_norm(a, ord=float("inf")))
         if math.isnan(biggest):
             biggest = float(torch.nan_to_num(a, nan=0.0).abs().amax())
+    return biggest if biggest > limit else None
+
+
+def max_abs_int_over(t: torch.Tensor, limit: int) -> int | None:
+    """The largest magnitude ``max |x|`` of the integer (or bool) tensor ``t``, as an exact Python int, when it
+    exceeds ``limit``, else None (also for an empty tensor, and without a pass when the dtype's whole range
+    lies within ``limit``: bool, uint8, int8, int16 for any limit >= 2^15). ``t`` must not be floating point.
+
+    One ``min`` and one ``max`` pass (numpy on the CPU, off torch's intra-op threads); no ``abs``, which
+    overflows at int64's -2^63."""
+    if t.dtype == torch.bool or t.numel() == 0:
+        return None
+    info = torch.iinfo(t.dtype)
+    if max(-info.min, info.max) <= limit:
+        return None
+    if t.device.type == "cpu" and t.dtype in _NP and not t.requires_grad:
+        a = t.detach().numpy()
+        low, high = int(a.min()), int(a.max())
+    else:
+        low, high = (int(v) for v in torch.aminmax(t.detach()))
+    biggest = max(-low, high)
     return biggest if biggest > limit else None
 
 

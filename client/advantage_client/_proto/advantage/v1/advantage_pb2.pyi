@@ -1654,6 +1654,9 @@ class ComputeAdvantageRequest(_message.Message):
         "reward/<name>". A name the chosen estimator does not read
         is an INVALID_ARGUMENT. Float inputs may be float32, float64, bfloat16 or
         float16 and are computed in float32 (float64 when any input is float64);
+        they may also be int64, int32, uint8 or bool (e.g. 0/1 verifier rewards),
+        converted exactly: in float32 while every |value| <= 2^24, in float64
+        beyond, and an INVALID_ARGUMENT naming the input beyond 2^53;
         prompt_ids must be an integer type; mask may be bool, integer or float
         holding only 0 and 1 (bool or uint8: one byte per token). Every estimator
         also takes "lengths" [B] (integer) in place of "mask", a prefix mask
@@ -2043,8 +2046,9 @@ class InputSpec(_message.Message):
     """
     required_when: _builtins.str
     kind: _builtins.str
-    """Accepted element kinds: "float", "integer", "mask" (bool/integer/float of
-    0 and 1).
+    """Accepted element kinds: "float" (any float dtype, or integer/bool values
+    converted exactly: see ComputeAdvantageRequest.inputs), "integer", "mask"
+    (bool/integer/float of 0 and 1).
     """
     description: _builtins.str
     @_builtins.property
