@@ -292,11 +292,11 @@ def test_with_memfd_off_regions_are_posix_segments_and_work(proc_server, monkeyp
 def test_a_server_that_cannot_open_the_memfd_gets_posix_segments_from_then_on(make_server, monkeypatch):
     """Another PID namespace or user (here: the server's opening of /proc/<pid>/fd/<fd> fails): the region
     is retried as a POSIX segment, and the client's later regions are POSIX ones without a memfd try."""
-    from advantage_server import transport
+    from advantage_server import regions
 
     def refuse(pid: int, fd: int) -> int:
         raise PermissionError("another PID namespace")
-    monkeypatch.setattr(transport, "_open_memfd", refuse)
+    monkeypatch.setattr(regions, "_open_memfd", refuse)
     srv = make_server()
     tensors = _gae(16, 256, 4)
     with AdvantageClient(srv.address, timeout=30.0) as c:

@@ -10,13 +10,13 @@ than the requested output dtype, the packed layout: the next free place). Every 
 against the room and the region, and never overlaps an input read from the same region.
 
 The server maps a client's segment only when it is a Linux memfd sealed against shrinking
-(``F_SEAL_SHRINK``: it can never end before the mapped bytes, so no SIGBUS; see ``transport.Region``).
+(``F_SEAL_SHRINK``: it can never end before the mapped bytes, so no SIGBUS; see ``regions.Region``).
 Then the room is given ``buf``, a ``uint8`` numpy array over that mapping (also in-process use, tests),
 and the results are written straight into the client's memory: zero-copy. Any other segment (a POSIX
 one, an unsealed memfd) may shrink during a call, which would kill a process touching a mapping of it
 with SIGBUS, so there the room is *staged*: ``buf=None``, the handed-out buffers are the server's own
 memory, and :attr:`OutputRoom.pending` lists what :meth:`Region.write
-<advantage_server.transport.Region.write>` then writes into the segment, once the call has computed.
+<advantage_server.regions.Region.write>` then writes into the segment, once the call has computed.
 
 :func:`region_lock` serialises the calls that write into one region, so a client's next call never has
 its results overwritten by the tail of an abandoned one (and two concurrent calls sharing a room do not
