@@ -64,7 +64,7 @@ GROUP_LOCAL = _cases(True)
 def test_declarations_cover_the_group_family():
     """The declared set is what the registry says (and what the contract below checks, case by case)."""
     names = {n for n, _ in GROUP_LOCAL}
-    assert names == {"grpo", "rloo", "opo", "grpo_passk", "pkpo", "qae"}
+    assert names == {"grpo", "rloo", "opo", "grpo_passk", "pkpo", "qae", "maxrl"}
     assert ("grpo", {"scale_rewards": "batch", "semantics": "trl"}) not in GROUP_LOCAL
     assert ("grpo", {"scale_rewards": "group", "semantics": "trl"}) in GROUP_LOCAL
     for name in ("gae", "gpg", "gdpo", "gigpo", "opd", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
@@ -130,6 +130,19 @@ def batches(draw, info, base: dict):
     return cfg, calls
 
 
+def _count_requests(co: AsyncAdvantageClient) -> list[int]:
+    """The rows of each request ``co`` sends from now on (its direct path is wrapped), in a list kept current."""
+    sent: list[int] = []
+    direct = co._compute_direct
+
+    async def spy(*args):
+        tensors = args[-1]
+        sent.append(len(tensors["mask"] if "mask" in tensors else tensors["lengths"]))
+        return await direct(*args)
+    co._compute_direct = spy
+    return sent
+
+
 async def _alone_and_merged(target, name, cfg, calls, *, declare: bool = False):
     async with AsyncAdvantageClient(target, timeout=30.0) as plain:
         alone = [await plain.compute(name, cfg, **t) for t in calls]
@@ -137,13 +150,7 @@ async def _alone_and_merged(target, name, cfg, calls, *, declare: bool = False):
         if declare:  # a false declaration, to show that the comparison catches it
             await co._group_local_rules()
             co._group_local[name] = ([""], co._group_local[name][1])
-        sent = []
-        direct = co._compute_direct
-
-        async def spy(*args):
-            sent.append(len(args[-1]["prompt_ids"]))
-            return await direct(*args)
-        co._compute_direct = spy
+        sent = _count_requests(co)
         merged = await asyncio.gather(*(co.compute(name, cfg, **t) for t in calls))
     assert sent == [sum(t["mask"].shape[0] for t in calls)], sent  # one request carried every call
     return alone, merged
@@ -204,13 +211,7 @@ def test_many_concurrent_calls_match_alone(target):
         async with AsyncAdvantageClient(target, timeout=30.0) as plain:
             alone = await asyncio.gather(*(plain.compute("grpo", None, **g) for g in groups))
         async with AsyncAdvantageClient(target, timeout=30.0, coalesce_ms=20.0, coalesce_max_rows=128) as co:
-            sent = []
-            direct = co._compute_direct
-
-            async def spy(*args):
-                sent.append(len(args[-1]["prompt_ids"]))
-                return await direct(*args)
-            co._compute_direct = spy
+            sent = _count_requests(co)
             merged = await asyncio.gather(*(co.compute("grpo", None, **g) for g in groups))
             per_sample = await asyncio.gather(*(co.compute("grpo", None, per_sample=True, **g) for g in groups[:8]))
             numpy_out = await asyncio.gather(*(co.compute("grpo", None, as_numpy=True, **g) for g in groups[:8]))
@@ -352,3 +353,85 @@ def test_close_fails_waiting_calls_and_server_errors_reach_every_caller(target, 
             return await asyncio.gather(*tasks, return_exceptions=True)
     out = run(gone())
     assert all(getattr(e, "code", None) == grpc.StatusCode.UNAVAILABLE for e in out), out
+
+
+def test_a_config_changed_after_the_call_changes_no_result(target):
+    """Issue #22 item 4: the callers share one config dict and one of them changes it 20 ms after calling,
+    while the calls wait in the 100 ms window. Before, the merged request read the dict when it was sent, so
+    all 4 callers got advantages without the std division (silently); now each call's config is read when
+    ``compute`` starts: every result equals the call made alone with the config as it was."""
+    groups = [dict(_group(i), rewards=np.random.default_rng(i).random(8).astype(np.float32)) for i in range(4)]
+
+    async def go():
+        async with AsyncAdvantageClient(target, timeout=30.0) as plain:
+            alone = [await plain.compute("grpo", {"normalize_rewards": True}, **g) for g in groups]
+            changed = [await plain.compute("grpo", {"normalize_rewards": False}, **g) for g in groups]
+        async with AsyncAdvantageClient(target, timeout=30.0, coalesce_ms=100.0) as co:
+            await co._group_local_rules()
+            sent = _count_requests(co)
+            cfg = {"normalize_rewards": True}
+            tasks = [asyncio.ensure_future(co.compute("grpo", cfg, **g)) for g in groups]
+            await asyncio.sleep(0.02)  # every call has started and waits in the window
+            cfg["normalize_rewards"] = False
+            merged = await asyncio.gather(*tasks)
+        return alone, changed, merged, sent
+    alone, changed, merged, sent = run(go())
+    assert sent == [32], sent  # one merged request carried the 4 calls
+    for a, c, m in zip(alone, changed, merged):
+        assert not torch.equal(a.advantages, c.advantages)  # the change would show
+        assert _same(a, m)
+
+
+def _resource_exhausted_count(srv) -> float:
+    """ComputeAdvantage calls the server answered RESOURCE_EXHAUSTED (its metrics, every estimator label)."""
+    return sum(s.value for family in srv.metrics.registry.collect() for s in family.samples
+               if s.name == "advantage_requests_total" and s.labels.get("method") == "ComputeAdvantage"
+               and s.labels.get("code") == "RESOURCE_EXHAUSTED")
+
+
+def test_an_admission_refusal_of_a_merged_request_is_shared_not_multiplied(make_server, monkeypatch):
+    """Issue #22 item 4: the only --max-concurrent-requests place is held by a call that waits in its
+    estimator; 16 coalesced callers' merged request is refused there. Before, the refusal sent each call
+    again alone (17 refusals on the server for 16 callers); now every caller gets the one RESOURCE_EXHAUSTED
+    (naming the flag) and the server counts exactly one refusal. Once the place is free, the same 16 calls
+    are served as one request."""
+    import dataclasses
+    import threading
+
+    from advantage_server.estimators.registry import REGISTRY
+    entered, release = threading.Event(), threading.Event()
+    opd = REGISTRY["opd"]
+
+    def held(cfg, batch):
+        entered.set()
+        assert release.wait(30), "the test never released the held call"
+        return opd.fn(cfg, batch)
+    monkeypatch.setitem(REGISTRY, "opd", dataclasses.replace(opd, fn=held))
+    srv = make_server(max_concurrent_requests=1)
+    groups = [_group(i) for i in range(16)]
+
+    async def go():
+        async with AsyncAdvantageClient(srv.address, timeout=30.0, coalesce_ms=100.0) as co:
+            await co._group_local_rules()
+            sent = _count_requests(co)
+            blocker = asyncio.ensure_future(co.compute("opd", None, mask=np.ones((2, 3), np.float32),
+                                                       teacher_logprobs=np.zeros((2, 3), np.float32),
+                                                       prev_logprobs=np.zeros((2, 3), np.float32)))
+            assert await asyncio.to_thread(entered.wait, 10), ("the holding call did not reach the estimator",
+                                                               blocker.done() and blocker.exception())
+            before = _resource_exhausted_count(srv)
+            refused = await asyncio.gather(*(co.compute("grpo", None, **g) for g in groups), return_exceptions=True)
+            refusals = _resource_exhausted_count(srv) - before
+            release.set()
+            await blocker
+            served = await asyncio.gather(*(co.compute("grpo", None, **g) for g in groups))
+        return refused, refusals, sent, served
+    try:
+        refused, refusals, sent, served = run(go())
+    finally:
+        release.set()
+    assert all(getattr(e, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused), refused
+    assert all("--max-concurrent-requests=1" in str(e) for e in refused)
+    assert refusals == 1, refusals
+    assert sent == [2, 16 * 8, 16 * 8], sent  # the holding call, the refused merged request, the served one
+    assert all(m.advantages.shape == (8, 16) for m in served)

@@ -46,11 +46,26 @@ TUPLE_ESTIMATORS = ("raw_reward", "gae")
 #: although the service's config has them: Reinforce++ and GAE call ``calculate_kl`` with its built-in clamps
 #: (input 20, output 10; nemo_rl/algorithms/utils.py), whatever ``kl_input_clamp_value`` and
 #: ``kl_output_clamp_value`` the loss config holds. The drop-in leaves them out (the service's defaults are
-#: those clamps), so a loss config with other clamps gets NeMo RL's numbers; the plain client honours them.
+#: those clamps), so a loss config with other clamps gets NeMo RL's numbers and a ``UserWarning`` (once per key
+#: per process) naming the plain client call that honours them.
 NEMO_UNREAD_KEYS = {
     "reinforce_plus_plus": frozenset({"kl_input_clamp_value", "kl_output_clamp_value"}),
     "gae": frozenset({"kl_input_clamp_value", "kl_output_clamp_value"}),
 }
+#: the clamps NeMo RL's ``calculate_kl`` applies whatever the loss config says: a loss config holding these
+#: values loses nothing when the drop-in leaves its keys out; any other value draws a warning
+NEMO_BUILTIN_CLAMPS = {"kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0}
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_unapplied(dropin: str, option: str, why: str, instead: str) -> None:
+    """``UserWarning`` that drop-in ``dropin`` received ``option`` and will not apply it, once per
+    (drop-in, option) per process: a silently dropped option would be a wrong run nobody sees."""
+    if (dropin, option) in _warned:
+        return
+    _warned.add((dropin, option))
+    warnings.warn(f"{dropin}: {option} is not applied ({why}); {instead}", UserWarning, stacklevel=3)
 
 #: the module of NeMo RL that defines ``AdvantageResult`` once PR #3512 is in
 NEMO_ESTIMATOR_MODULE = "nemo_rl.algorithms.advantage_estimator"
@@ -207,6 +222,13 @@ class RemoteAdvantageEstimator:
                               stacklevel=2)
         self.name = name
         unread = NEMO_UNREAD_KEYS.get(name, frozenset())
+        for key in sorted(unread):
+            if config.get(key) is not None and float(config[key]) != NEMO_BUILTIN_CLAMPS[key]:
+                warn_unapplied("advantage_client.nemo", f"{key}={config[key]!r}",
+                               f"NeMo RL's {name} calls calculate_kl with its built-in clamp "
+                               f"{NEMO_BUILTIN_CLAMPS[key]:g}, which the drop-in reproduces",
+                               f"to clamp at {config[key]!r}, call AdvantageClient.compute({name!r}, "
+                               f"{{{key!r}: {config[key]!r}, ...}}) instead of the drop-in")
         self.config = wire.config_message(name, {k: v for k, v in config.items() if k in known and k not in unread})
         self.client = client or AdvantageClient(target, timeout=timeout)
         self._inputs: list[Any] | None = None

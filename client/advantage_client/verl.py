@@ -20,7 +20,9 @@ The returned function accepts verl's keyword names (``token_level_rewards``, ``r
 ``index``, ``values``, ``gamma``, ``lam``, ``epsilon``, ``norm_adv_by_std_in_grpo``,
 ``reward_baselines``, ``old_log_probs``, ``sum_pi_squared``, ``rollout_is_weights``,
 ``handle_zero_tail``, ``f_norm``, ``alpha``, ``config``, ``non_tensor_batch``, ``batch``) and, positionally, each verl function's own
-argument order. Unknown keywords are ignored, as verl's ``**kwargs`` does. Each option is read where
+argument order. Unknown keywords are ignored, as verl's ``**kwargs`` does; ``config.exclude_empty_responses``
+and ``config.sum_rewards_over_mask`` (later verl releases' options, not in 0.9.1) are not applied and, when
+set, warn once each (``UserWarning``) naming the plain client call that applies them. Each option is read where
 verl's function reads it: ``grpo_passk`` reads ``norm_adv_by_std_in_grpo`` and ``reinforce_plus_plus``
 reads ``gamma`` from ``config`` (a dict, an OmegaConf ``DictConfig``, verl's ``AlgoConfig`` or any object
 with those attributes); ``gpg``'s ``alpha`` is recomputed by verl from the batch, so the keyword is
@@ -70,6 +72,7 @@ import numpy as np
 
 from advantage_client import wire
 from advantage_client.client import AdvantageClient, reduce_prompt_ids
+from advantage_client.nemo import warn_unapplied
 
 DEFAULT_TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
 _DEFAULT_TARGET = "localhost:50051"
@@ -207,9 +210,25 @@ def _output_dtype(token_level_rewards: Any) -> str:
     return name if name in ("float64", "bfloat16", "float16") else "float32"
 
 
+#: options of later verl releases' ``AlgoConfig`` (verl PRs #6452, #6310) that verl 0.9.1, which this drop-in
+#: reproduces, does not have: set (true) in ``config``, they draw a warning (once each) instead of a silent drop
+VERL_UNAPPLIED_OPTIONS = ("exclude_empty_responses", "sum_rewards_over_mask")
+
+
+def _warn_unapplied_options(name: str, service: str, config: Any) -> None:
+    for option in VERL_UNAPPLIED_OPTIONS:
+        if config_get(config, option):
+            warn_unapplied("advantage_client.verl", f"config.{option}",
+                           "this drop-in reproduces verl 0.9.1, whose estimators have no such option",
+                           f"to apply it, call AdvantageClient.compute({service!r}, {{'semantics': 'verl', "
+                           f"{option!r}: True, ...}}) (where the service's {service} takes it) instead of "
+                           f"verl's {name}")
+
+
 def _service_config(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """The service config for verl estimator ``name``, each option read where verl's function reads it."""
     config = args.get("config")
+    _warn_unapplied_options(name, ESTIMATORS[name].service, config)
     cfg: dict[str, Any] = {}
     if name == "gae":
         gamma = args.get("gamma") if args.get("gamma") is not None else config_get(config, "gamma")
