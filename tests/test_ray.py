@@ -5,10 +5,13 @@ One Ray cluster for the module (``ray start --head --num-cpus=2``, no dashboard,
 deployment of two replicas (one CPU each) that the tests use in order: requests spread over both (each replica's
 own count of the calls it answered), a replica's process killed (SIGKILL) in the middle of a run of requests from
 two threads with no failed request, Ray restarting it on a new port and the client reaching the new one, the
-asyncio twin, and ``advantage-ray down`` leaving no replica process, port or actor name behind. Beside it (no CPU
-reserved): one-replica deployments whose only replica is killed (the client waits for Ray's restart instead of
-failing), one with ``max_restarts=0`` that ``status`` must report DEAD, and the flags refused before anything
-starts.
+asyncio twin, a replica's process stopped (SIGSTOP) and dropped by the client after the first call to it times
+out, the token ``up`` generates (tokenless calls refused, ``from_ray`` finds it), and ``advantage-ray down``
+leaving no replica process, port or actor name behind. Beside it (no CPU reserved): one-replica deployments
+whose only replica is killed (the client waits for Ray's restart instead of failing), one with
+``max_restarts=0`` that ``status`` must report DEAD, ``advantage-ray up`` from the command line with no flags
+(a token) and with ``--insecure`` (a warning; its replica then stopped through its actor, which ``status``
+must report STOPPED), and the flags refused before anything starts.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from advantage_client import (
 from advantage_server import ray_deploy
 from test_server_cli import free_port
 
+LIST_ESTIMATORS = "/advantage.v1.AdvantageService/ListEstimators"
+
 NAMESPACE = "advantage-test"
 CONFIG = {"normalize_rewards": False, "use_leave_one_out_baseline": False}
 PROMPT_IDS = np.array([0, 0, 0, 0, 1, 1, 1, 1])
@@ -65,6 +70,17 @@ def compute(client, seed: int) -> None:
 def counts() -> dict[int, int]:
     return {info["index"]: info["requests"] for info in ray_deploy.status(namespace=NAMESPACE)
             if info["state"] == "ALIVE"}
+
+
+def raw_call(address: str, token: str | None = None) -> grpc.StatusCode:
+    """A ListEstimators call with grpcio alone (no advantage client, so no token unless given): its status."""
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(LIST_ESTIMATORS)(b"", timeout=20, metadata=metadata)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -218,6 +234,14 @@ def test_cli_unreadable_file_exit_2_before_anything_starts(flag, tmp_path, capsy
     assert ray_deploy.main(["up", "--namespace", "advantage-bad", flag, missing, *argv]) == 2
     err = capsys.readouterr().err
     assert f"{flag} {missing}: cannot read it here" in err and "Traceback" not in err
+
+
+def test_cli_insecure_with_a_token_file_exit_2(tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    assert ray_deploy.main(["up", "--namespace", "advantage-bad", "--insecure", "--auth-token-file", str(token)]) == 2
+    err = capsys.readouterr().err
+    assert "--insecure" in err and "--auth-token-file" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("grace", ["-5", "nan", "inf", "x"])
@@ -456,7 +480,7 @@ def test_status_shows_a_replica_whose_restarts_are_spent(cluster, capsys):
         assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 0
         os.kill(infos[0]["pid"], signal.SIGKILL)
         wait_for(lambda: not ray_discovery.replica_handles(name, NAMESPACE), 30, "Ray forgets the dead replica")
-        assert ray_deploy.status(name, NAMESPACE) == [{"index": 0, "state": "DEAD"}]
+        assert ray_deploy.status(name, NAMESPACE) == [{"index": 0, "state": "DEAD", "health": "-"}]
         capsys.readouterr()
         assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 1
         out = capsys.readouterr()
@@ -487,6 +511,72 @@ def test_asyncio_twin_spreads_over_both(deployment):
     assert all(after[i] > before[i] for i in after), (before, after)
 
 
+def test_replicas_require_the_token_up_generated(deployment):
+    """``up`` without ``--auth-token-file`` or ``insecure``: every replica requires the token it generated
+    (tokenless and wrong-token calls UNAUTHENTICATED, health exempt), which any Ray driver reads from a replica
+    (what ``from_ray`` does: the other tests' clients are given no token)."""
+    token = ray_discovery.replica_token(namespace=NAMESPACE)
+    assert isinstance(token, str) and len(token) >= 43
+    infos = ray_deploy.status(namespace=NAMESPACE)  # replica 0 was restarted by Ray above: its address now
+    assert [i["state"] for i in infos] == ["ALIVE", "ALIVE"]
+    for info in infos:
+        assert info["auth"] is True and info["token_from_ray"] is True
+        assert raw_call(info["address"]) == grpc.StatusCode.UNAUTHENTICATED
+        assert raw_call(info["address"], "wrong") == grpc.StatusCode.UNAUTHENTICATED
+        assert raw_call(info["address"], token) == grpc.StatusCode.OK
+        assert ray_deploy.health_check(info["address"]) == "SERVING"
+
+
+def test_sigstopped_replica_is_dropped_after_a_call_to_it_times_out(deployment):
+    """One replica's process stopped (SIGSTOP): gRPC still sends it every other call (its connection and last
+    health status stand), and such a call fails DEADLINE_EXCEEDED at the client's timeout. That failure starts a
+    look-up (no periodic one here: refresh_s=None) in which the stopped replica's ``info()`` does not answer
+    within ``STALL_S`` of the other's: it is dropped, and every later call goes to the other replica. Stated
+    bound: about STALL_S + 1 s after the timed-out call (1.2 s measured at load average 9 on 2 cores); asserted
+    within 10 s, with the periodic look-up off and ``lookup_timeout=30``: a look-up that waited for every
+    replica's answer (before: ``lookup_timeout``) could not drop it in time. SIGCONT at the end: the next
+    look-up takes it back."""
+    alive = [i for i in ray_deploy.status(namespace=NAMESPACE) if i["state"] == "ALIVE"]
+    assert len(alive) == 2
+    victim, other = alive[1], alive[0]
+    client = AdvantageClient.from_ray(namespace=NAMESPACE, timeout=20, refresh_s=None, lookup_timeout=30)
+    for seed in range(8):  # connected to both (a replica stopped before the client connects is never used)
+        compute(client, seed)
+    before = counts()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        assert sorted(client.addresses) == sorted([victim["address"], other["address"]])
+        ok, timed_out_at = 0, None
+        for seed in range(6):  # round_robin over 2: one of the first calls goes to the stopped replica
+            rewards, expected = batch(seed)
+            try:
+                result = client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=rewards, mask=MASK,
+                                        as_numpy=True, timeout=3)
+                np.testing.assert_allclose(result.advantages, expected, atol=1e-6)
+                ok += 1
+            except AdvantageServiceError as err:
+                assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+                timed_out_at = time.monotonic()
+                break
+        assert timed_out_at is not None, "no call reached the stopped replica"
+        wait_for(lambda: client.addresses == [other["address"]], 10, "the stopped replica dropped")
+        dropped_after = time.monotonic() - timed_out_at
+        print(f"[ray] SIGSTOPped replica dropped {dropped_after:.2f} s after the call to it timed out")
+        for seed in range(20):
+            compute(client, 100 + seed)
+            ok += 1
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+    try:
+        after = counts()
+        assert after[other["index"]] - before[other["index"]] == ok  # every answered call: the other replica
+        wait_for(lambda: client.refresh() or len(client.addresses) == 2, 20, "the resumed replica taken back")
+        assert sorted(client.addresses) == sorted([victim["address"], other["address"]])
+        compute(client, 999)
+    finally:
+        client.close()
+
+
 def test_down_leaves_no_process_port_or_name(deployment, cluster):
     infos = [i for i in ray_deploy.status(namespace=NAMESPACE) if i["state"] == "ALIVE"]
     assert len(infos) == 2
@@ -503,3 +593,52 @@ def test_down_leaves_no_process_port_or_name(deployment, cluster):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("0.0.0.0", port))  # nothing listens there any more
     assert ray_deploy.down(namespace=NAMESPACE) == []  # idempotent
+
+
+def up_cli(name: str, *flags: str) -> list[dict]:
+    """``advantage-ray up`` (in this process, which is a driver of the test cluster) of one replica, no CPU
+    reserved, plus ``flags``; its infos."""
+    assert ray_deploy.main(["up", "--replicas", "1", "--name", name, "--namespace", NAMESPACE, "--num-cpus", "0",
+                            "--timeout", "120", "--device", "cpu", "--workers", "1", *flags]) == 0
+    return ray_deploy.status(name, NAMESPACE)
+
+
+def test_cli_up_without_flags_serves_with_a_token_from_ray_finds(cluster, capsys):
+    """``advantage-ray up`` with no security flag: no warning, a token required (a tokenless raw gRPC call is
+    UNAUTHENTICATED), which ``from_ray`` reads through Ray without being told; ``status`` shows it."""
+    name = "tokened"
+    try:
+        infos = up_cli(name)
+        out = capsys.readouterr()
+        assert "warning" not in out.err and "generated token" in out.out
+        assert infos[0]["state"] == "ALIVE" and infos[0]["health"] == "SERVING"
+        assert raw_call(infos[0]["address"]) == grpc.StatusCode.UNAUTHENTICATED
+        with AdvantageClient.from_ray(name=name, namespace=NAMESPACE, timeout=20) as client:
+            compute(client, 5)
+        assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 0
+        assert "token(ray)" in capsys.readouterr().out
+    finally:
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)
+
+
+def test_cli_up_insecure_warns_and_status_names_a_replica_stopped_through_its_actor(cluster, capsys):
+    """``--insecure``: one warning line, no token (a tokenless raw call is served). Then the replica's server is
+    stopped through its actor's ``stop()`` (as any Ray driver can): ``status`` lists it STOPPED, health
+    ``stopped``, exits 1 naming it, and the client's look-up skips it (before: ALIVE, exit 0)."""
+    name = "open"
+    try:
+        infos = up_cli(name, "--insecure")
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if "warning" in line] == [
+            "advantage-ray: warning: --insecure: the replicas serve without a token (and without TLS unless "
+            "--tls-cert): anyone who reaches their ports can call them"]
+        assert infos[0]["auth"] is False and ray_discovery.replica_token(name, NAMESPACE) is None
+        assert raw_call(infos[0]["address"]) == grpc.StatusCode.OK
+        ray.get(ray.get_actor(ray_discovery.replica_actor_name(name, 0), namespace=NAMESPACE).stop.remote(0.5))
+        assert [(i["state"], i["health"]) for i in ray_deploy.status(name, NAMESPACE)] == [("STOPPED", "stopped")]
+        assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 1
+        out = capsys.readouterr()
+        assert "STOPPED" in out.out and "replica(s) 0 of 'open' STOPPED" in out.err and "down" in out.err
+        assert ray_discovery.replica_addresses(name, NAMESPACE) == []
+    finally:
+        ray_deploy.down(name=name, namespace=NAMESPACE, grace=0.5)

@@ -26,6 +26,19 @@ is sent once more on it. When that look-up
 finds no live replica (the only one died and Ray is still restarting it: gRPC's retries, about 1.5 s of
 backoff, run out before a restart, 1-2 s), they look again every ``POLL_S`` seconds until one answers or the
 call's own deadline (the client's ``timeout``, else ``wait_s``) is spent, then send the call once more.
+
+A replica whose process hangs (SIGSTOPped, or wedged) keeps its TCP connection and its last health status, so
+gRPC keeps sending it a share of the calls, each failing DEADLINE_EXCEEDED. A look-up drops it: once one replica
+answered ``info()``, the others get ``STALL_S`` (1 s) more, and one that has not answered by then is left out of
+the new set (it comes back at a later look-up once it answers). A call that fails DEADLINE_EXCEEDED starts such
+a look-up at once (in the background; the error is raised as it is, not retried), so a hung replica is dropped
+within about ``STALL_S`` + 1 s of the first call to it that timed out, and at the latest at the next periodic
+look-up (``refresh_s`` + ``STALL_S``). Calls already sent to it still end at their own deadline.
+
+Token: ``advantage-ray up`` without ``--auth-token-file`` (and without ``--insecure``) has the replicas require a
+token it generated, which each replica actor hands out through Ray (``auth_token()``): when neither ``token`` nor
+``token_file`` is given, the client asks a replica for it (:func:`replica_token`). Whoever can run a Ray driver
+on that cluster can read it; that is the trust boundary (such a driver can run any code on the nodes anyway).
 """
 from __future__ import annotations
 
@@ -49,6 +62,9 @@ REPLICA_INFIX = "-replica-"
 DEFAULT_REFRESH_S = 10.0
 #: seconds a look-up waits for the replicas' answers (a replica Ray is restarting answers later)
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0
+#: seconds a client's look-up waits for the other replicas once one has answered: one still silent then (a hung
+#: or SIGSTOPped process, or one Ray is restarting) is left out of the new set until it answers again
+STALL_S = 1.0
 #: seconds between two look-ups while no replica is alive after a call failed UNAVAILABLE
 POLL_S = 0.2
 #: the channel argument giving each client built here connections of its own (see ``_Slot``)
@@ -120,30 +136,76 @@ def replica_handles(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE
     return sorted(out, key=lambda item: item[0])
 
 
+def _answered(ray: Any, refs: list, timeout: float, stall: float | None) -> set:
+    """The refs of ``refs`` ready within ``timeout`` seconds; with ``stall``, those ready within ``stall`` seconds
+    of the first one (and within ``timeout``)."""
+    if not refs:
+        return set()
+    if stall is None:
+        return set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+    deadline = time.monotonic() + timeout
+    done, pending = ray.wait(refs, num_returns=1, timeout=timeout)
+    if done and pending:
+        more, _ = ray.wait(pending, num_returns=len(pending),
+                           timeout=max(0.0, min(stall, deadline - time.monotonic())))
+        done = [*done, *more]
+    return set(done)
+
+
 def replica_infos(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
-                  timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> list[dict[str, Any]]:
+                  timeout: float = DEFAULT_LOOKUP_TIMEOUT_S, stall: float | None = None) -> list[dict[str, Any]]:
     """What each replica of ``name`` reports (its ``info()``: ``index``, ``address`` ``"host:port"``, ``pid``,
     ``node_id``, ``node_ip``, ``device``, ``restarted``, ``serving``, ``requests``), plus ``state``:
-    ``"ALIVE"`` (answered), ``"PENDING"`` (no answer within ``timeout`` seconds: being started or restarted by
-    Ray, or busy stopping) or ``"DEAD"`` (its actor died for good); the last two carry ``index`` only.
-    The answers are awaited together: the whole look-up takes ``timeout`` seconds at most."""
+    ``"ALIVE"`` (answered, serving), ``"STOPPED"`` (answered, but its server was stopped through the actor's
+    ``stop()``: Ray does not restart it, it serves nothing), ``"PENDING"`` (no answer in time: being started
+    or restarted by Ray, busy stopping, or hung) or ``"DEAD"`` (its actor died for good); the last two carry
+    ``index`` only. The answers are awaited together: the whole look-up takes ``timeout`` seconds at most;
+    with ``stall`` (seconds), a replica that has not answered ``stall`` seconds after the first one did is
+    PENDING (a client's look-up: a hung replica must not hold it for ``timeout``)."""
     ray = connect(address, namespace)
     handles = replica_handles(name, namespace, address)
     refs = [handle.info.remote() for _, handle in handles]
-    ready: set = set()
-    if refs:
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        ready = set(done)
+    ready = _answered(ray, refs, timeout, stall)
     out = []
     for (index, _), ref in zip(handles, refs):
         if ref not in ready:
             out.append({"index": index, "state": "PENDING"})
             continue
         try:
-            out.append({**ray.get(ref), "state": "ALIVE"})
+            info = ray.get(ref)
         except ray.exceptions.RayError:
             out.append({"index": index, "state": "DEAD"})
+            continue
+        out.append({**info, "state": "ALIVE" if info.get("serving", True) else "STOPPED"})
     return out
+
+
+def replica_token(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
+                  timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> str | None:
+    """The bearer token ``advantage-ray up`` generated for the replicas of ``name`` (each replica actor's
+    ``auth_token()``), from the first replica that answers within ``timeout`` seconds; None when the
+    replicas hold none (``--insecure``, or ``--auth-token-file``: give that file's token yourself) or none
+    answered. Readable by any Ray driver of the cluster (the trust boundary of a generated token)."""
+    ray = connect(address, namespace)
+    refs = []
+    for _, handle in replica_handles(name, namespace, address):
+        try:
+            refs.append(handle.auth_token.remote())
+        except AttributeError:  # a replica started by an older advantage-ray: it has no generated token
+            continue
+    deadline = time.monotonic() + timeout
+    while refs:
+        done, refs = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            return None
+        try:
+            token = ray.get(done[0])
+        except ray.exceptions.RayError:
+            continue
+        if token:
+            return str(token)
+    return None
+
 
 
 def replica_addresses(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
@@ -154,13 +216,15 @@ def replica_addresses(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPA
 
 
 def replica_incarnations(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *,
-                         address: str | None = None, timeout: float = DEFAULT_LOOKUP_TIMEOUT_S) -> dict[str, str]:
-    """``{"host:port": incarnation}`` of every replica of ``name`` that answered within ``timeout`` seconds and
-    serves (not stopping); the incarnation, ``"<node_id>/<pid>/<started_at>"``, tells a replica restarted on
-    the same address (a fixed ``--port``) from the process that was there before."""
+                         address: str | None = None, timeout: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                         stall: float | None = None) -> dict[str, str]:
+    """``{"host:port": incarnation}`` of every replica of ``name`` that answered within ``timeout`` seconds (and,
+    with ``stall``, within ``stall`` seconds of the first answer: see :func:`replica_infos`) and serves (not
+    stopped); the incarnation, ``"<node_id>/<pid>/<started_at>"``, tells a replica restarted on the same address
+    (a fixed ``--port``) from the process that was there before."""
     return {info["address"]: f"{info.get('node_id')}/{info.get('pid')}/{info.get('started_at')}"
-            for info in replica_infos(name, namespace, address=address, timeout=timeout)
-            if info["state"] == "ALIVE" and info.get("serving", True)}
+            for info in replica_infos(name, namespace, address=address, timeout=timeout, stall=stall)
+            if info["state"] == "ALIVE"}
 
 
 def _none_found(name: str, namespace: str, waited: float) -> AdvantageServiceError:
@@ -211,9 +275,18 @@ class _Lookup:
         self.name, self.namespace, self.address, self.lookup_timeout = name, namespace, address, lookup_timeout
 
     def __call__(self, timeout: float | None = None) -> dict[str, str]:
-        """:func:`replica_incarnations`, waiting ``timeout`` seconds at most (``lookup_timeout`` when None)."""
+        """:func:`replica_incarnations`, waiting ``timeout`` seconds at most (``lookup_timeout`` when None) and
+        ``STALL_S`` for the others once one replica answered (a hung one is left out)."""
         wait = self.lookup_timeout if timeout is None else max(0.05, min(timeout, self.lookup_timeout))
-        return replica_incarnations(self.name, self.namespace, address=self.address, timeout=wait)
+        return replica_incarnations(self.name, self.namespace, address=self.address, timeout=wait, stall=STALL_S)
+
+    def client_kwargs(self, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``client_kwargs`` with ``token`` set to the replicas' generated token (:func:`replica_token`) when
+        neither ``token`` nor ``token_file`` is given and the replicas hold one."""
+        if client_kwargs.get("token") is not None or client_kwargs.get("token_file") is not None:
+            return client_kwargs
+        token = replica_token(self.name, self.namespace, address=self.address, timeout=self.lookup_timeout)
+        return {**client_kwargs, "token": token} if token else client_kwargs
 
     def first(self, wait_s: float) -> dict[str, str]:
         """The addresses, looking again until at least one replica answers or ``wait_s`` seconds passed."""
@@ -239,8 +312,11 @@ class RayClient:
     """What :meth:`AdvantageClient.from_ray <advantage_client.AdvantageClient.from_ray>` returns: an
     :class:`~advantage_client.AdvantageClient` on the replicas' current addresses, replaced when they change
     (see the module docstring). ``compute``, ``list_estimators`` and ``wait_ready`` are the client's, with the
-    look-up and one more try on UNAVAILABLE; every other attribute is the current client's. Thread-safe; use
-    as a context manager or call :meth:`close`.
+    look-up and one more try on UNAVAILABLE, and a look-up started in the background on DEADLINE_EXCEEDED (the
+    error stands; a hung replica is dropped within about ``STALL_S`` + 1 s); every other attribute is the
+    current client's. Without ``token``/``token_file`` the client uses the token ``advantage-ray up``
+    generated, read from a replica (:func:`replica_token`). Thread-safe; use as a context manager or call
+    :meth:`close`.
 
     factory: the client class (``AdvantageClient``), called as ``factory(addresses, **client_kwargs)``.
     name, namespace: the deployment (``advantage-ray up --name --namespace``). address: the Ray cluster, for a
@@ -254,13 +330,14 @@ class RayClient:
                  address: str | None = None, refresh_s: float | None = DEFAULT_REFRESH_S,
                  lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT_S, wait_s: float = 30.0, **client_kwargs: Any):
         _check(refresh_s, lookup_timeout, wait_s)
-        self._factory, self._kwargs = factory, client_kwargs
         self._lookup = _Lookup(name, namespace, address, lookup_timeout)
         self.wait_s = wait_s
         found = self._lookup.first(wait_s)
+        self._factory, self._kwargs = factory, self._lookup.client_kwargs(client_kwargs)
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
-        self._slot = _Slot(factory, found, client_kwargs)
+        self._stall_lookup: threading.Thread | None = None
+        self._slot = _Slot(factory, found, self._kwargs)
         self._closed = threading.Event()
         self.refresh_s = refresh_s
         self._thread: threading.Thread | None = None
@@ -319,11 +396,22 @@ class RayClient:
         if close:
             slot.client.close()
 
+    def _look_soon(self) -> None:
+        """After a call failed DEADLINE_EXCEEDED: a look-up in a thread of its own, now (one at a time), which
+        drops a replica that stopped answering (see the module docstring); the caller gets its error at once."""
+        with self._lock:
+            if self._closed.is_set() or (self._stall_lookup is not None and self._stall_lookup.is_alive()):
+                return
+            self._stall_lookup = threading.Thread(target=self.refresh, name="advantage-ray-stall", daemon=True)
+            self._stall_lookup.start()
+
     def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         slot = self._acquire()
         try:
             return getattr(slot.client, method)(*args, **kwargs)
         except AdvantageServiceError as err:
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._look_soon()
             if err.code != grpc.StatusCode.UNAVAILABLE or not self._recover(slot, method, args):
                 raise
         finally:
@@ -373,8 +461,9 @@ class RayClient:
     def close(self) -> None:
         """Stop the look-ups and close the client (a call still running keeps it until it ends)."""
         self._closed.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._lookup.lookup_timeout + 5)
+        for thread in (self._thread, self._stall_lookup):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self._lookup.lookup_timeout + 5)
         with self._refresh_lock, self._lock:
             self._slot.retired = True
             close = self._slot.users == 0
@@ -400,6 +489,7 @@ class AsyncRayClient:
         self.wait_s = wait_s
         self._slot = _Slot(factory, found, client_kwargs)
         self._refresh_lock = asyncio.Lock()
+        self._stall_lookup: asyncio.Task | None = None
         self._closed = False
         self.refresh_s = refresh_s
         self._task = asyncio.get_running_loop().create_task(self._refresh_loop()) if refresh_s is not None else None
@@ -414,6 +504,7 @@ class AsyncRayClient:
         _check(refresh_s, lookup_timeout, wait_s)
         lookup = _Lookup(name, namespace, address, lookup_timeout)
         found = await asyncio.to_thread(lookup.first, wait_s)
+        client_kwargs = await asyncio.to_thread(lookup.client_kwargs, client_kwargs)
         return cls(factory, lookup, found, refresh_s, client_kwargs, wait_s)
 
     @property
@@ -475,6 +566,9 @@ class AsyncRayClient:
         try:
             return await getattr(slot.client, method)(*args, **kwargs)
         except AdvantageServiceError as err:
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._closed and (
+                    self._stall_lookup is None or self._stall_lookup.done()):
+                self._stall_lookup = asyncio.get_running_loop().create_task(self.refresh())  # as RayClient's
             if err.code != grpc.StatusCode.UNAVAILABLE or not await self._recover(slot, method, args):
                 raise
         finally:
@@ -502,10 +596,12 @@ class AsyncRayClient:
     async def close(self) -> None:
         """Stop the look-ups and close the client (a call still running keeps it until it ends)."""
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._stall_lookup):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
         self._slot.retired = True
