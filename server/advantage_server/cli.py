@@ -7,14 +7,19 @@ Logs its address and device at start, once (stderr: ``advantage-server listening
 new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds), then it exits 0.
 ``kill -USR1 PID`` prints every thread's Python stack to stderr and the server goes on (for a server that
 seems stuck).
-Exits 2 with a message when a flag is out of range (a port outside 0-65535, a limit that is not a
-positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), the port cannot
-be bound (for example, already in use), the device does not exist, or a TLS or token file cannot be read.
+Exits 2 with a one-line message naming the flag when a flag is out of range (a port outside 0-65535, a limit
+that is not a positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), the
+``--host`` does not resolve or is not an address of this machine, a port is in use, a TLS file cannot be
+read, is not PEM, or the key does not match the certificate (:mod:`advantage_server.preflight`: checked before
+the server is built), the device does not exist, or the token file cannot be read. Flags are parsed and
+checked before torch is imported: a bad one is answered at once.
 
 Limits: ``--max-message-mb``, ``--max-batch-elements``, ``--max-concurrent-requests`` (beyond them:
 RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once), ``--stream-idle-timeout`` (a stalled
 upload is cut), ``--min-upload-rate-kib`` / ``--upload-rate-window`` (a streamed upload slower than the
-minimum is cut), ``--max-shm-regions-per-client`` (shared-memory regions per client connection). Security: ``--tls-cert`` and
+minimum is cut), ``--max-shm-regions-per-client`` (shared-memory regions per client connection),
+``--max-pending-per-peer`` / ``--max-pending-per-connection`` (calls of one client host / connection waiting for
+their request body; beyond: RESOURCE_EXHAUSTED at once). Security: ``--tls-cert`` and
 ``--tls-key`` (TLS), ``--tls-client-ca`` (mutual TLS), ``--auth-token-file`` (bearer token on every
 call but health checks). See RELIABILITY.md.
 """
@@ -29,15 +34,14 @@ import signal
 import sys
 import threading
 
+# Light imports only (no torch, numba or client): a bad flag is answered, and advantage-healthcheck runs, at
+# once; the server itself (advantage_server.server, .metrics) is imported once the flags have passed.
 from advantage_server import logs
-from advantage_server.auth import load_token
-from advantage_server.limits import (
+from advantage_server.defaults import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
     DEFAULT_UPLOAD_RATE_WINDOW, DEFAULT_WORKERS,
 )
-from advantage_server.metrics import HealthPort
-from advantage_server.server import create_server
 
 log = logging.getLogger("advantage_server")
 
@@ -107,9 +111,22 @@ def device_name(text: str) -> str:
     return text.strip().lower()
 
 
+def host_name(text: str) -> str:
+    """``--host``/``--metrics-host``: a name or an IP address; an IPv6 one with or without brackets (``[::]`` is
+    ``::``; the server adds them back where an address needs them). Whether it resolves to an address of this
+    machine is checked before binding (:func:`advantage_server.preflight.check_bind`)."""
+    value = text.strip()
+    if value.startswith("[") and value.endswith("]"):
+        value = value[1:-1]
+    if not value or any(c.isspace() or c in "[]/" for c in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host: give an IP address (127.0.0.1, ::1), a host "
+                                         "name, or 0.0.0.0 / :: (every address)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="advantage-server", description="gRPC service computing RL advantages.")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
+    p.add_argument("--host", type=host_name, default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
     p.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = pick a free one)")
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (GPU if present), cpu, cuda or cuda:N (default auto)")
@@ -140,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-memory regions one client connection may hold registered; more are refused with "
                         "RESOURCE_EXHAUSTED (default "
                         f"{DEFAULT_MAX_SHM_REGIONS_PER_CLIENT}; the server holds 256 in all)")
+    p.add_argument("--max-pending-per-peer", type=positive_int, default=None,
+                   help="ComputeAdvantage calls of one client host that may wait for their request body at once "
+                        "(calls that have it, computing or queued, do not count); more are refused with "
+                        "RESOURCE_EXHAUSTED (default: max(1, --max-concurrent-requests // 4))")
+    p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
+                   help="the same for one client connection (default: --max-pending-per-peer's value)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
@@ -152,12 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default text)")
     p.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics over HTTP on this port "
                                                     "(GET /metrics; 0 = any free port; default: off)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
+    p.add_argument("--metrics-host", type=host_name, default="127.0.0.1",
                    help="address the metrics port listens on (default 127.0.0.1: plain HTTP without TLS or token, "
                         "so only this host sees it; 0.0.0.0 for a Prometheus that scrapes over the network)")
     p.add_argument("--health-port", type=port_number, help="also serve grpc.health.v1 in plaintext on this port, for "
                                                    "kubelet gRPC probes of a TLS server (0 = any free port; "
                                                    "default: off)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="report SERVING without first compiling the CPU kernels (by default every kernel signature "
+                        "is compiled, or loaded from NUMBA_CACHE_DIR, while health says NOT_SERVING; the start-up "
+                        "log says how long it took). For tests; a first call may then wait seconds for a compile")
     return p
 
 
@@ -173,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         except (AttributeError, ValueError, OSError):  # no usable stderr at all: no dump, the server still runs
             pass
     try:
+        # host resolves to this machine, ports free, TLS pair parses and matches: each cause named (not
+        # gRPC's one "cannot bind"), before torch is imported
+        from advantage_server.auth import load_token
+        from advantage_server.preflight import check_server_flags
+        check_server_flags(args)
         token = load_token(args.auth_token_file) if args.auth_token_file else None
+        from advantage_server.server import create_server
         server = create_server(args.host, args.port, args.device,
                                max_message_mb=args.max_message_mb, max_stream_mb=args.max_stream_mb,
                                workers=args.workers,
@@ -183,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                                min_upload_rate_kib=args.min_upload_rate_kib,
                                upload_rate_window=args.upload_rate_window,
                                max_shm_regions_per_client=args.max_shm_regions_per_client,
+                               max_pending_per_peer=args.max_pending_per_peer,
+                               max_pending_per_connection=args.max_pending_per_connection,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                auth_token=token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                               health_port=args.health_port)
+                               health_port=args.health_port, warmup=args.warmup)
         del token
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
@@ -204,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("advantage-server metrics on port %d (Prometheus: http://%s:%d/metrics)", server.metrics.port,
                  args.metrics_host, server.metrics.port)
     if args.health_port is not None:
+        from advantage_server.metrics import HealthPort
         port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
         log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
     while not stop.wait(0.5):

@@ -10,6 +10,15 @@ One :class:`RequestGate` per server decides, for every ``AdvantageService`` call
   RESOURCE_EXHAUSTED naming ``--max-concurrent-requests`` and its value: there is no unbounded queue.
 * **compute slots**: at most ``workers`` calls compute at once; an admitted call waits for a slot only
   while its client is still there and its deadline has not passed.
+* **pending shares** (:class:`UploadWatch`, :meth:`RequestGate.reserve`): each client connection may have
+  ``max_pending_per_connection``, and each client host ``max_pending_per_peer``, calls waiting for their
+  request body (admitted, body not fully received) for sure; more only while the server has room. When every
+  place is taken, a call of a client within its shares takes a place back from a client beyond one (that
+  client's most stalled upload is cut with RESOURCE_EXHAUSTED naming the flag); otherwise it is refused
+  as above. Calls that have their body (computing, or waiting for a compute slot) do not count.
+* **full report** (:class:`FullReport`): while every ``max_concurrent_requests`` place is taken (for
+  ``FULL_REPORT_AFTER`` seconds in a row), the service's health status says NOT_SERVING, so balancers and
+  clients with health checking send calls elsewhere; SERVING again as soon as a place frees.
 * **uploads** (:class:`UploadWatch`): an admitted call whose request bytes stop arriving for
   ``--stream-idle-timeout`` seconds, or a streamed upload slower than ``--min-upload-rate-kib`` over each
   ``--upload-rate-window``, is cut with RESOURCE_EXHAUSTED naming the flag.
@@ -51,16 +60,24 @@ SPARE_THREADS = 8
 #: gRPC's own cap on calls of any kind inside the server (``maximum_concurrent_rpcs``) is this many
 #: times the thread pool: a hard bound on what can queue for a thread even under a flood.
 BACKSTOP_FACTOR = 4
+#: the fewest HTTP/2 streams one client connection may have open at once (``grpc.max_concurrent_streams``;
+#: RFC 9113 recommends no fewer than 100); more when ``--max-concurrent-requests`` is larger (see
+#: :attr:`Limits.max_streams_per_connection`). A client beyond it waits (its gRPC queues the call), it is not refused.
+MIN_STREAMS_PER_CONNECTION = 100
+#: seconds every ``--max-concurrent-requests`` place must stay taken before the service's health says
+#: NOT_SERVING (:class:`FullReport`): a server that fills for a moment does not leave the rotation, and health
+#: changes at most once per this many seconds each way
+FULL_REPORT_AFTER = 2.0
+#: seconds a call that cut another client's stalled upload (:meth:`UploadWatch.evict_for`) waits for the place
+#: that call frees (it frees within moments: the cut ends the wait for its body at once)
+EVICTION_WAIT = 2.0
 
-DEFAULT_MAX_MESSAGE_MB = 1024
-DEFAULT_MAX_STREAM_MB = 8192  # largest request through the streaming RPC
-DEFAULT_MAX_BATCH_ELEMENTS = 1 << 27
-DEFAULT_MAX_CONCURRENT_REQUESTS = 32
-DEFAULT_WORKERS = 8
-DEFAULT_STREAM_IDLE_TIMEOUT = 30.0  # seconds an admitted upload may go without receiving request bytes
-DEFAULT_MIN_UPLOAD_RATE_KIB = 1024  # KiB/s a streamed upload must keep up (over the window below); 0: no check
-DEFAULT_UPLOAD_RATE_WINDOW = 5.0  # seconds the upload rate is measured over (also the grace before the first check)
-DEFAULT_MAX_SHM_REGIONS_PER_CLIENT = 64  # shared-memory regions one client (connection) may hold registered
+# the flag defaults live in a module without imports (advantage-server parses its flags without torch)
+from advantage_server.defaults import (  # noqa: E402,F401 - re-exported
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MAX_STREAM_MB, DEFAULT_MIN_UPLOAD_RATE_KIB,
+    DEFAULT_STREAM_IDLE_TIMEOUT, DEFAULT_UPLOAD_RATE_WINDOW, DEFAULT_WORKERS,
+)
 
 
 MAX_MESSAGE_MB_LIMIT = 2047  # gRPC message lengths are signed 32-bit byte counts
@@ -79,6 +96,10 @@ class Limits:
     min_upload_rate_kib: int = DEFAULT_MIN_UPLOAD_RATE_KIB
     upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW
     max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT
+    #: calls of one client host waiting for their request body at once (None: :attr:`pending_per_peer`'s default)
+    max_pending_per_peer: int | None = None
+    #: calls of one client connection waiting for their request body at once (None: the per-peer share)
+    max_pending_per_connection: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stream_idle_timeout", "upload_rate_window"):
@@ -93,6 +114,8 @@ class Limits:
             if f.name in ("stream_idle_timeout", "upload_rate_window", "min_upload_rate_kib"):
                 continue
             value = getattr(self, f.name)
+            if value is None and f.name.startswith("max_pending_"):  # the default share
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.max_message_mb > MAX_MESSAGE_MB_LIMIT:
@@ -119,6 +142,26 @@ class Limits:
     @property
     def grpc_max_concurrent_rpcs(self) -> int:
         return self.thread_pool_size * BACKSTOP_FACTOR
+
+    @property
+    def pending_per_peer(self) -> int:
+        """``--max-pending-per-peer``, by default a quarter of ``--max-concurrent-requests`` (at least 1)."""
+        if self.max_pending_per_peer is not None:
+            return self.max_pending_per_peer
+        return max(1, self.max_concurrent_requests // 4)
+
+    @property
+    def pending_per_connection(self) -> int:
+        """``--max-pending-per-connection``, by default the per-peer share."""
+        if self.max_pending_per_connection is not None:
+            return self.max_pending_per_connection
+        return self.pending_per_peer
+
+    @property
+    def max_streams_per_connection(self) -> int:
+        """``grpc.max_concurrent_streams``: HTTP/2 streams (calls of any kind, health ``Watch`` streams
+        included) one client connection may have open at once."""
+        return max(MIN_STREAMS_PER_CONNECTION, self.max_concurrent_requests + LIGHT_CALLS + SPARE_THREADS)
 
 
 class Draining(Exception):
@@ -217,13 +260,19 @@ def grpc_liveness(context: Any) -> Callable[[str], None]:
 class RequestGate:
     """Admission (``max_concurrent_requests``), compute slots (``workers``) and drain for one server."""
 
-    def __init__(self, max_concurrent_requests: int, workers: int):
+    def __init__(self, max_concurrent_requests: int, workers: int,
+                 on_full: Callable[[bool], None] | None = None):
+        """``on_full``: see the attribute below."""
         self.max_concurrent_requests = max_concurrent_requests
         self.workers = workers
+        #: called (under the gate's lock: it must be quick and must not call the gate) with True when the last
+        #: ``max_concurrent_requests`` place is taken and with False when one frees again (:class:`FullReport`)
+        self.on_full = on_full
         self._cond = threading.Condition()
         self._in_flight = 0   # every admitted call of the service (ComputeAdvantage and the rest)
         self._limited = 0     # admitted ComputeAdvantage calls
         self._light = 0       # calls holding a LIGHT_CALLS place (see light())
+        self._reserved: set[int] = set()  # threads holding a reserved place for their next admit (reserve())
         self._draining = False
         self._slots = threading.BoundedSemaphore(workers)
 
@@ -234,6 +283,40 @@ class RequestGate:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def full(self) -> bool:
+        """Every ``max_concurrent_requests`` place is taken or reserved (the next ComputeAdvantage call is refused)."""
+        return self._limited + len(self._reserved) >= self.max_concurrent_requests
+
+    def reserve(self, timeout: float) -> bool:
+        """Reserve the next ``max_concurrent_requests`` place that frees for this thread's next :meth:`admit`
+        (a call that made room with :meth:`UploadWatch.evict_for`): other calls see the server full meanwhile,
+        so a client reopening its cut call cannot take the place first. Waits at most ``timeout`` seconds for
+        the place; True when this thread holds it (its next limited admit takes it), False (nothing held) when
+        no place freed in time or the server is draining. :meth:`unreserve` gives back a reservation unused."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._reserved.add(me)
+            while self._limited + len(self._reserved) > self.max_concurrent_requests and not self._draining:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._limited + len(self._reserved) > self.max_concurrent_requests or self._draining:
+                self._reserved.discard(me)
+                return False
+            return True
+
+    def unreserve(self) -> None:
+        """Give back this thread's reservation if :meth:`admit` did not take it (a no-op otherwise)."""
+        if threading.get_ident() not in self._reserved:  # the common case, without the lock
+            return
+        with self._cond:
+            if threading.get_ident() in self._reserved:
+                self._reserved.discard(threading.get_ident())
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def admit(self, limited: bool, on_termination: Callable[[Callable[[], None]], bool] | None = None
@@ -249,12 +332,17 @@ class RequestGate:
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down and takes no new calls; retry on another replica")
-            if limited and self._limited >= self.max_concurrent_requests:
+            mine = limited and threading.get_ident() in self._reserved  # a place reserve() held for this call
+            if mine:
+                self._reserved.discard(threading.get_ident())
+            elif limited and self._limited + len(self._reserved) >= self.max_concurrent_requests:
                 raise ResourceLimit(
                     f"the server is at its concurrency limit: --max-concurrent-requests={self.max_concurrent_requests} "
                     "requests are already in progress; retry with backoff, or add replicas")
             self._in_flight += 1
             self._limited += limited
+            if limited and self._limited == self.max_concurrent_requests and self.on_full is not None:
+                self.on_full(True)
 
         def leave() -> None:
             with self._cond:
@@ -264,7 +352,11 @@ class RequestGate:
             yield
         finally:
             with self._cond:
+                if limited and self._limited == self.max_concurrent_requests and self.on_full is not None:
+                    self.on_full(False)
                 self._limited -= limited
+                if limited:
+                    self._cond.notify_all()  # a reserve() waiting for this place
             if on_termination is None or not on_termination(leave):
                 leave()
 
@@ -312,6 +404,105 @@ class RequestGate:
             return True
 
 
+class FullReport:
+    """Tells ``report(serving)`` whether the server has a free ``--max-concurrent-requests`` place: False once
+    every place has stayed taken for ``after`` seconds in a row, True again as soon as one frees.
+
+    The server wires it to the health status of ``advantage.v1.AdvantageService`` (:class:`RequestGate`'s
+    ``on_full`` feeds it), so load balancers, Kubernetes readiness probes and clients with health checking
+    send new calls to another replica while this one is full. Flapping is bounded: a NOT_SERVING comes only
+    after ``after`` seconds full without a break, so a server at the edge of its limit changes status at most
+    twice per ``after`` seconds. One daemon thread (started by :meth:`start`) makes the calls, never under the
+    gate's lock; ``changes`` counts them.
+    """
+
+    def __init__(self, report: Callable[[bool], None], after: float = FULL_REPORT_AFTER):
+        self._report, self.after = report, after
+        self._cond = threading.Condition()
+        self._full_since: float | None = None  # when the last place was taken (None: a place is free)
+        self._said_full = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.changes = 0
+
+    def __call__(self, full: bool) -> None:
+        """The gate's ``on_full``: record the change (quick, called under the gate's lock)."""
+        with self._cond:
+            self._full_since = time.monotonic() if full else None
+            self._cond.notify()
+
+    def start(self) -> "FullReport":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="advantage-full-report", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _next_change(self) -> bool | None:
+        """Wait (under ``_cond``) for the next status to report: True (full), False (a place is free), None (stop)."""
+        while not self._stopped:
+            since = self._full_since
+            if since is not None and not self._said_full:
+                left = since + self.after - time.monotonic()
+                if left <= 0:
+                    return True
+                self._cond.wait(left)
+            elif since is None and self._said_full:
+                return False
+            else:
+                self._cond.wait()
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                full = self._next_change()
+                if full is None:
+                    return
+                self._said_full = full
+                self.changes += 1
+            if full:
+                log.warning("every --max-concurrent-requests place taken for %.1f s: health NOT_SERVING until one "
+                            "frees", self.after)
+            else:
+                log.info("a --max-concurrent-requests place is free again: health SERVING")
+            try:
+                self._report(not full)
+            except Exception:  # noqa: BLE001 - a failed report must not end the thread
+                log.exception("could not report the server's fullness to its health service")
+
+
+# ------------------------------------------------------------------------------ who a call comes from
+def call_peer(context: Any) -> str:
+    """The call's connection as gRPC names it (``ipv4:1.2.3.4:5678``, ``ipv6:[::1]:5678``); ``unknown``
+    when the context gives none (in-process tests)."""
+    try:
+        peer = context.peer()
+    except Exception:  # noqa: BLE001 - a context without a peer
+        peer = None
+    return peer if isinstance(peer, str) and peer else "unknown"
+
+
+def peer_host(peer: str) -> str:
+    """The client host of a peer string: ``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``, ``ipv6:[::1]:5678`` ->
+    ``ipv6:[::1]``, an IPv4 client seen through an IPv6 socket (``ipv6:[::ffff:1.2.3.4]:5678``) ->
+    ``ipv4:1.2.3.4``; anything else (``unix:...``, ``unknown``) unchanged (all such clients are one host)."""
+    if not peer.startswith(("ipv4:", "ipv6:")):
+        return peer
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        return peer
+    if host.lower().startswith("ipv6:[::ffff:") and host.endswith("]") and "." in host:
+        return "ipv4:" + host[len("ipv6:[::ffff:"):-1]
+    return host
+
+
 # ------------------------------------------------------------------------------ stalled uploads
 class UploadCut(ResourceLimit):
     """The call's upload stalled (``--stream-idle-timeout``) or crawled (``--min-upload-rate-kib``) and was cut."""
@@ -321,11 +512,12 @@ class _Upload:
     """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
 
     __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples",
-                 "largest")
+                 "largest", "keys")
 
     def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
         self.context, self.idle_deadline = context, idle_deadline
         self.cut: UploadCut | None = None
+        self.keys: tuple[str, ...] = ()  # its connection's and host's pending counters (a counted upload)
         self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
         self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
         self.largest = 0  # the largest chunk received: bytes count only once a whole chunk has arrived
@@ -370,6 +562,18 @@ class UploadWatch:
     rate window) and ends an idle or too slow call with RESOURCE_EXHAUSTED naming the flag (the reader
     blocked on it then raises at once, so the place, the thread and the buffer come back).
 
+    Each client's share (``per_connection``, ``per_peer``; 0: no bound): a watched upload (``counted``, the
+    default) is *pending* for its connection (the peer string) and its host (:func:`peer_host`) until its block
+    ends, i.e. until its body has arrived (or the call ended). While the server has room, a client may have more
+    calls pending than its share (a trainer's burst of uploads); once every place is taken, a new call of a client
+    that is within both its shares takes a place back (:meth:`evict_for`): the upload that has gone longest
+    without bytes among those of clients beyond a share is cut with RESOURCE_EXHAUSTED naming the flag, and its
+    place is reserved for the newcomer (:meth:`RequestGate.reserve`). So a client that opens calls and sends
+    nothing keeps at most its share of the places whenever somebody else needs one, however fast it reopens
+    them (cutting stalled calls alone did not help: one client sending nothing kept every place). Calls that have
+    their body (computing, waiting for a compute slot) hold no share, so many trainer processes on one host are
+    limited only by ``--max-concurrent-requests``.
+
     The idle timeout alone lets a client keep its place by trickling one byte per timeout. A watch with
     ``min_rate`` (bytes per second; the streaming transport passes ``--min-upload-rate-kib``) also cuts
     an upload whose bytes received over the last ``window`` seconds (a sliding window, sampled by the
@@ -379,26 +583,87 @@ class UploadWatch:
     4 MiB chunk takes 4 s at 1 MiB/s, inside the default 5 s window).
     """
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, per_peer: int = 0, per_connection: int = 0):
         self.timeout = timeout
+        self.per_peer, self.per_connection = per_peer, per_connection
         self._lock = threading.Lock()
         self._watched: dict[int, _Upload] = {}
+        self._pending: collections.Counter[str] = collections.Counter()  # connection or host -> pending calls
+        self.evictions = 0  # calls cut by evict_for
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.cuts = 0       # calls cut, for either reason
         self.slow_cuts = 0  # of which for their rate
 
+    def _over_share(self, keys: tuple[str, ...]) -> str | None:
+        """The flag a connection's and host's pending counters (``keys``) are beyond (None: within both); under
+        ``_lock``."""
+        conn, host = keys
+        if self.per_connection and self._pending[conn] > self.per_connection:
+            return f"--max-pending-per-connection={self.per_connection}"
+        if self.per_peer and self._pending[host] > self.per_peer:
+            return f"--max-pending-per-peer={self.per_peer}"
+        return None
+
+    def evict_for(self, context: Any) -> bool:
+        """The server is full and ``context``'s call is waiting for a place: when its client is within both its
+        shares (fewer pending calls than ``per_connection`` on its connection and ``per_peer`` on its host), cut
+        the counted upload that has gone longest without bytes among those of clients beyond a share, with
+        RESOURCE_EXHAUSTED naming the flag. True when one was cut (its place frees within moments)."""
+        peer = call_peer(context)
+        conn, host = "conn " + peer, "host " + peer_host(peer)
+        with self._lock:
+            if (self.per_connection and self._pending[conn] >= self.per_connection) or \
+                    (self.per_peer and self._pending[host] >= self.per_peer):
+                return False  # at (or beyond) its own share: it does not take places from others
+            victims = [(e.idle_deadline, flag, e) for e in self._watched.values()
+                       if e.keys and e.cut is None and (flag := self._over_share(e.keys))]
+            if not victims:
+                return False
+            _, flag, victim = min(victims, key=lambda v: v[0])
+            pending = self._pending[victim.keys[0] if "connection" in flag else victim.keys[1]]
+            who = "connection" if "connection" in flag else "host"
+            victim.cut = UploadCut(
+                f"cut to give its place to another client: the server was full and this client's {who} had "
+                f"{pending} calls waiting for their request body, more than its share, the server's {flag}; send "
+                "each request in full as soon as its call starts (a client within its share keeps its calls)")
+            self._unpend(victim)
+            self.evictions += 1
+        log.warning("server full: cut a call waiting for its body from a client beyond its share (%s)", flag)
+        _cancel_with_status(victim.context, victim.cut)
+        return True
+
+    def _unpend(self, entry: _Upload) -> None:
+        """Stop counting ``entry`` as pending (once); under ``_lock``."""
+        for key in entry.keys:
+            self._pending[key] -= 1
+            if self._pending[key] <= 0:
+                del self._pending[key]
+        entry.keys = ()
+
+    def pending(self, peer: str) -> tuple[int, int]:
+        """(calls of connection ``peer``, calls of its host) waiting for their body now; ``peer`` is a peer
+        string (``ipv4:1.2.3.4:5678``)."""
+        with self._lock:
+            return self._pending["conn " + peer], self._pending["host " + peer_host(peer)]
+
     @contextlib.contextmanager
-    def watch(self, context: Any, min_rate: int = 0, window: float = DEFAULT_UPLOAD_RATE_WINDOW
-              ) -> Iterator[Callable[..., None]]:
+    def watch(self, context: Any, min_rate: int = 0, window: float = DEFAULT_UPLOAD_RATE_WINDOW,
+              counted: bool = True) -> Iterator[Callable[..., None]]:
         """Watch ``context``'s upload for the block; yields ``touch(nbytes=0)`` (progress: restart the idle
         clock, and count ``nbytes`` received towards the rate). ``min_rate``: bytes per second the upload
-        must average over each ``window`` seconds once it has lasted that long (0: no minimum).
-        Raises :class:`UploadCut` (after the block's own error) when the watch cut the call."""
+        must average over each ``window`` seconds once it has lasted that long (0: no minimum). ``counted``:
+        the call is pending for its client's shares for the block (see the class docstring).
+        Raises :class:`UploadCut` (after the block's own error) when the watch cut the call, or
+        :meth:`evict_for` did."""
         now = time.monotonic()
         entry = _Upload(context, now + self.timeout, int(min_rate), float(window), now)
         key = id(entry)
         with self._lock:
+            if counted:
+                peer = call_peer(context)
+                entry.keys = ("conn " + peer, "host " + peer_host(peer))
+                self._pending.update(entry.keys)
             self._watched[key] = entry
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="advantage-upload-watch", daemon=True)
@@ -418,6 +683,7 @@ class UploadWatch:
         finally:
             with self._lock:
                 self._watched.pop(key, None)
+                self._unpend(entry)
         if entry.cut is not None:
             raise entry.cut
 

@@ -23,9 +23,20 @@ and shared-memory transports keep working (a Serve proxy hop would carry neither
 service drives the client's round_robin, and the server's limits, TLS and token apply as with any other
 deployment. The files a flag names (TLS, token) must exist on every node a replica may run on.
 
+Token by default: without ``--auth-token-file``, ``up`` generates a token (256 random bits), hands it to each
+replica actor (an argument of its constructor, so a replica Ray restarts keeps it) and the replicas require it
+(``authorization: Bearer``; health checks exempt); ``AdvantageClient.from_ray`` reads it from a replica
+(``auth_token()``) when given no token. Any Ray driver of the cluster can read it: that is the trust boundary.
+``--insecure`` (``up(insecure=True)``) serves without a token, as before, and the CLI prints a warning.
+``status`` health-checks each replica's address (``grpc.health.v1``: SERVING, NOT_SERVING, no answer) and lists
+a replica whose server was stopped through its actor's ``stop()`` as STOPPED.
+
 Errors: ``ValueError`` for a bad option or server flag (before anything is started: a fixed port whose last
-replica's port ``P + replicas - 1`` passes 65535, a TLS/CA/token file this process cannot read), ``RuntimeError`` when
-the deployment already exists (``up``) or a replica failed to start (its error; the replicas started by that
+replica's port ``P + replicas - 1`` passes 65535, a TLS/CA/token file this process cannot read, TLS files
+that are not PEM or a key that is not the certificate's, ``--insecure``
+with ``--auth-token-file``), ``RuntimeError`` when
+the deployment already exists (``up``) or a replica failed to start (its error, e.g. a ``--host`` that is not an
+address of its node or a port in use there, named as ``advantage-server`` names it; the replicas started by that
 ``up`` are removed), ``ImportError`` without Ray.
 """
 from __future__ import annotations
@@ -35,19 +46,31 @@ import inspect
 import json
 import math
 import os
+import secrets
 import sys
 import time
-from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
-from advantage_client.ray_discovery import (
-    DEFAULT_NAME,
-    DEFAULT_NAMESPACE,
-    connect,
-    import_ray,
-    replica_actor_name,
-    replica_handles,
-    replica_infos,
-)
+# The client package imports torch: this module reaches advantage_client only inside its functions, so that
+# `advantage-ray`'s flag errors and --help are answered at once (tests/test_cli_fast.py).
+#: the deployment name and the Ray namespace by default: advantage_client.ray_discovery's DEFAULT_NAME and
+#: DEFAULT_NAMESPACE, spelled here for that reason (tests/test_cli_fast.py checks that they agree)
+DEFAULT_NAME = "advantage"
+DEFAULT_NAMESPACE = "advantage"
+
+
+def _discovery(name: str) -> Callable[..., Any]:
+    """``advantage_client.ray_discovery.<name>``, imported when first called."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        from advantage_client import ray_discovery
+        return getattr(ray_discovery, name)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+connect, import_ray, replica_actor_name, replica_handles, replica_infos = (
+    _discovery(name) for name in ("connect", "import_ray", "replica_actor_name", "replica_handles", "replica_infos"))
 
 #: server flags the replica reads itself instead of passing them to ``create_server``
 _REPLICA_FLAGS = {"host", "port", "device", "auth_token_file", "grace", "log_level", "log_format"}
@@ -62,8 +85,11 @@ _KV_KEY = "advantage-ray/{namespace}/{name}/replicas"
 
 def _check_local(args: argparse.Namespace, replicas: int) -> None:
     """``ValueError`` naming the flag when a fixed port ``P`` leaves no room for ``P + replicas - 1`` (the last
-    replica's port) or a file flag names a file this process cannot read (TLS, CA, token: checked here so that
-    nothing starts; the replicas read them again on their nodes)."""
+    replica's port), a file flag names a file this process cannot read (TLS, CA, token: checked here so that
+    nothing starts; the replicas read them again on their nodes), or the TLS files are not PEM or the key is
+    not the certificate's (:func:`advantage_server.preflight.check_tls`)."""
+    from advantage_server.preflight import check_tls
+
     for flag in _PORT_FLAGS:
         port = getattr(args, flag, None)
         if port and port + replicas - 1 > 65535:
@@ -78,6 +104,9 @@ def _check_local(args: argparse.Namespace, replicas: int) -> None:
             except OSError as exc:
                 raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot read it here "
                                  f"({exc.strerror or exc})") from None
+    # PEM that parses, a key that is the certificate's (advantage-server's own check; the bind is checked by
+    # each replica on its node)
+    check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def _kv(ray: Any) -> Any:
@@ -153,10 +182,12 @@ class Replica:
     """One replica: an ``advantage-server`` in this (Ray actor) process. Wrapped with ``ray.remote`` by
     :func:`up`; its constructor runs again each time Ray restarts the actor."""
 
-    def __init__(self, name: str, index: int, argv: Sequence[str], port_offset: bool = True):
+    def __init__(self, name: str, index: int, argv: Sequence[str], port_offset: bool = True,
+                 auth_token: str | None = None):
         import ray
 
         from advantage_server import logs
+        from advantage_server.preflight import check_server_flags
         from advantage_server.server import create_server
 
         args = server_args(argv)
@@ -165,7 +196,12 @@ class Replica:
                 if getattr(args, flag):
                     setattr(args, flag, getattr(args, flag) + index)
         logs.configure(args.log_level, args.log_format)
-        self.server = create_server(args.host, args.port, args.device, **server_kwargs(args))
+        check_server_flags(args)  # host of this node, ports free, TLS pair: the cause named, not "cannot bind"
+        kwargs = server_kwargs(args)
+        self._token = auth_token if auth_token and not args.auth_token_file else None  # a file's token wins
+        if self._token:
+            kwargs["auth_token"] = self._token
+        self.server = create_server(args.host, args.port, args.device, **kwargs)
         self.server.start()
         self.grace = args.grace
         self.serving = True
@@ -177,13 +213,15 @@ class Replica:
             "address": f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}",
             "pid": os.getpid(), "node_id": context.get_node_id(), "node_ip": node_ip,
             "device": str(self.server.core.device), "restarted": bool(context.was_current_actor_reconstructed),
-            "tls": self.server.tls, "auth": self.server.auth, "started_at": time.time(),
+            "tls": self.server.tls, "auth": self.server.auth, "token_from_ray": self._token is not None,
+            "started_at": time.time(),
             "metrics_port": self.server.metrics.port if self.server.metrics is not None else None,
         }
 
     def info(self) -> dict[str, Any]:
         """``name``, ``index``, ``address`` (``host:port`` clients dial), ``pid``, ``node_id``, ``node_ip``,
-        ``device``, ``restarted`` (this process is a restart by Ray), ``tls``, ``auth``, ``started_at``,
+        ``device``, ``restarted`` (this process is a restart by Ray), ``tls``, ``auth`` (a token is required),
+        ``token_from_ray`` (the token is the one ``up`` generated: :meth:`auth_token`), ``started_at``,
         ``metrics_port``, ``serving`` (False once :meth:`stop` ran) and ``requests``: ComputeAdvantage and
         ComputeAdvantageStream calls this process answered OK (the server's ``advantage_requests_total``)."""
         requests = 0.0
@@ -194,6 +232,11 @@ class Replica:
                             and sample.labels.get("method", "").startswith("ComputeAdvantage")):
                         requests += sample.value
         return {**self._info, "serving": self.serving, "requests": int(requests)}
+
+    def auth_token(self) -> str | None:
+        """The bearer token ``up`` generated for the replicas (what ``AdvantageClient.from_ray`` uses when given
+        none), or None (``--insecure``; or ``--auth-token-file``, whose token is not handed out through Ray)."""
+        return self._token
 
     def stop(self, grace: float | None = None) -> bool:
         """Drain the server (``BoundServer.stop``: NOT_SERVING, new calls UNAVAILABLE, calls in progress finish
@@ -224,9 +267,14 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
        namespace: str = DEFAULT_NAMESPACE, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0,
        resources: dict[str, float] | None = None, node_id: str | None = None, soft: bool = False,
        placement_group: Any = None, bundle_index: int | Sequence[int] | None = None, max_restarts: int = -1,
-       runtime_env: dict[str, Any] | None = None, timeout: float = 300.0) -> list[dict[str, Any]]:
+       runtime_env: dict[str, Any] | None = None, timeout: float = 300.0,
+       insecure: bool = False) -> list[dict[str, Any]]:
     """Start ``replicas`` replicas of deployment ``name`` in Ray namespace ``namespace`` and wait until each
     serves; returns their :meth:`Replica.info` by index.
+
+    Token: with ``--auth-token-file`` in ``server_argv`` the replicas require that file's token; else, unless
+    ``insecure``, a token generated here, which each replica actor hands to any Ray driver of the cluster
+    (:meth:`Replica.auth_token`; ``AdvantageClient.from_ray`` reads it). ``insecure=True``: no token at all.
 
     server_argv: ``advantage-server`` flags, as on its command line (``["--device", "cuda", "--workers", "4"]``).
     address: the Ray cluster when this process is not connected yet (None: ``$RAY_ADDRESS`` or ``"auto"``).
@@ -236,7 +284,7 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
     or the name of a named one) and bundle_index (one bundle for all, one per replica, or None: any bundle):
     place the replicas in a trainer's placement group. max_restarts: Ray restarts a dead replica this many
     times (-1: always). timeout: seconds to wait for all replicas to serve.
-    Raises ``ValueError`` (bad option or server flag), ``RuntimeError`` (``name`` already up in
+    Raises ``ValueError`` (bad option or server flag, ``insecure`` with ``--auth-token-file``), ``RuntimeError`` (``name`` already up in
     ``namespace``; a replica did not start within ``timeout``, with its error: the replicas are removed).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -246,8 +294,12 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
         raise ValueError(f"max_restarts={max_restarts!r}: give -1 (always) or an integer >= 0")
     parsed = server_args(server_argv)
+    if insecure and parsed.auth_token_file:
+        raise ValueError(f"--insecure serves without a token, --auth-token-file {parsed.auth_token_file} with one: "
+                         "give one of them")
     _check_local(parsed, replicas)  # ports in range, files readable: before anything starts
     server_kwargs(parsed)  # every flag checked (and the token read) here, before anything starts
+    token = None if insecure or parsed.auth_token_file else secrets.token_urlsafe(32)
     ray = connect(address, namespace)
     if replica_handles(name, namespace):
         raise RuntimeError(f"deployment {name!r} is already up in Ray namespace {namespace!r} (some replicas may "
@@ -267,7 +319,7 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
         strategy = _strategy(ray, index, node_id, soft, placement_group, bundle_index)
         if strategy is not None:
             options["scheduling_strategy"] = strategy
-        handles.append(actor_class.options(**options).remote(name, index, list(server_argv)))
+        handles.append(actor_class.options(**options).remote(name, index, list(server_argv), True, token))
     refs = [handle.info.remote() for handle in handles]
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     try:
@@ -284,18 +336,71 @@ def up(replicas: int = 2, server_argv: Sequence[str] = (), *, name: str = DEFAUL
         raise
 
 
+#: what ``status`` reports in ``health`` besides a ``grpc.health.v1`` status name (SERVING, NOT_SERVING, ...)
+NO_ANSWER, STOPPED, UNCHECKED = "no answer", "stopped", "unchecked"
+
+
+def health_check(address: str, timeout: float = 2.0, credentials: Any = None,
+                 server_name: str | None = None) -> str:
+    """``grpc.health.v1.Health/Check`` of the advantage service at ``address`` (``host:port``): the status name
+    it answers (``SERVING``, ``NOT_SERVING``, ...), or ``"no answer"`` when the call fails (nothing listens,
+    a hung process: no reply within ``timeout`` seconds, a TLS handshake refused). ``credentials``: gRPC
+    channel credentials for a TLS replica (``server_name``: the name its certificate was issued for)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from advantage_client.channel import SERVICE_NAME
+
+    if credentials is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(address, credentials, options=options)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return NO_ANSWER
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _health(info: dict[str, Any], timeout: float, credentials: Any, server_name: str | None) -> str:
+    if info["state"] == "STOPPED":
+        return STOPPED
+    if info["state"] != "ALIVE":
+        return "-"
+    if info.get("tls") and credentials is None:
+        return UNCHECKED  # a TLS replica and no CA to check it with (status --tls-ca)
+    return health_check(info["address"], timeout, credentials if info.get("tls") else None, server_name)
+
+
 def status(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
-           timeout: float = 5.0) -> list[dict[str, Any]]:
-    """Each replica's :meth:`Replica.info` plus ``state`` (``ALIVE``, ``PENDING``: being (re)started, or
-    ``DEAD``), by index (:func:`advantage_client.ray_discovery.replica_infos`); a replica that ``up`` started
-    but whose actor Ray no longer knows (its restarts, ``max_restarts``, are spent) is ``{"index": i,
-    "state": "DEAD"}`` (``up`` records how many it started in Ray's internal key-value store; ``down``
-    removes the record). Empty when none is up."""
+           timeout: float = 5.0, health: bool = True, health_timeout: float = 2.0, credentials: Any = None,
+           server_name: str | None = None) -> list[dict[str, Any]]:
+    """Each replica's :meth:`Replica.info` plus ``state`` (``ALIVE``; ``STOPPED``: answered, but its server was
+    stopped through its actor's ``stop()`` and Ray will not restart it; ``PENDING``: being (re)started, or
+    hung: no answer within ``timeout`` seconds; or ``DEAD``), by index
+    (:func:`advantage_client.ray_discovery.replica_infos`); a replica that ``up`` started but whose actor Ray
+    no longer knows (its restarts, ``max_restarts``, are spent) is ``{"index": i, "state": "DEAD"}`` (``up``
+    records how many it started in Ray's internal key-value store; ``down`` removes the record). Empty when
+    none is up.
+
+    health (default on) adds ``health``: a health check of each ALIVE replica's address from this process
+    (:func:`health_check`, ``health_timeout`` seconds, all at once): ``SERVING``, ``NOT_SERVING``, ``"no
+    answer"``; ``"stopped"`` for a STOPPED replica, ``"-"`` for PENDING and DEAD ones, ``"unchecked"`` for a
+    TLS replica without ``credentials`` (``grpc.ssl_channel_credentials(...)``; ``server_name``: the name its
+    certificate was issued for)."""
     ray = connect(address, namespace)
     infos = replica_infos(name, namespace, address=address, timeout=timeout)
     seen = {info["index"] for info in infos}
     dead = [{"index": i, "state": "DEAD"} for i in range(_recorded_replicas(ray, name, namespace)) if i not in seen]
-    return sorted(infos + dead, key=lambda info: info["index"])
+    infos = sorted(infos + dead, key=lambda info: info["index"])
+    if health and infos:
+        with ThreadPoolExecutor(max_workers=min(16, len(infos))) as pool:
+            found = list(pool.map(lambda info: _health(info, health_timeout, credentials, server_name), infos))
+        infos = [{**info, "health": state} for info, state in zip(infos, found)]
+    return infos
 
 
 def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, address: str | None = None,
@@ -308,7 +413,7 @@ def down(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE, *, addres
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
         raise ValueError(f"grace={grace!r}: give a finite number of seconds >= 0")
     ray = connect(address, namespace)
-    before = status(name, namespace, timeout=min(5.0, timeout))
+    before = status(name, namespace, timeout=min(5.0, timeout), health=False)
     handles = replica_handles(name, namespace)
     if handles:
         ray.wait([handle.stop.remote(grace) for _, handle in handles], num_returns=len(handles),
@@ -351,54 +456,109 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --placement-group: one bundle index for all, or one per replica (0,1,...)")
     u.add_argument("--max-restarts", type=int, default=-1, help="restarts per replica (default -1: always)")
     u.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the replicas (default 300)")
-    s = sub.add_parser("status", parents=[common], allow_abbrev=False, help="each replica's address and state")
+    u.add_argument("--insecure", action="store_true",
+                   help="serve without a token (default: a generated token, which from_ray reads through Ray, "
+                        "unless --auth-token-file)")
+    s = sub.add_parser("status", parents=[common], allow_abbrev=False,
+                       help="each replica's address, state and health (exit 1 when one is not serving)")
     s.add_argument("--json", action="store_true", help="one JSON list instead of a table")
+    s.add_argument("--tls-ca", help="PEM CA bundle that signed TLS replicas' certificate (to health-check them)")
+    s.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    s.add_argument("--tls-key", help="PEM key of --tls-cert")
+    s.add_argument("--tls-server-name", help="name the replicas' certificate was issued for (they are dialled by IP)")
     d = sub.add_parser("down", parents=[common], allow_abbrev=False, help="drain and remove every replica")
     d.add_argument("--grace", type=seconds(allow_zero=True), default=10.0,
                    help="seconds calls in progress get (default 10)")
     return p
 
 
+def _auth(info: dict[str, Any]) -> str:
+    if "auth" not in info:
+        return "-"
+    token = ("token(ray)" if info.get("token_from_ray") else "token") if info["auth"] else "none"
+    return f"{token}+tls" if info.get("tls") else token
+
+
 def _table(infos: list[dict[str, Any]]) -> str:
-    rows = [f"{'replica':<8}{'state':<9}{'address':<24}{'device':<9}{'pid':<9}{'requests':<10}node"]
+    rows = [f"{'replica':<8}{'state':<9}{'health':<12}{'address':<24}{'auth':<12}{'device':<9}{'pid':<9}"
+            f"{'requests':<10}node"]
     for info in infos:
-        rows.append(f"{info['index']:<8}{info['state']:<9}{info.get('address', '-'):<24}{info.get('device', '-'):<9}"
-                    f"{info.get('pid', '-')!s:<9}{info.get('requests', '-')!s:<10}{info.get('node_ip', '-')}")
+        rows.append(f"{info['index']:<8}{info['state']:<9}{info.get('health', '-'):<12}{info.get('address', '-'):<24}"
+                    f"{_auth(info):<12}{info.get('device', '-'):<9}{info.get('pid', '-')!s:<9}"
+                    f"{info.get('requests', '-')!s:<10}{info.get('node_ip', '-')}")
     return "\n".join(rows)
+
+
+def _credentials(args: argparse.Namespace) -> Any:
+    """gRPC channel credentials from ``status --tls-*`` (None without them); ``ValueError`` naming the flag."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    import grpc
+
+    from advantage_server.auth import read_pem
+    return grpc.ssl_channel_credentials(read_pem(args.tls_ca, "--tls-ca"), read_pem(args.tls_key, "--tls-key"),
+                                        read_pem(args.tls_cert, "--tls-cert"))
+
+
+def _status_main(args: argparse.Namespace) -> int:
+    infos = status(args.name, args.namespace, address=args.address, credentials=_credentials(args),
+                   server_name=args.tls_server_name)
+    print(json.dumps(infos, indent=1) if args.json else _table(infos) if infos
+          else f"no replica of {args.name!r} in namespace {args.namespace!r}")
+    where = f"--name {args.name} --namespace {args.namespace}"
+
+    def which(predicate: Any) -> str:
+        return ", ".join(str(i["index"]) for i in infos if predicate(i))
+
+    problems = {
+        "DEAD (Ray's restarts spent): `advantage-ray down {where}` then `advantage-ray up` again":
+            which(lambda i: i["state"] == "DEAD"),
+        "STOPPED (its server was stopped through the actor's stop(); Ray does not restart it, clients skip it): "
+        "`advantage-ray down {where}` then `advantage-ray up` again":
+            which(lambda i: i["state"] == "STOPPED"),
+        "PENDING (being restarted by Ray, or its process hangs: no answer to info() within 5 s): run status "
+        "again; one that stays PENDING hangs (kill its pid: Ray restarts it)":
+            which(lambda i: i["state"] == "PENDING"),
+        "ALIVE but not serving (health check of its address: NOT_SERVING or no answer; is its port reachable "
+        "from here?)": which(lambda i: i["state"] == "ALIVE" and i.get("health") not in ("SERVING", UNCHECKED)),
+    }
+    for what, indices in problems.items():
+        if indices:
+            print(f"advantage-ray: replica(s) {indices} of {args.name!r} {what.format(where=where)}", file=sys.stderr)
+    unchecked = which(lambda i: i.get("health") == UNCHECKED)
+    if unchecked:
+        print(f"advantage-ray: replica(s) {unchecked} serve TLS: give --tls-ca (and --tls-server-name) to "
+              "health-check them", file=sys.stderr)
+    return 0 if infos and not any(problems.values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """``advantage-ray up|status|down``: exit 0 on success, 1 when nothing is up or some replica is not ALIVE
-    (status; DEAD ones need ``down`` then ``up``) or an operation failed, 2 for bad flags."""
+    and SERVING (status; DEAD and STOPPED ones need ``down`` then ``up``) or an operation failed, 2 for bad
+    flags. ``up --insecure`` prints a one-line warning (no token)."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if args.command == "up":  # the server flags first: a bad one is answered before Ray or torch is imported
+            _check_local(server_args(rest), args.replicas)
         import_ray()
         if args.command == "up":
             bundle = args.bundle_index[0] if args.bundle_index and len(args.bundle_index) == 1 else args.bundle_index
             infos = up(args.replicas, rest, name=args.name, namespace=args.namespace, address=args.address,
                        num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=args.resources, node_id=args.node_id,
                        soft=args.soft, placement_group=args.placement_group, bundle_index=bundle,
-                       max_restarts=args.max_restarts, timeout=args.timeout)
+                       max_restarts=args.max_restarts, timeout=args.timeout, insecure=args.insecure)
+            if args.insecure:
+                print("advantage-ray: warning: --insecure: the replicas serve without a token (and without TLS "
+                      "unless --tls-cert): anyone who reaches their ports can call them", file=sys.stderr)
             print(_table([{**info, "state": "ALIVE"} for info in infos]))
-            print(f"client: AdvantageClient.from_ray(name={args.name!r}, namespace={args.namespace!r})")
+            print(f"client: AdvantageClient.from_ray(name={args.name!r}, namespace={args.namespace!r})"
+                  + (" (reads the generated token through Ray)" if infos[0].get("token_from_ray") else ""))
             return 0
         if args.command == "status":
-            infos = status(args.name, args.namespace, address=args.address)
-            print(json.dumps(infos, indent=1) if args.json else _table(infos) if infos
-                  else f"no replica of {args.name!r} in namespace {args.namespace!r}")
-            dead = [str(i["index"]) for i in infos if i["state"] == "DEAD"]
-            pending = [str(i["index"]) for i in infos if i["state"] == "PENDING"]
-            if dead:
-                print(f"advantage-ray: replica(s) {', '.join(dead)} of {args.name!r} DEAD (Ray's restarts spent): "
-                      f"`advantage-ray down --name {args.name} --namespace {args.namespace}` then `advantage-ray "
-                      "up` again", file=sys.stderr)
-            if pending:
-                print(f"advantage-ray: replica(s) {', '.join(pending)} of {args.name!r} PENDING (being restarted "
-                      "by Ray, or busy): run status again", file=sys.stderr)
-            return 0 if infos and not dead and not pending else 1
+            return _status_main(args)
         infos = down(args.name, args.namespace, address=args.address, grace=args.grace)
         print(f"stopped {len(infos)} replica(s) of {args.name!r} in namespace {args.namespace!r}")
         return 0

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 
 def main(argv=None) -> None:
-    """The ``advantage-bench`` command (exit status 0; :func:`advantage_server.bench.run.main` returns the report)."""
+    """The ``advantage-bench`` command (exit status 0; :func:`advantage_server.bench.run.main` returns the report).
+
+    The flags are parsed first (:mod:`.options`, no torch): a bad one exits 2, and ``--help`` exits 0, at once."""
+    from advantage_server.bench.options import build_parser
+
+    build_parser().parse_args(argv)
     from advantage_server.bench.run import main as _main
     _main(argv)
 

@@ -44,10 +44,9 @@ from advantage_server.bench import echo as echo_mod
 from advantage_server.bench import workloads
 
 GROUP = 16
-DEFAULT_TOKENS = (1024, 8192)
-QUICK_TOKENS = (1024,)
-DEFAULT_CALLERS = (1, 4, 16, 64)
-QUICK_CALLERS = (1, 16)
+from advantage_server.bench.options import (  # noqa: E402,F401 - re-exported (the flags' help names them)
+    DEFAULT_CALLERS, DEFAULT_TOKENS, QUICK_CALLERS, QUICK_TOKENS,
+)
 
 
 def parse_ints(text: str) -> tuple[int, ...]:

@@ -27,12 +27,11 @@ from advantage_server.core import AdvantageCore, config_from_dict
 from advantage_server.estimators import REGISTRY, Batch, jit
 from advantage_server.estimators.gae import gae_kernel, token_level_rewards
 
-DEFAULT_SIZES = "256x1024x8,1024x4096x16,512x8192x8"
-DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8,65536x256x8"
-QUICK_SIZES = "64x256x8,256x1024x8"
-QUICK_GROUP_SIZES = "8192x16x8"
-GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
-SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups")
+# the flags and their constants: a module without torch (advantage-bench answers a bad flag at once)
+from advantage_server.bench.options import (  # noqa: E402,F401 - re-exported
+    DEFAULT_GROUP_SIZES, DEFAULT_SIZES, GROUP_ESTIMATORS, OPT_IN_SECTIONS, QUICK_GROUP_SIZES, QUICK_SIZES, SECTIONS,
+    build_parser,
+)
 MiB = 1 << 20
 
 
@@ -529,71 +528,6 @@ def render(report: Report) -> str:
 
 
 # -------------------------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    # Each help text states its default once (no ArgumentDefaultsHelpFormatter: most defaults depend on --quick
-    # or --sizes, and it would print "(default: None)" after them).
-    ap = argparse.ArgumentParser(prog="advantage-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}; groups {QUICK_GROUP_SIZES}), "
-                    "3 repeats, no transport-size row: under a minute")
-    ap.add_argument("--sizes", default=None,
-                    help=f"BxTxG list for every estimator and every section (default {DEFAULT_SIZES}; quick "
-                         f"{QUICK_SIZES}); given alone, it is the only sizes run: no group sizes (unless "
-                         "--group-sizes) and no transport-size row (unless --transport-mib)")
-    ap.add_argument("--group-sizes", default=None,
-                    help=f"BxTxG list for the group estimators and OPD only (default {DEFAULT_GROUP_SIZES}; quick "
-                         f"{QUICK_GROUP_SIZES}; none when --sizes is given)")
-    ap.add_argument("--estimators", default=",".join(workloads.ESTIMATORS),
-                    help=f"comma-separated estimators to measure (default all: {','.join(workloads.ESTIMATORS)})")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per kernel row (default 9; quick 3)")
-    ap.add_argument("--ref-repeats", type=int, default=3,
-                    help="timed runs per reference-loop row (default 3; quick at most 2)")
-    ap.add_argument("--ref-budget", type=float, default=10.0,
-                    help="seconds of timed runs per reference row, at least 1 run (default 10; quick at most 2)")
-    ap.add_argument("--no-refs", action="store_true", help="skip the slow reference loops")
-    ap.add_argument("--group-refs", choices=("first", "all", "none"), default="first",
-                    help="reference loops at the group sizes: the first one only (the default: each run takes "
-                         "tens of seconds at B = 65536), all, or none")
-    ap.add_argument("--callers", type=int, default=8, help="concurrent in-process callers (default 8)")
-    ap.add_argument("--concurrency-seconds", type=float, default=None,
-                    help="seconds of work per concurrency measurement (default 2; quick 0.5)")
-    ap.add_argument("--transports", default=None, help="e2e transport rows by name (default: all registered)")
-    ap.add_argument("--transport-mib", type=int, default=None,
-                    help="extra e2e row with a GAE request of about this many MiB, 0 = none (default 256; "
-                         "0 with --quick or --sizes)")
-    ap.add_argument("--big-mib", type=int, default=0,
-                    help="instead of the other e2e rows, one GAE request of about this many MiB through "
-                         "grpc-stream only (float32 mask and values, as big as the response), timed once with "
-                         "both processes' peak RSS; e.g. --sections e2e --estimators gae --big-mib 4096 "
-                         "(default 0 = off)")
-    ap.add_argument("--torch-threads", type=int, default=None,
-                    help="torch.set_num_threads before measuring (default: torch's own choice)")
-    ap.add_argument("--device", default="cpu",
-                    help="where the kernel section runs: cpu (the default), or cuda / cuda:N (inputs created on "
-                         "the GPU, CUDA-synchronised timing, the floor a device-to-device copy of the same bytes; "
-                         "kernel section only; see scripts/gpu_bench.sh)")
-    ap.add_argument("--thp", action="store_true",
-                    help="run with THP_MEM_ALLOC_ENABLE=1 (torch backs allocations >= 2 MiB with transparent huge "
-                         "pages: far fewer page faults for fresh outputs > 32 MiB, which glibc always maps anew); "
-                         "the bench re-executes itself so the setting reaches torch, its server and its probes")
-    def ints(values: tuple[int, ...]) -> str:
-        return ",".join(map(str, values))
-    ap.add_argument("--group-tokens", default=None,
-                    help="groups section: T values of the one group of 16 per call (default "
-                         f"{ints(groups.DEFAULT_TOKENS)}; quick {ints(groups.QUICK_TOKENS)})")
-    ap.add_argument("--group-callers", default=None,
-                    help="groups section: numbers of concurrent callers (default "
-                         f"{ints(groups.DEFAULT_CALLERS)}; quick {ints(groups.QUICK_CALLERS)})")
-    ap.add_argument("--group-seconds", type=float, default=None,
-                    help="groups section: about this many seconds of calls per row and caller count "
-                         "(default 1; quick 0.25)")
-    ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
-    ap.add_argument("--plot", default=None, metavar="PNG",
-                    help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
-    return ap
-
-
 def plan_sizes(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], int]:
     """``(sizes, group_sizes, transport_mib)`` the run measures. ``--sizes`` given alone limits every section
     to those sizes: no group sizes and no transport-size e2e row unless asked for by their own flags."""
@@ -707,6 +641,10 @@ def main(argv: list[str] | None = None) -> Report:
         callers = groups.parse_ints(args.group_callers) if args.group_callers else (
             groups.QUICK_CALLERS if args.quick else groups.DEFAULT_CALLERS)
         groups.groups_section(report, Row, tokens, callers, args.group_seconds or (0.25 if args.quick else 1.0))
+
+    if "cold-start" in sections:  # fresh servers: time to SERVING and first calls, empty and filled cache
+        from advantage_server.bench.coldstart import cold_start_section
+        cold_start_section(report, Row)
 
     report.load_after = measure.loadavg()
     report.peak_rss_mib = measure.peak_bytes() / MiB

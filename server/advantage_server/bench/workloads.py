@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import torch
 
-#: estimator -> its config (the estimator's defaults, NeMo RL semantics)
-CONFIGS: dict[str, dict] = {
-    "gae": {"gae_gamma": 1.0, "gae_lambda": 0.95},
-    "grpo": {},
-    "gdpo": {},
-    "reinforce_plus_plus": {},
-    "opd": {},
-}
-ESTIMATORS = tuple(CONFIGS)
+#: estimator -> its config (the estimator's defaults, NeMo RL semantics), and the estimators: defined beside
+#: advantage-bench's flags (advantage_server.bench.options), which name them
+from advantage_server.bench.options import CONFIGS, ESTIMATORS  # noqa: E402,F401 - re-exported
 
 
 def response_mask(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
