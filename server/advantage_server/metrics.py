@@ -145,6 +145,10 @@ class ServerMetrics:
             self._http = None
 
 
+#: HTTP/2 streams one connection to the health port may have open at once (``grpc.max_concurrent_streams``)
+HEALTH_STREAMS_PER_CONNECTION = 100
+
+
 class HealthPort:
     """A plaintext gRPC server with only the health service (``health_servicer``, shared with the main
     server) on ``host:port``. Bound at construction (a port in use raises ``RuntimeError``)."""
@@ -152,8 +156,10 @@ class HealthPort:
     def __init__(self, health_servicer: Any, host: str, port: int):
         from grpc_health.v1 import health_pb2_grpc
 
+        # health calls only: Check is answered at once, a Watch holds no thread (and is capped by the servicer)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-port"),
-                                   options=[("grpc.so_reuseport", 0)])
+                                   options=[("grpc.so_reuseport", 0),
+                                            ("grpc.max_concurrent_streams", HEALTH_STREAMS_PER_CONNECTION)])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
