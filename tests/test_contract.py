@@ -30,7 +30,7 @@ from advantage_server.estimators.registry import EstimatorConfig, register
 NEMO_NAMES = {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd"}
 EXPECTED_NAMES = NEMO_NAMES | {"grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg",
                                "optimal_token_baseline", "tir_optimal_token_baseline", "pkpo", "qae",
-                               "gigpo"}
+                               "gigpo", "maxrl", "areal"}
 B, T = 6, 5
 PROMPT_IDS = np.array([3, 1, 3, 1, 1, 3], dtype=np.int64)  # two interleaved groups of 3
 GDPO_COMPONENTS = ("reward/a", "reward/b")
@@ -289,6 +289,8 @@ def test_optional_inputs_may_be_left_out(client, listing, name):
 def _proto_type(fd) -> str:
     if fd.enum_type is not None:
         return fd.enum_type.name
+    if fd.message_type is not None:  # a nested config message (AReaL's NormConfig)
+        return fd.message_type.name
     base = {fd.TYPE_BOOL: "bool", fd.TYPE_DOUBLE: "double", fd.TYPE_INT32: "int32"}[fd.type]
     return f"repeated {base}" if fd.is_repeated else base
 
@@ -372,17 +374,33 @@ VERL_DEFAULTS = {
     ("gigpo", "step_advantage_weight"): 1.0,
     ("gigpo", "mode"): "mean_norm",
     ("gigpo", "epsilon"): 1e-6,
+    ("maxrl", "semantics"): "skyrl",
+    ("maxrl", "epsilon"): 1e-6,         # SkyRL's compute_maxrl_advantage default
+    # AReaL 1.0.4's PPOActorConfig defaults (areal/api/cli_args.py); the two NormConfigs unset = None
+    ("areal", "semantics"): "areal",
+    ("areal", "reward_bias"): 0.0,
+    ("areal", "reward_scaling"): 1.0,
+    ("areal", "reward_clip"): 20.0,
+    ("areal", "reward_norm"): "unset",
+    ("areal", "kl_ctl"): 0.1,
+    ("areal", "kl_estimator"): "k1",
+    ("areal", "discount"): 1.0,
+    ("areal", "gae_lambda"): 1.0,
+    ("areal", "adv_norm"): "unset",
+    ("areal", "mask_no_eos_with_zero"): False,
+    ("areal", "recompute_logprob"): False,
+    ("areal", "use_decoupled_loss"): False,
 }
 #: the full listed text of each default that depends on the semantics
 PER_SEMANTICS_TEXT = {
     ("gigpo", "gamma"): "0.95 (verl_agent, roll); 1.0 (trinity)",
     ("grpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable otherwise",
-    ("grpo", "epsilon"): "1e-06 (nemo_rl, verl); 1e-09 (openrlhf); 0.0001 (trl)",
+    ("grpo", "epsilon"): "1e-06 (nemo_rl, verl, skyrl); 1e-09 (openrlhf); 0.0001 (trl)",
     ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",
     ("reinforce_plus_plus", "minus_baseline"): "true (nemo_rl); not applicable otherwise",
-    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf); not applicable to nemo_rl",
-    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl)",
-    ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl",
+    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl); not applicable to nemo_rl",
+    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl)",
+    ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl or skyrl",
     ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("rloo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
@@ -420,14 +438,15 @@ def test_defaults_are_the_references_defaults(listing, name):
 
 def test_every_default_listed():
     """The defaults tables above cover each field at least once (so a new field forces a new row)."""
-    names = {f.name for e in pb.DESCRIPTOR.message_types_by_name.values() if e.name.endswith("Config")
-             for f in e.fields}
+    # the estimators' config messages (not the messages nested in them: AReaL's ArealNormConfig)
+    configs = [fd.message_type for fd in pb.ComputeAdvantageRequest.DESCRIPTOR.oneofs_by_name["estimator"].fields]
+    names = {f.name for e in configs for f in e.fields}
     assert names == set(NEMO_DEFAULTS) | {f for _, f in VERL_DEFAULTS}
 
 
 # ------------------------------------------------------------------ returns / metrics contract
-ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline"}
-RETURNS_WHEN = {"reinforce_plus_plus": "semantics = verl or semantics = openrlhf",
+ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "areal"}
+RETURNS_WHEN = {"reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl",
                 "reinforce_plus_plus_baseline": "semantics = openrlhf",
                 "rloo": "semantics = openrlhf"}
 

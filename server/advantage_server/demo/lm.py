@@ -1,7 +1,7 @@
 """``advantage-demo lm``: a small language model trained with group estimators computed by the service.
 
     advantage-demo lm                                   # GRPO, embedded server on 127.0.0.1
-    advantage-demo lm --estimator rloo                  # or reinforce_plus_plus_baseline, gdpo, grpo_passk, opd
+    advantage-demo lm --estimator rloo                  # or reinforce_plus_plus_baseline, gdpo, grpo_passk, opd, maxrl
     advantage-demo lm --server host:50051               # use a running advantage-server instead
     advantage-demo lm --csv runs/lm.csv --plot runs/lm.png           # what `make demo` writes
     advantage-demo lm --compare grpo,rloo,gdpo --plot runs/compare.png   # same seed, one PNG
@@ -57,7 +57,8 @@ from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_server.demo.options import add_config_arguments
 from advantage_server.demo.service import connect
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "opd", "reinforce_plus_plus")
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "opd", "reinforce_plus_plus",
+              "maxrl")
 KL_IN_REWARD = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")  # take use_kl_in_reward
 HELD_OUT_SEED = 20_260_101  # the held-out problems are the same for every run seed
 
@@ -70,7 +71,7 @@ class LMConfig:
     estimator: str = field(default="grpo", metadata={
         "flag": "--estimator", "help": "the service's estimator: " + ", ".join(ESTIMATORS)})
     semantics: str | None = field(default=None, metadata={
-        "flag": "--semantics", "help": "the estimator's semantics (nemo_rl, verl, openrlhf, trl) where it has "
+        "flag": "--semantics", "help": "the estimator's semantics (nemo_rl, verl, openrlhf, trl, skyrl) where it has "
                                        "several; default: the estimator's own default"})
     compare: str | None = field(default=None, metadata={
         "flag": "--compare", "help": "comma-separated estimators to run one after another from the same warm "

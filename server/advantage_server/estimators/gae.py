@@ -34,6 +34,20 @@ whitening uses variance 0 (and mean 0 with none), so the result stays finite. Un
 correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes it from an integer mask
 (:func:`~advantage_server.estimators.whitening.whiten_unbiased`).
 
+``skyrl`` reproduces SkyRL 0.4.0 ``compute_gae_advantage_return`` (TRL's loop, which ignores the mask):
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lambda * A_{t+1}   at EVERY position t,
+    V_T = A_T = 0 after the last column; r = a [B, T] reward as sent (masked positions included) or a [B]
+    reward on the row's last mask = 1 position. So with gamma * lambda < 1 and a mask that is not right-aligned,
+    values and rewards at padding and holes reach the valid positions (SkyRL's trainer sends right-aligned
+    masks, where this equals the masked recursion only when gamma = lambda = 1 or padding carries V = r = 0).
+    returns = A + values (every position); advantages = A whitened over the mask = 1 tokens as verl (SkyRL's
+    ``masked_whiten``, unbiased variance, its masked_mean divides by max(n, 1) = verl's n), masked positions
+    NOT zeroed. ``gae_lambda`` defaults to 1.0 (SkyRL's ``algorithm.lambd``); the nemo_rl-only fields are
+    rejected. ``bootstrap_values`` (optional; SkyRL has none) is V after the last column, T, not after the
+    row's last valid position, since this recursion ignores the mask; unset = 0, SkyRL's. Where SkyRL
+    raises (fewer than two valid tokens) the whitening uses variance 0, as under verl. Kernel: the
+    unmasked recursion is :func:`discounted_reverse_cumsum` of delta (float64), no per-step loop.
+
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
 estimator fuses both lambdas, the returns and per-row moments into that pass and whitens in a second
@@ -54,6 +68,7 @@ import torch
 from advantage_server.estimators import jit
 from advantage_server.estimators.inputs import MASK
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
+from advantage_server.estimators.rewards import place_rewards
 from advantage_server.estimators.whitening import masked_moments, whiten_unbiased
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
@@ -66,8 +81,8 @@ _NEMO_ONLY = "nemo_rl only"
 @dataclass(frozen=True)
 class GAEConfig(KLInRewardConfig):
     gae_lambda: float | None = field(default=None, metadata={
-        "doc": "GAE lambda.", "range": (0.0, 1.0), "per_semantics": {"nemo_rl": 0.95, "verl": 1.0},
-        "default_text": "0.95 (nemo_rl); 1.0 (verl)"})
+        "doc": "GAE lambda.", "range": (0.0, 1.0), "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0},
+        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl)"})
     gae_gamma: float = field(default=1.0, metadata={"doc": "Discount factor gamma.", "range": (0.0, 1.0)})
     normalize_advantages: bool = field(default=True, metadata={"doc": "Whiten the advantages over the valid tokens."})
     gae_lambda_value: float | None = field(default=None, metadata={
@@ -78,11 +93,12 @@ class GAEConfig(KLInRewardConfig):
         "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
     length_adaptive_alpha: float | None = field(default=None, metadata={
         "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
-        "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl"})
+        "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl or skyrl"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl"),
-        "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0) "
-        "or verl (compute_gae_advantage_return: masked positions whitened, not zeroed).")
+        ("nemo_rl", "verl", "skyrl"),
+        "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0), "
+        "verl (compute_gae_advantage_return: masked positions whitened, not zeroed) or skyrl "
+        "(compute_gae_advantage_return: the recursion ignores the mask; masked positions whitened, not zeroed).")
 
 
 # --------------------------------------------------------------------------- kernel
@@ -385,6 +401,28 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
     return AdvantageResult(adv, returns=ret, finite=bool(fin.all()))
 
 
+def skyrl_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
+    """``semantics = skyrl`` (module docstring): SkyRL's unmasked recursion, float64, whitened over the mask.
+
+    Inputs as :func:`gae`; ``bootstrap_values`` [B], when sent, is V after the last column (SkyRL: 0).
+    """
+    mask, values, raw = batch["mask"], batch["values"], batch["rewards"]
+    bootstrap = batch.get("bootstrap_values")
+    dtype = values.dtype
+    v = values.to(torch.float64)
+    r = apply_kl(place_rewards(raw, mask).to(torch.float64), cfg, batch, mask=mask)
+    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))                      # V after the last column: 0
+    if bootstrap is not None:                                               # ... or the caller's bootstrap
+        next_v[:, -1] = bootstrap.to(torch.float64)
+    delta = r + cfg.gae_gamma * next_v - v
+    g = torch.full((batch.B,), cfg.gae_gamma * cfg.gae_lambda, dtype=torch.float64, device=v.device)
+    adv = discounted_reverse_cumsum(delta, g)
+    returns = adv + v
+    if cfg.normalize_advantages:
+        adv = whiten_unbiased(adv, mask)
+    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
+
+
 def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` terminal rewards -> ``[B, T]`` with each reward on its row's last mask = 1 position.
 
@@ -426,6 +464,8 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     and reference_logprobs [B, T] when use_kl_in_reward. Returns advantages [B, T] (0 where mask = 0)
     and returns [B, T]; no metrics.
     """
+    if cfg.semantics == "skyrl":
+        return skyrl_gae(cfg, batch)
     mask, values = batch["mask"], batch["values"]
     bootstrap = batch.get("bootstrap_values")
     raw = batch["rewards"]

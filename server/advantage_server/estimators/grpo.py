@@ -34,6 +34,10 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     all B values of s (0 for B = 1), ``none`` no division. Broadcast over every column. TRL's
     unscorable completions (every reward function returned None; left out of the group statistics,
     advantage 0) are rows with an all-zero mask under ``exclude_empty_responses = true``.
+``semantics = skyrl`` (SkyRL 0.4.0 ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is SkyRL's
+    ``grpo_norm_by_std``) is verl's code ported unchanged, so it computes verl's numbers above: a [B, T]
+    reward summed over all T, a group of one with mean 0 and std 1 (A = r / (1 + eps), 1 + eps in float32),
+    eps = 1e-6, A_{i,t} = A_i * mask_{i,t}. ``sum_rewards_over_mask`` is verl's only.
 
 Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
 float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
@@ -62,7 +66,7 @@ from advantage_server.estimators.registry import (
     AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
 )
 
-_EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4}
+_EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,13 @@ class GRPOConfig(EstimatorConfig):
         "doc": "Baseline and std over the other samples of the prompt (RLOO). nemo_rl only.",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "trl"),
+        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl"),
         "Reference reproduced: nemo_rl (NeMo RL GRPOAdvantageEstimator), verl (compute_grpo_outcome_advantage), "
-        "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer).")
+        "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer), skyrl (compute_grpo_outcome_advantage).")
     epsilon: float | None = field(default=None, metadata={
         "doc": "Added to the std before dividing.", "range": (0.0, None),
         "per_semantics": dict(_EPSILON),
-        "default_text": "1e-06 (nemo_rl, verl); 1e-09 (openrlhf); 0.0001 (trl)"})
+        "default_text": "1e-06 (nemo_rl, verl, skyrl); 1e-09 (openrlhf); 0.0001 (trl)"})
     scale_rewards: str | None = field(default=None, metadata={
         "doc": "TRL scale_rewards: divide by the group std (group), the batch std (batch) or not at all (none).",
         "enum": "ScaleRewards", "choices": ("group", "batch", "none"),
@@ -97,10 +101,10 @@ class GRPOConfig(EstimatorConfig):
                             required=False)],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
                     "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
-          per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl", BROADCAST_TIMES_MASK),
+          per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
                       ("semantics = openrlhf", UP_TO_LAST_VALID), ("semantics = trl", BROADCAST)),
           # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch
-          group_local=("semantics = nemo_rl or semantics = verl or semantics = openrlhf or "
+          group_local=("semantics = nemo_rl or semantics = verl or semantics = skyrl or semantics = openrlhf or "
                        "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none",))
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
@@ -123,7 +127,7 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         adv = group_relative(group, scores, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
                              cfg.epsilon, std_rewards)
         return AdvantageResult(broadcast_rows(zero_rows(adv, keep), batch.B, batch.T, dtype, batch))
-    if cfg.semantics == "verl":
+    if cfg.semantics in ("verl", "skyrl"):  # SkyRL's compute_grpo_outcome_advantage is verl's code
         mean, std = verl_group_stats(group, scores)
         if std_rewards is not None:
             _, std = verl_group_stats(group, std_rewards)

@@ -29,7 +29,16 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
                default ``--reward.clip_range``; a [B] reward on the row's last mask = 1 position)
     G_t      = sum_{k >= t} gamma^(k - t) r_k        (no resets)
     A        = (G - mu) / sqrt(max(var, 1e-8))       mu, biased var over the mask = 1 tokens, every position
-``gamma`` (verl, openrlhf) defaults to 1.0; ``minus_baseline`` applies to nemo_rl only.
+``semantics = skyrl`` (SkyRL 0.4.0 ``compute_reinforce_plus_plus_outcome_advantage``, ported from verl 0.8).
+    Returns G. verl 0.8's rule, always (``reset_returns_at_holes`` does not apply): token rewards ([B] on the
+    row's last mask = 1 position; a [B, T] reward as sent, masked positions included), minus the masked KL
+    penalty with use_kl_in_reward (SkyRL's trainer, ``apply_reward_kl_penalty``, before the estimator),
+    G_t = r_t + gamma * mask_{t+1} * G_{t+1} at every position (returns not masked), A = (G - mu) *
+    rsqrt(var + 1e-8) * mask with mu and the unbiased var over the mask = 1 tokens (SkyRL's
+    ``masked_whiten``: its masked_mean divides by max(n, 1), which is verl's n; one valid token: var = 0,
+    A = 0; none: mu = var = 0, where SkyRL raises).
+``gamma`` (verl, openrlhf, skyrl) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
+nemo_rl only.
 
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
 float64 temporaries; :func:`~advantage_server.estimators.whitening.whiten_rows_clamped`). The verl 0.9
@@ -64,12 +73,14 @@ class ReinforcePlusPlusConfig(KLInRewardConfig):
         "doc": "Subtract the per-prompt mean reward. nemo_rl only (use reinforce_plus_plus_baseline otherwise).",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf"),
+        ("nemo_rl", "verl", "openrlhf", "skyrl"),
         "Reference reproduced: nemo_rl (NeMo RL ReinforcePlusPlusAdvantageEstimator), verl "
-        "(compute_reinforce_plus_plus_outcome_advantage), openrlhf (reinforce).")
+        "(compute_reinforce_plus_plus_outcome_advantage), openrlhf (reinforce), skyrl "
+        "(compute_reinforce_plus_plus_outcome_advantage, verl 0.8's reset at holes).")
     gamma: float | None = field(default=None, metadata={
         "doc": "Discount of the returns.", "range": (0.0, 1.0),
-        "per_semantics": {"verl": 1.0, "openrlhf": 1.0}, "default_text": "1.0 (verl, openrlhf); not applicable to nemo_rl"})
+        "per_semantics": {"verl": 1.0, "openrlhf": 1.0, "skyrl": 1.0},
+        "default_text": "1.0 (verl, openrlhf, skyrl); not applicable to nemo_rl"})
     reset_returns_at_holes: bool | None = field(default=None, metadata={
         "doc": "verl 0.8 and earlier: a mask = 0 position inside the response resets the running return, and the "
                "returns there are not zeroed. verl 0.9.1 (the default) carries the return across mask = 0 spans.",
@@ -146,8 +157,8 @@ def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
           inputs=[_PROMPT_IDS, _REWARDS, MASK, *KL_INPUTS],
           reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator; verl "
                     "compute_reinforce_plus_plus_outcome_advantage; OpenRLHF reinforce",
-          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf"),
-                            "semantics = verl or semantics = openrlhf"),
+          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf", "skyrl"),
+                            "semantics = verl or semantics = openrlhf or semantics = skyrl"),
           # whitening keeps a row-constant matrix row-constant; the KL penalty is per token
           per_sample=(("semantics = nemo_rl and use_kl_in_reward = false", BROADCAST),))
 def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> AdvantageResult:
@@ -179,8 +190,9 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
     if cfg.semantics == "openrlhf":
         rewards = rewards.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
     tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)
-    if cfg.semantics == "verl":
-        returns = verl_returns(tokens, mask, cfg.gamma, reset_at_holes=bool(cfg.reset_returns_at_holes))
+    if cfg.semantics in ("verl", "skyrl"):  # skyrl: verl 0.8's recursion, always
+        reset = cfg.semantics == "skyrl" or bool(cfg.reset_returns_at_holes)
+        returns = verl_returns(tokens, mask, cfg.gamma, reset_at_holes=reset)
         adv = whiten_unbiased(returns, mask) * mask
     else:  # openrlhf
         g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=mask.device)

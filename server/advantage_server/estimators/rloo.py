@@ -17,6 +17,11 @@ advantages twice).
     a_i clamped to +-10 (OpenRLHF's default ``--reward.clip_range``) on the row's last mask = 1 position
     minus penalty * KL_t * mask_t, G = reverse cumulative sum (gamma 1), A = G (OpenRLHF 0.11.2 does not
     whiten rloo advantages; releases that did are not reproduced).
+``semantics = skyrl`` (SkyRL 0.4.0 ``compute_rloo_outcome_advantage``). No returns.
+    verl's rule (s = sum over all T of the token rewards, minus penalty * sum_t KL_t mask_t with
+    use_kl_in_reward: SkyRL's trainer subtracts the masked KL from the rewards in ``apply_reward_kl_penalty``
+    before the estimator; not part of the differential tests), except that a group of one gets
+    0 (SkyRL logs a warning and sets it to 0); SkyRL's (s_i - mean) * n / (n - 1) is the same number.
 
 Numerics: the leave-one-out mean is computed in float64 by removal from the group mean
 (:func:`~advantage_server.estimators.groups.group_baseline_and_std`), exact when the others are tied.
@@ -41,16 +46,18 @@ from advantage_server.estimators.registry import AdvantageResult, Batch, registe
 @dataclass(frozen=True)
 class RLOOConfig(KLInRewardConfig):
     semantics: str | None = semantics_field(
-        ("verl", "openrlhf"), "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo).")
+        ("verl", "openrlhf", "skyrl"),
+        "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo), skyrl (compute_rloo_outcome_advantage).")
     exclude_empty_responses: bool = exclude_empty_field()
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
 
 
-def rloo_scalars(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Per-sample ``s_i - mean of the others``, float64 ``[B]``; a group of one keeps ``s``."""
+def rloo_scalars(group: torch.Tensor, scores: torch.Tensor, single: str = "keep") -> torch.Tensor:
+    """Per-sample ``s_i - mean of the others``, float64 ``[B]``; a group of one keeps ``s``
+    (``single = "keep"``) or gets 0 (``single = "zero"``, SkyRL's rule)."""
     s = scores.to(torch.float64)
     baseline, _ = group_baseline_and_std(group, s, leave_one_out=True)
-    return torch.where(group_sizes(group) > 1, s - baseline, s)
+    return torch.where(group_sizes(group) > 1, s - baseline, s if single == "keep" else torch.zeros_like(s))
 
 
 def rloo_scalars_loop(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,7 @@ def rloo_scalars_loop(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor
           reference="arXiv:2402.14740; verl compute_rloo_outcome_advantage; OpenRLHF rloo",
           produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
           # openrlhf: a on the last valid token, reverse cumsum (returns = advantages); KL makes it per token
-          per_sample=(("semantics = verl", BROADCAST_TIMES_MASK),
+          per_sample=(("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
                       ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID)),
           group_local=("",))  # leave-one-out means within the group; KL and returns per row
 def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
@@ -85,9 +92,9 @@ def rloo(cfg: RLOOConfig, batch: Batch) -> AdvantageResult:
     rewards, mask = batch["rewards"], batch["mask"]
     group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own
     dtype = rewards.dtype
-    if cfg.semantics == "verl":
+    if cfg.semantics in ("verl", "skyrl"):
         scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
-        a = rloo_scalars(group, scores - kl_total(cfg, batch, mask))
+        a = rloo_scalars(group, scores - kl_total(cfg, batch, mask), "keep" if cfg.semantics == "verl" else "zero")
         return AdvantageResult((a[:, None] * mask.to(torch.float64)).to(dtype))
     adv, returns = openrlhf_outcome(zero_rows(rloo_scalars(group, outcome_scores(rewards)), keep), mask, cfg, batch,
                                     whiten=False)
