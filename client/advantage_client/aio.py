@@ -35,6 +35,7 @@ import asyncio
 import contextvars
 import dataclasses
 import re
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -47,9 +48,10 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_client.channel import auth_metadata, channel_target, make_channel
 from advantage_client.client import (
-    AdvantageResult, AdvantageServiceError, check_timeout, finish_result, lengths_refused, not_ready, prepare_call,
-    stream_refused,
+    CLIENT_TIMEOUT, AdvantageResult, AdvantageServiceError, call_timeout, check_inputs, check_timeout, finish_result,
+    lengths_refused, not_ready, prepare_call, stream_refused,
 )
+from advantage_client.errors import hint
 
 #: the transports :class:`AsyncAdvantageClient` offers
 TRANSPORTS = ("auto", "unary", "stream")
@@ -58,12 +60,25 @@ DEFAULT_MAX_IN_FLIGHT = 32
 #: rows of one coalesced request at most (``coalesce_max_rows``)
 DEFAULT_COALESCE_MAX_ROWS = 4096
 #: errors of a coalesced request that say nothing about its inputs: every caller gets them as they are
-#: (any other error, INVALID_ARGUMENT above all, makes each call go again alone to get its own answer)
+#: (so does an admission refusal, see :func:`_shared_error`; any other error, INVALID_ARGUMENT above all, makes
+#: each call go again alone to get its own answer)
 _SHARED_ERRORS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.CANCELLED})
+#: the flag a RESOURCE_EXHAUSTED of the server's admission names (``limits.RequestGate.admit``)
+_ADMISSION_FLAG = "--max-concurrent-requests"
 
 _last_transport: contextvars.ContextVar[str | None] = contextvars.ContextVar("advantage_last_transport", default=None)
+
+#: the rule :class:`EventLoopError` states
+LOOP_RULE = ("create AsyncAdvantageClient inside the event loop that awaits it (e.g. inside your async main, or "
+             "`async with AsyncAdvantageClient(...)`)")
+
+
+class EventLoopError(RuntimeError):
+    """An :class:`AsyncAdvantageClient` used from an event loop other than the one its channel belongs to: it was
+    created outside the loop that awaits it (at import time, in another thread, or in an earlier
+    ``asyncio.run``). asyncio's own words for it ("attached to a different loop") name no fix; this error does."""
 
 
 class AsyncAdvantageClient:
@@ -88,15 +103,23 @@ class AsyncAdvantageClient:
              differ in kind (they are reduced to group ids first). Each caller gets what it would get alone:
              its rows of the advantages/returns (row views of the merged result), the same layout, no
              metrics (estimators with metrics are never group-local). If the merged request fails with an
-             error about its inputs (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ..., or an encoding ValueError),
-             each call is sent again alone, so each caller gets its own answer or error; UNAVAILABLE,
-             DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED and CANCELLED reach every caller as they
-             are. A cancelled waiting caller is left out of the request. ``last_transport`` is not set for
-             coalesced calls.
+             error about its inputs (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a size limit or out of memory,
+             ..., or an encoding ValueError), each call is sent again alone, so each caller gets its own
+             answer or error; UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED, CANCELLED
+             and the server's admission refusal (RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``,
+             answered before the request is read) reach every caller as they are, once: the server saw one
+             request and refused it once (sending N calls into a full server would multiply the load that
+             made it refuse; retry with backoff). The config is read when ``compute`` starts (a later change
+             to the caller's dict changes nothing). A cancelled waiting caller is left out of the request.
+             ``last_transport`` is not set for coalesced calls.
     coalesce_max_rows: a batch is sent at once when it reaches this many rows (default 4096); a call that
              would take it past the cap sends the waiting batch first; a call with more rows goes alone.
     Raises ``ValueError`` for bad options (unknown transport, half a client certificate, an unreadable
-    token file, ...). Create it inside the event loop that will await its calls.
+    token file, a target without a port, ...). Create it inside the event loop that will await its calls: a
+    client made where no loop runs belongs to the thread's current loop (``asyncio.get_event_loop()``, made
+    there and then at import time), and awaiting it from another loop (``asyncio.run`` makes a new one each
+    time) raises :class:`EventLoopError` (a ``RuntimeError``) saying so, at the first call; so does creating
+    it in a thread that has no event loop at all.
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
@@ -135,7 +158,22 @@ class AsyncAdvantageClient:
                                   tls_key=tls_key, tls_server_name=tls_server_name, retry=retry,
                                   wait_for_ready=wait_for_ready, aio=True, options=tuple(channel_options))
         self._own_stream_channel = channel is None
-        self._channel = channel or make_channel(self.target, **self._channel_args)
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            self._channel = channel or make_channel(self.target, **self._channel_args)
+        except RuntimeError as err:
+            if running is not None or "event loop" not in str(err):
+                raise
+            # no running loop and none current in this thread (grpc.aio asks asyncio.get_event_loop())
+            raise EventLoopError(f"AsyncAdvantageClient was created where no event loop runs ({err}): "
+                                 f"{LOOP_RULE}") from None
+        #: the loop every call must run in: the one grpc.aio bound the channel to (the running loop, else the
+        #: thread's current one, e.g. for loop.run_until_complete code); None where that cannot be told
+        loop = getattr(self._channel, "_loop", None)
+        self._loop = loop if isinstance(loop, asyncio.AbstractEventLoop) else running
         self._stream_channel: Any = None if channel is None else channel
         self._stub = pb_grpc.AdvantageServiceStub(self._channel)
         self._unary = self._channel.unary_unary(streaming.COMPUTE, request_serializer=None,
@@ -175,76 +213,131 @@ class AsyncAdvantageClient:
                                                               response_deserializer=codec.decode_chunk)
         return self._stream
 
-    async def _send(self, transport: str, data: streaming.Request) -> codec.DecodedResult:
+    def _check_loop(self) -> None:
+        """:class:`EventLoopError` when the running loop is not the one this client belongs to."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise EventLoopError("this AsyncAdvantageClient belongs to another event loop than the one awaiting "
+                                 "it (it was created at import time, in another thread, or in an earlier "
+                                 f"asyncio.run): {LOOP_RULE}")
+
+    async def _send(self, transport: str, data: streaming.Request, timeout: float | None) -> codec.DecodedResult:
         _last_transport.set(transport)
         if transport == "unary":
-            return await self._unary(data.tobytes(), timeout=self.timeout, metadata=self._metadata)
-        call = self._stream_callable()(data.chunks(self.chunk_bytes), timeout=self.timeout, metadata=self._metadata)
+            return await self._unary(data.tobytes(), timeout=timeout, metadata=self._metadata)
+        started = time.monotonic()
+        call = self._stream_callable()(data.chunks(self.chunk_bytes), timeout=timeout, metadata=self._metadata)
         out = streaming.Reassembler()
-        async for total, chunk in call:
-            out.feed(total, chunk)
+        try:
+            async for total, chunk in call:
+                out.feed(total, chunk)
+        except grpc.RpcError as err:
+            # grpc.aio ends a stream whose request writer was still sending when the deadline passed with
+            # INTERNAL "Internal error from Core" (Failed "execute_batch": SendMessageOperation) about half the
+            # time, DEADLINE_EXCEEDED otherwise: past the deadline, it is DEADLINE_EXCEEDED
+            if not (err.code() == grpc.StatusCode.INTERNAL and timeout is not None
+                    and time.monotonic() - started >= timeout):
+                raise
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Deadline Exceeded", err.debug_error_string()) from None
         return codec.decode_result(memoryview(out.finish()))
 
     async def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
                       cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
-                      **tensors: Any) -> AdvantageResult:
+                      timeout: Any = CLIENT_TIMEOUT, **tensors: Any) -> AdvantageResult:
         """``await`` one estimator run: arguments, result and errors as
         :meth:`advantage_client.AdvantageClient.compute` (``rewards`` ``[B]`` or ``[B, T]``, ``mask``
         ``[B, T]``, ...; advantages ``[B, T]`` float32 by default, ``[B]`` with ``per_sample=True`` where the
         estimator gives one value per row), without shared memory.
 
-        Raises ``wire.WireError`` (a ``ValueError``) for arguments that cannot be encoded, ``ValueError`` for
-        an unknown transport, and :class:`AdvantageServiceError` for every error the server reports
-        (:class:`InvalidArgumentError`, also a ``ValueError``, for INVALID_ARGUMENT; UNAVAILABLE after the
-        retries; DEADLINE_EXCEEDED after ``timeout``). Cancelling the awaiting task cancels the call.
+        ``timeout``: this call's deadline in seconds, in place of the client's ``timeout`` (default: the
+        client's; None: no deadline), as for the sync client: it bounds the call once it is sent (not its wait
+        for a ``max_in_flight`` slot). A call held to be coalesced (``coalesce_ms``) with a ``timeout`` of its
+        own is bounded by it from the moment ``compute`` is awaited (its wait to be coalesced included); one
+        whose ``timeout`` is longer than the client's, or None while the client has one, is sent alone under
+        its own deadline (the coalesced request runs under the client's ``timeout``).
+
+        Raises ``wire.WireError`` (a ``ValueError``) for arguments that cannot be encoded and for keywords that
+        cannot be inputs (``retry=``, ``deadline=``, a scalar such as ``timout=5.0``: see
+        :func:`advantage_client.client.check_inputs`), ``ValueError`` for an unknown transport or a bad
+        ``timeout``, :class:`EventLoopError` when awaited from another event loop than the client's, and
+        :class:`AdvantageServiceError` for every error the server reports (:class:`InvalidArgumentError`,
+        also a ``ValueError``, for INVALID_ARGUMENT; UNAVAILABLE after the retries; DEADLINE_EXCEEDED after
+        ``timeout``). Cancelling the awaiting task cancels the call.
         """
+        self._check_loop()
+        deadline = call_timeout(timeout, self.timeout)
+        check_inputs(tensors, self)
         transport = self._checked_transport(transport or self.transport)
-        if self.coalesce_ms > 0 and cu_seqlens is None:
+        config = _config_snapshot(estimator, config)  # before any await: a later change to the dict is not sent
+        if self.coalesce_ms > 0 and cu_seqlens is None and self._may_coalesce(deadline):
             entry = await self._coalescible(estimator, config, output_dtype, as_numpy, transport, per_sample, tensors)
             if entry is not None:
-                return await self._enqueue(entry)
-        return await self._compute_direct(estimator, config, output_dtype, as_numpy, cu_seqlens, transport,
-                                          per_sample, tensors)
+                return await self._await_coalesced(entry, timeout, deadline)
+        args = (estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample, tensors)
+        if timeout is CLIENT_TIMEOUT:
+            return await self._compute_direct(*args)
+        return await self._compute_direct(*args, deadline)
+
+    def _may_coalesce(self, deadline: float | None) -> bool:
+        """Whether a call with this deadline may join a coalesced request, which runs under the client's
+        ``timeout``: when that cannot end it before its own deadline (the same or a shorter one)."""
+        return deadline == self.timeout or (deadline is not None and self.timeout is not None
+                                            and deadline < self.timeout)
+
+    async def _await_coalesced(self, entry: Any, timeout: Any, deadline: float | None) -> AdvantageResult:
+        """A coalesced call's result, within the call's own ``timeout`` when it gave one (counted from now, its
+        wait to be coalesced included): past it, DEADLINE_EXCEEDED for this caller alone, who leaves the batch
+        (or the request goes on for the others)."""
+        if timeout is CLIENT_TIMEOUT:
+            return await self._enqueue(entry)
+        try:
+            return await asyncio.wait_for(self._enqueue(entry), deadline)
+        except asyncio.TimeoutError:
+            raise AdvantageServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, hint(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", self.target, deadline)) from None
 
     async def _compute_direct(self, estimator: str, config: Any, output_dtype: Any, as_numpy: bool, cu_seqlens: Any,
-                              transport: str, per_sample: bool, tensors: dict[str, Any]) -> AdvantageResult:
+                              transport: str, per_sample: bool, tensors: dict[str, Any],
+                              timeout: Any = CLIENT_TIMEOUT) -> AdvantageResult:
+        timeout = call_timeout(timeout, self.timeout)
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                 compact=self.compact, as_lengths=self._lengths_ok)
         if self._in_flight is None:
             return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
-                                                cu_seqlens, per_sample, tensors)
+                                                cu_seqlens, per_sample, tensors, timeout)
         async with self._in_flight:  # queued here beyond max_in_flight calls at once
             return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
-                                                cu_seqlens, per_sample, tensors)
+                                                cu_seqlens, per_sample, tensors, timeout)
 
     async def _compute_prepared(self, prepared: Any, transport: str, as_numpy: bool, estimator: str, config: Any,
                                 output_dtype: Any, cu_seqlens: Any, per_sample: bool,
-                                tensors: dict[str, Any]) -> AdvantageResult:
+                                tensors: dict[str, Any], timeout: float | None) -> AdvantageResult:
         try:
-            return await self._send_prepared(prepared, transport, as_numpy)
+            return await self._send_prepared(prepared, transport, as_numpy, timeout)
         except AdvantageServiceError as err:
             if not lengths_refused(err, prepared):
                 raise
             self._lengths_ok = False  # a server that predates `lengths`: masks go as bytes from now on
             prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                     compact=self.compact, as_lengths=False)
-            return await self._send_prepared(prepared, transport, as_numpy)
+            return await self._send_prepared(prepared, transport, as_numpy, timeout)
 
-    async def _send_prepared(self, prepared: Any, transport: str, as_numpy: bool) -> AdvantageResult:
+    async def _send_prepared(self, prepared: Any, transport: str, as_numpy: bool,
+                             timeout: float | None) -> AdvantageResult:
         data = prepared.request
         auto = transport == "auto"
         if auto:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
         try:
-            reply = await self._send(transport, data)
+            reply = await self._send(transport, data, timeout)
         except grpc.RpcError as err:
-            error = AdvantageServiceError.from_rpc_error(err, self.target, self.timeout)
+            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout)
             if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             try:
-                reply = await self._send("unary", data)
+                reply = await self._send("unary", data, timeout)
             except grpc.RpcError as err2:
-                raise AdvantageServiceError.from_rpc_error(err2, self.target, self.timeout) from None
+                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
 
     # ------------------------------------------------------------------------------------------ coalescing
@@ -376,7 +469,7 @@ class AsyncAdvantageClient:
         try:
             result = await self._compute_direct(*live[0].args, _with_columns(merged, live[0].columns))
         except AdvantageServiceError as err:
-            if err.code in _SHARED_ERRORS:
+            if _shared_error(err):
                 for e in live:
                     if not e.future.done():
                         e.future.set_exception(err)
@@ -406,7 +499,9 @@ class AsyncAdvantageClient:
 
     async def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields, inputs and per-sample layouts.
-        Raises :class:`AdvantageServiceError` (UNAVAILABLE, UNAUTHENTICATED, ...) when the call fails."""
+        Raises :class:`AdvantageServiceError` (UNAVAILABLE, UNAUTHENTICATED, ...) when the call fails,
+        :class:`EventLoopError` when awaited from another event loop than the client's."""
+        self._check_loop()
         try:
             return await self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout,
                                                    metadata=self._metadata)
@@ -415,7 +510,8 @@ class AsyncAdvantageClient:
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait until the channel is connected; raises :class:`AdvantageServiceError` (UNAVAILABLE) after
-        ``timeout`` seconds."""
+        ``timeout`` seconds; :class:`EventLoopError` when awaited from another event loop than the client's."""
+        self._check_loop()
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
@@ -428,7 +524,8 @@ class AsyncAdvantageClient:
 
     async def close(self) -> None:
         """Close the channels (calls in flight are cancelled; calls still waiting to be coalesced fail with
-        CANCELLED)."""
+        CANCELLED). :class:`EventLoopError` when awaited from another event loop than the client's."""
+        self._check_loop()
         for batch in list(self._batches.values()):
             if batch.timer is not None:
                 batch.timer.cancel()
@@ -474,6 +571,30 @@ def _with_columns(tensors: dict[str, Any], columns: int) -> dict[str, Any]:
     if columns:
         tensors["mask_columns"] = columns  # lengths [B] stand for a [B, T] mask (see prepare_call)
     return tensors
+
+
+def _shared_error(error: AdvantageServiceError) -> bool:
+    """Whether a merged request's error is every merged caller's as it is (not sent again call by call): a code
+    of :data:`_SHARED_ERRORS`, or RESOURCE_EXHAUSTED from the server's admission (``--max-concurrent-requests``:
+    refused before the request was read, so it says nothing about any caller's inputs; the other
+    RESOURCE_EXHAUSTED, a size limit or out of memory, may not hold for one call alone)."""
+    return error.code in _SHARED_ERRORS or (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                            and _ADMISSION_FLAG in str(error))
+
+
+def _config_snapshot(estimator: str, config: Any) -> Any:
+    """``config`` (a dict, a config message or None) as a config message of its own, built now: the caller may
+    change or reuse its dict or message once ``compute`` has started, the request (sent later when coalesced,
+    and then with other callers' rows) carries the values of the call. A config that cannot be converted is
+    returned as given: the direct path raises its ``WireError`` naming the field."""
+    try:
+        msg = wire.config_message(estimator, config)
+    except ValueError:
+        return config
+    if msg is config:  # the caller's own message object: copy it
+        msg = type(config)()
+        msg.CopyFrom(config)
+    return msg
 
 
 def _numpy_copy(value: Any) -> np.ndarray | None:

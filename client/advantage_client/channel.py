@@ -2,7 +2,8 @@
 
 * ``channel_target(["10.0.0.1:50051", "10.0.0.2:50051"])`` -> ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``: gRPC
   connects to every replica; a DNS name (``"dns:///advantage.svc:50051"``) whose name resolves to several
-  addresses does the same.
+  addresses does the same. A target must name its port (:func:`check_target`: ``"localhost"`` is a
+  ``TargetError``, a ``ValueError``, not a dial to port 443).
 * :func:`service_config`: ``round_robin`` over the replicas that are up and report SERVING (client-side
   health checking: a draining replica leaves the rotation as soon as it says NOT_SERVING), and a retry
   policy: a call that fails with UNAVAILABLE (replica killed, restarting, draining) is retried, with
@@ -18,7 +19,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -47,6 +48,22 @@ def service_config(retry: bool = True, wait_for_ready: bool = False, health_chec
     return config
 
 
+#: the port ``advantage-server`` listens on by default (``--port``)
+DEFAULT_PORT = 50051
+#: the environment variable the verl drop-in reads its target from (``advantage_client.verl``)
+TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
+#: gRPC target schemes whose addresses carry no port (a socket path, an abstract name) or a port of their own
+#: syntax (``vsock:cid:port``): passed on as given
+_PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
+#: another resolver's URI (``xds:///name``, a resolver registered by the application): passed on as given
+_OTHER_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+class TargetError(ValueError):
+    """A target the client cannot dial: no port (gRPC would dial port 443 and report that nothing answered),
+    not a string, or replicas that are not IP:PORT. Raised by the clients' constructors."""
+
+
 _URL_SCHEME = re.compile(r"(?i)(https?|grpcs?)://")
 
 
@@ -56,21 +73,95 @@ def _no_url_scheme(address: str) -> str:
     match = _URL_SCHEME.match(str(address))
     if match:
         rest = str(address)[match.end():].rstrip("/")
-        raise ValueError(f"target {address!r}: drop the {match.group(1).lower()}:// scheme and give host:port, "
-                         f"e.g. {rest!r}; a gRPC target is not a URL (for TLS pass tls=True or tls_ca=)")
+        raise TargetError(f"target {address!r}: drop the {match.group(1).lower()}:// scheme and give host:port, "
+                          f"e.g. {rest!r}; a gRPC target is not a URL (for TLS pass tls=True or tls_ca=)")
     return address
 
 
+def _named(address: str) -> str:
+    """How an error names ``address``: with the environment variable when that is where it came from."""
+    if os.environ.get(TARGET_ENV, "").strip() == address.strip():
+        return f"${TARGET_ENV}={address!r}"
+    return repr(address)
+
+
+def _no_port(address: str, example: str) -> TargetError:
+    return TargetError(f"target {_named(address)} has no port: give host:port (the server's default port is "
+                       f"{DEFAULT_PORT}), e.g. {example!r}")
+
+
+def _host_port(address: str, whole: str, prefix: str = "") -> None:
+    """``TargetError`` when ``address`` (``host:port``, ``[v6]:port``; ``whole`` is the target it is part of,
+    ``prefix`` what precedes it there) names no port. A port that is not a number is left to gRPC, whose
+    "failed to parse" answer the client turns into a hint (``errors.hint``)."""
+    if address.startswith("["):
+        host, _, rest = address.partition("]")
+        if not rest.startswith(":") or not rest[1:]:
+            raise _no_port(whole, f"{prefix}{host}]:{DEFAULT_PORT}")
+        return
+    if address.count(":") > 1:  # a bare IPv6 literal: gRPC reads all of it as the host
+        raise TargetError(f"target {_named(whole)} has no port: an IPv6 address takes brackets before the port, "
+                          f"e.g. '{prefix}[{address}]:{DEFAULT_PORT}' (the server's default port is {DEFAULT_PORT})")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port:
+        raise _no_port(whole, f"{prefix}{host if sep else address}:{DEFAULT_PORT}")
+
+
+def check_target(target: str) -> str:
+    """``target`` as given when it names a port, else ``TargetError`` (a ``ValueError``) saying how to give one.
+
+    Accepted: ``host:port``, ``[::1]:50051``, ``dns:///name:port`` (also ``dns://authority/name:port``,
+    ``dns:name:port``), ``ipv4:a:p,b:p`` / ``ipv6:[a]:p,[b]:p``, and, as given, ``unix:``/``unix-abstract:``
+    (no port) and ``vsock:`` targets and any other resolver's URI (``scheme:/...``). Refused: a target without
+    a port (``"localhost"``, ``"dns:///localhost"``, ``"ipv4:127.0.0.1"``, a bare ``"::1"``: gRPC would dial
+    port 443), an empty one, and a URL (``http://host:port``, see :func:`_no_url_scheme`)."""
+    address = _no_url_scheme(target).strip()
+    if not address:
+        raise TargetError(f"target {target!r} is empty: give host:port, e.g. 'localhost:{DEFAULT_PORT}'")
+    low = address.lower()
+    if low.startswith(_PORTLESS_SCHEMES):
+        return target
+    if low.startswith("dns:"):
+        rest = address[4:]
+        if rest.startswith("//"):  # dns://[authority]/name:port
+            _, _, rest = rest[2:].partition("/")
+        _host_port(rest, target, address[:len(address) - len(rest)])
+        return target
+    if low.startswith(("ipv4:", "ipv6:")):
+        for part in address[5:].split(","):
+            _host_port(part.strip(), target, address[:5])
+        return target
+    if _OTHER_URI.match(address):
+        return target
+    _host_port(address, target)
+    return target
+
+
+def _not_a_string(target: Any) -> TargetError:
+    example = (f"'localhost:{target}'" if isinstance(target, int) and not isinstance(target, bool)
+               and 0 < target < 65536 else f"'localhost:{DEFAULT_PORT}'")
+    return TargetError(f"target={target!r} ({type(target).__name__}): give 'host:port' as a string, e.g. "
+                       f"{example}, or a list of such strings for several replicas")
+
+
 def channel_target(target: str | Sequence[str]) -> str:
-    """A gRPC target string for one address (as given) or several replicas (IP literals, all IPv4 or all IPv6).
-    A URL (``http://host:port``) is a ``ValueError`` that says to drop the scheme."""
+    """A gRPC target string for one address (checked by :func:`check_target`, returned as given) or several
+    replicas (IP literals, all IPv4 or all IPv6). Raises ``TargetError`` (a ``ValueError``) for a target
+    without a port, one that is not a string (``50051``: give ``'localhost:50051'``) and replicas that are
+    not IP:PORT; a URL (``http://host:port``) is a ``ValueError`` that says to drop the scheme."""
     if isinstance(target, str):
-        return _no_url_scheme(target)
+        return check_target(target)
+    if isinstance(target, (bytes, bytearray, Mapping)) or not isinstance(target, Iterable):
+        raise _not_a_string(target)
+    target = list(target)
+    for address in target:
+        if not isinstance(address, str):
+            raise _not_a_string(address)
     addresses = [_no_url_scheme(a) for a in target]
     if not addresses:
-        raise ValueError("target: give at least one address")
+        raise TargetError("target: give at least one address")
     if len(addresses) == 1:
-        return addresses[0]
+        return check_target(addresses[0])
     families, parts = set(), []
     for address in addresses:
         host, sep, port = str(address).rpartition(":")
@@ -80,13 +171,13 @@ def channel_target(target: str | Sequence[str]) -> str:
         except ValueError:
             ip = None
         if not sep or not port.isdigit() or ip is None:
-            raise ValueError(f"target: {address!r} is not IP:PORT. Name several replicas by IP address "
-                             "(all IPv4 or all IPv6), or pass one DNS name that resolves to all of them, "
-                             "e.g. 'dns:///advantage.svc:50051'")
+            raise TargetError(f"target: {address!r} is not IP:PORT. Name several replicas by IP address "
+                              "(all IPv4 or all IPv6), or pass one DNS name that resolves to all of them, "
+                              "e.g. 'dns:///advantage.svc:50051'")
         families.add(ip.version)
         parts.append(f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}")
     if len(families) != 1:
-        raise ValueError("target: replicas must be all IPv4 or all IPv6 addresses")
+        raise TargetError("target: replicas must be all IPv4 or all IPv6 addresses")
     return f"ipv{families.pop()}:{','.join(parts)}"
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
+import inspect
 import math
 import numbers
 import threading
@@ -181,6 +183,66 @@ def check_timeout(timeout: Any) -> Any:
     return timeout
 
 
+class _ClientTimeout:
+    """The default of ``compute(timeout=...)``: the client's own ``timeout``."""
+
+    def __repr__(self) -> str:
+        return "<the client's timeout>"
+
+
+#: ``compute(timeout=CLIENT_TIMEOUT)`` (the default): the call's deadline is the client's ``timeout``
+CLIENT_TIMEOUT: Any = _ClientTimeout()
+
+
+def call_timeout(timeout: Any, client_timeout: float | None) -> float | None:
+    """The deadline of one ``compute`` call in seconds: the client's ``client_timeout`` for
+    :data:`CLIENT_TIMEOUT`, else ``timeout`` checked as :func:`check_timeout` does (None: no deadline)."""
+    return client_timeout if timeout is CLIENT_TIMEOUT else check_timeout(timeout)
+
+
+#: options of ``compute`` (keywords that are never input tensors)
+CALL_OPTIONS = ("config", "output_dtype", "as_numpy", "cu_seqlens", "transport", "per_sample", "timeout")
+#: keywords of gRPC's calls that are neither options of ``compute`` nor inputs: what to do instead
+_GRPC_CALL_OPTIONS = {
+    "deadline": "compute takes timeout= (this call's deadline in seconds, None for none), not deadline=",
+    "metadata": "the client sends its own call metadata (the bearer token: token= or token_file= when creating "
+                "the client)",
+    "credentials": "TLS is an option of the client (tls=, tls_ca=, tls_cert=, tls_key= when creating it)",
+    "compression": "the client does not compress its calls",
+}
+#: request fields given as keywords beside the tensors (not tensors themselves)
+_REQUEST_FIELDS = frozenset({"mask_columns"})
+
+
+@functools.lru_cache(maxsize=None)
+def _client_options(cls: type) -> frozenset[str]:
+    """The keyword options of ``cls``'s constructor (``retry``, ``wait_for_ready``, ``compact``, ...)."""
+    return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "timeout"}
+
+
+def check_inputs(tensors: dict[str, Any], client: Any) -> None:
+    """Refuse, before anything is encoded, the keywords of a ``compute`` call that cannot be input tensors:
+    an option of ``client``'s constructor (``retry=``, ``wait_for_ready=``, ``compact=``, ...), an option of a
+    gRPC call (``deadline=``, ``metadata=``, ...), whatever their value; and any other keyword whose value is a
+    scalar (``float``, ``int``, ``bool``, ``str``, ``bytes``, a numpy scalar: a misspelt option such as
+    ``timout=5.0``), since every input is a ``[B]`` or ``[B, T]`` tensor. Raises ``wire.WireError`` (a
+    ``ValueError``) naming the keyword and the fix; ``None`` values pass (they are skipped)."""
+    cls = type(client)
+    for name, value in tensors.items():
+        if name in _REQUEST_FIELDS:
+            continue
+        if name in _GRPC_CALL_OPTIONS:
+            raise wire.WireError(name, f"not an input tensor, nor an option of compute: {_GRPC_CALL_OPTIONS[name]}")
+        if name in _client_options(cls):
+            raise wire.WireError(name, f"{name}= is an option of the client, not of a call nor an input tensor: "
+                                       f"set it when creating the client ({cls.__name__}(target, {name}=...))")
+        if value is not None and isinstance(value, (numbers.Number, str, bytes, np.generic)):
+            raise wire.WireError(name, f"{name}={value!r}: compute has no option {name!r} (its options: "
+                                       f"{', '.join(CALL_OPTIONS)}), and a {type(value).__name__} is not an input "
+                                       "tensor: inputs are [B] or [B, T] tensors (torch, numpy or lists), named as "
+                                       "list_estimators() gives them")
+
+
 def stream_refused(error: AdvantageServiceError, nbytes: int, max_message_bytes: int) -> bool:
     """A stream the server refused for its ``--max-stream-mb`` although the request (``nbytes``) fits one
     message: ``transport="auto"`` then sends it unary (an explicit ``"stream"`` is not second-guessed)."""
@@ -233,8 +295,11 @@ class AdvantageClient:
     target:  ``"host:port"`` (any gRPC target string, e.g. ``"dns:///advantage.svc:50051"``), or a list of
              replica addresses (``["10.0.0.1:50051", "10.0.0.2:50051"]``). Calls are spread over the
              replicas (round_robin) and a call that fails with UNAVAILABLE (replica down, restarting or
-             draining) is retried with backoff on another one (see ``advantage_client.channel``).
-    timeout: deadline per call in seconds (None = no deadline).
+             draining) is retried with backoff on another one (see ``advantage_client.channel``). A target
+             without a port (``"localhost"``) or that is not a string (``50051``) is a
+             ``advantage_client.channel.TargetError`` (a ``ValueError``) saying how to write it.
+    timeout: deadline per call in seconds (None = no deadline); ``compute(..., timeout=)`` overrides it for
+             one call.
     max_message_mb: largest request/response this client sends or accepts.
     tls_ca:  PEM bytes or path of the CA that signed the server certificate (TLS); ``tls=True`` with no
              ``tls_ca`` uses the system roots. ``tls_cert``/``tls_key``: client certificate (mutual TLS).
@@ -308,6 +373,7 @@ class AdvantageClient:
         self._shm_retry_at = math.inf if self._shm_works is False else 0.0
         self._shm_grow_at = 0.0
         self._lengths_ok = True  # False once a server refused `lengths` (it predates them): masks go as bytes
+        self._local = threading.local()  # .timeout: the deadline of this thread's compute(timeout=...) call
 
     @classmethod
     def from_ray(cls, name: str = "advantage", namespace: str = "advantage", *, address: str | None = None,
@@ -330,7 +396,7 @@ class AdvantageClient:
 
     def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
                 cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
-                **tensors: Any) -> AdvantageResult:
+                timeout: Any = CLIENT_TIMEOUT, **tensors: Any) -> AdvantageResult:
         """Run ``estimator`` (any name :meth:`list_estimators` returns: grpo, gae, rloo, ...) on the given tensors.
 
         config: None (defaults), a dict with NeMo RL key names, or the typed config message
@@ -353,10 +419,37 @@ class AdvantageClient:
         mask:   a float (or int32/int64) mask holding only 0 and 1 is sent as one byte per token, or as
                 ``lengths`` ``[B]`` when every row's 1s come first (unary and stream). ``lengths=`` ``[B]``
                 integers (and ``mask_columns=`` T, default ``max(lengths)``) may be sent in place of ``mask``.
-        Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded, and
+        timeout: this call's deadline in seconds, in place of the client's ``timeout`` (default: the client's;
+                None: no deadline). It bounds each RPC the call makes (the compute call on every transport, and
+                the registration of a shared-memory region the call needs); past it the call raises
+                :class:`AdvantageServiceError` DEADLINE_EXCEEDED. A bad value (<= 0, NaN, inf, a string) is a
+                ``ValueError``.
+        Raises ``wire.WireError`` (a ValueError) for arguments that cannot be encoded and for keywords that
+        cannot be inputs (an option of the client such as ``retry=`` or ``wait_for_ready=``, ``deadline=``,
+        ``metadata=``, or a scalar such as a misspelt ``timout=5.0``: see :func:`check_inputs`), and
         :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
         (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
         """
+        deadline = call_timeout(timeout, self.timeout)
+        check_inputs(tensors, self)
+        if deadline == self.timeout:
+            return self._compute(estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample,
+                                 tensors)
+        # the shared-memory path (shm.py) makes its RPCs through _call, which reads this thread's deadline
+        outer, self._local.timeout = getattr(self._local, "timeout", CLIENT_TIMEOUT), deadline
+        try:
+            return self._compute(estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample,
+                                 tensors)
+        finally:
+            self._local.timeout = outer
+
+    @property
+    def _call_timeout(self) -> float | None:
+        """The deadline of the calling thread's current ``compute`` (the client's ``timeout`` outside one)."""
+        return call_timeout(getattr(self._local, "timeout", CLIENT_TIMEOUT), self.timeout)
+
+    def _compute(self, estimator: str, config: Any, output_dtype: Any, as_numpy: bool, cu_seqlens: Any,
+                 transport: str | None, per_sample: bool, tensors: dict[str, Any]) -> AdvantageResult:
         transport = transport or self.transport
         if transport not in streaming.TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {streaming.TRANSPORTS}")
@@ -393,18 +486,19 @@ class AdvantageClient:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
         self.last_transport = transport
         call = self._calls.stream if transport == "stream" else self._calls.unary
+        timeout = self._call_timeout
         try:
-            reply = call(data, timeout=self.timeout, metadata=self._metadata)
+            reply = call(data, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            error = AdvantageServiceError.from_rpc_error(err, self.target, self.timeout)
+            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout)
             if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             # the server takes smaller streams than this; one message may still be within its limit
             self.last_transport = "unary"
             try:
-                reply = self._calls.unary(data, timeout=self.timeout, metadata=self._metadata)
+                reply = self._calls.unary(data, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as err2:
-                raise AdvantageServiceError.from_rpc_error(err2, self.target, self.timeout) from None
+                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
 
     def shared_memory(self, byte_size: int) -> Any:
@@ -599,10 +693,11 @@ class AdvantageClient:
 
     def _call(self, method: str, request: Any, response_cls: type) -> Any:
         from advantage_client.shm import call
+        timeout = self._call_timeout
         try:
-            return call(self._channel, method, request, response_cls, timeout=self.timeout, metadata=self._metadata)
+            return call(self._channel, method, request, response_cls, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, timeout) from None
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""

@@ -98,6 +98,6 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
         return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
                 "advantage-server is running there and reachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
-        return (f"{message} (the call took longer than the client's timeout={timeout:g} seconds: pass a larger "
-                "timeout= to the client, or timeout=None for no deadline)")
+        return (f"{message} (the call took longer than its timeout={timeout:g} seconds: pass a larger "
+                "timeout= to the client, or to compute() for this call alone, or timeout=None for no deadline)")
     return message
