@@ -7,6 +7,10 @@
 #   50052 gRPC health only, plaintext (HEALTHCHECK and kubelet probes)
 #    9090 Prometheus metrics (GET /metrics)
 # A CPU-only torch: --build-arg PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index>; a mirror: PIP_INDEX_URL.
+# numba kernels: compiled at build time into NUMBA_CACHE_DIR (/opt/advantage/numba-cache, outside /tmp so a
+# Kubernetes emptyDir on /tmp does not hide it; read-only at run time: the server copies it to $TMPDIR once).
+# numba keys the cache on the build machine's CPU: on another CPU model the server compiles at start instead
+# (about 20 s, before health reports SERVING).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_CUDA_IMAGE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
 
@@ -31,10 +35,12 @@ RUN /opt/venv/bin/pip install --no-cache-dir --constraint /tmp/constraints.txt /
 
 # ---------------------------------------------------------------- CPU-only image
 FROM ${PYTHON_IMAGE} AS cpu
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/opt/advantage/numba-cache
 RUN groupadd --system --gid 10001 advantage \
     && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin advantage
 COPY --from=cpu-venv /opt/venv /opt/venv
+# every kernel signature compiled into the image's cache (readable by the server's user)
+RUN python -m advantage_server.warmup && chmod -R a+rX /opt/advantage/numba-cache
 USER 10001:10001
 EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
@@ -45,12 +51,14 @@ CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metric
 # ---------------------------------------------------------------- GPU image (torch with CUDA from the base)
 FROM ${TORCH_CUDA_IMAGE} AS gpu
 ARG PIP_INDEX_URL
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 NUMBA_CACHE_DIR=/tmp/numba-cache
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 NUMBA_CACHE_DIR=/opt/advantage/numba-cache
 COPY --from=build /wheels /wheels
 # The base's torch satisfies torch>=2.4; pip adds grpcio, protobuf, numpy and prometheus-client.
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && groupadd --system --gid 10001 advantage \
     && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin advantage
+# every kernel signature compiled into the image's cache (CPU kernels: no GPU needed at build time)
+RUN python -m advantage_server.warmup && chmod -R a+rX /opt/advantage/numba-cache
 USER 10001:10001
 EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \

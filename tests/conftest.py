@@ -13,6 +13,11 @@ from advantage_client import AdvantageClient
 from advantage_server import create_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The `advantage-server` processes the suite starts (and Ray replicas) report SERVING without compiling every
+# kernel first (about 2-5 s with numba's cache filled, 30 s and more with it empty, per start): the suite's
+# own servers compile on first use instead. tests/test_warmup.py turns warm-up back on where it is the subject.
+os.environ.setdefault("ADVANTAGE_WARMUP", "0")
 #: The golden vectors live in the repository (tests/golden/, copied from the references' runs; format in its
 #: README). ADVANTAGE_GOLDEN_DIR points the suite at another copy (e.g. a newer drop of the same format).
 GOLDEN = pathlib.Path(os.environ.get("ADVANTAGE_GOLDEN_DIR", ROOT / "tests" / "golden"))

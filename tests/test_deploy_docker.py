@@ -141,3 +141,40 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
         srv.close()
     down = subprocess.run(host_check, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "unhealthy" in down.stderr, down.stdout + down.stderr
+
+
+def numba_cache_dir(stage: list[tuple[str, str]]) -> str:
+    """The stage's ``NUMBA_CACHE_DIR`` (from its ``ENV KEY=VALUE ...`` lines)."""
+    values = [word.split("=", 1)[1] for ins, args in stage if ins == "ENV" for word in args.split()
+              if word.startswith("NUMBA_CACHE_DIR=")]
+    assert values, "no ENV NUMBA_CACHE_DIR"
+    return values[-1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_image_is_built_with_the_numba_cache_filled(target):
+    """Each image compiles every kernel signature at build time (``python -m advantage_server.warmup``) into a
+    NUMBA_CACHE_DIR outside /tmp (a Kubernetes emptyDir on /tmp would hide it), made readable for the server's
+    user, before USER switches to it; both targets use the same directory (the manifests rely on it)."""
+    stage = STAGES[target]
+    cache = numba_cache_dir(stage)
+    assert cache == numba_cache_dir(STAGES["cpu"]) == numba_cache_dir(STAGES["gpu"])
+    assert cache.startswith("/") and not cache.startswith("/tmp"), cache
+    runs = [i for i, (ins, args) in enumerate(stage) if ins == "RUN" and "advantage_server.warmup" in args]
+    assert len(runs) == 1, "one RUN step warms the kernels"
+    run = stage[runs[0]][1]
+    assert "python -m advantage_server.warmup" in run and f"chmod -R a+rX {cache}" in run, run
+    env_at = min(i for i, (ins, args) in enumerate(stage) if ins == "ENV" and "NUMBA_CACHE_DIR=" in args)
+    user_at = max(i for i, (ins, _) in enumerate(stage) if ins == "USER")
+    assert env_at < runs[0] < user_at, "warm after NUMBA_CACHE_DIR is set, as root, before USER"
+    cmd = exec_form(last(stage, "CMD"))
+    assert "--no-warmup" not in cmd, "the image's server warms before SERVING"
+
+
+def test_warmup_module_runs_as_the_image_runs_it(tmp_path):
+    """The build step's command runs and reports what it warmed (with this checkout's cache, so quickly; the
+    empty-cache case is tests/test_warmup.py's)."""
+    proc = subprocess.run([sys.executable, "-m", "advantage_server.warmup"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("warmed ") and "kernel signatures in" in proc.stdout, proc.stdout

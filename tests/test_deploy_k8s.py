@@ -16,7 +16,7 @@ from advantage_client import AdvantageClient
 from advantage_server.cli import build_parser
 
 from reliability_support import make_pki
-from test_deploy_docker import STAGES, last, tool
+from test_deploy_docker import STAGES, last, numba_cache_dir, tool
 from test_server_cli import ServerProcess, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -167,3 +167,21 @@ def test_deployment_args_start_a_server_the_kubelet_can_probe(tmp_path):
         srv.proc.terminate()
         assert srv.wait(timeout=30) == 0, srv.stderr
         srv.close()
+
+
+def test_the_images_numba_cache_stays_visible_and_the_startup_probe_waits_for_the_warm_up():
+    """The image's filled numba cache (Dockerfile NUMBA_CACHE_DIR) is neither overridden by the container's env
+    nor hidden by a volume mounted at or above it; read-only there, the server copies it into /tmp, which must be
+    a writable volume under the read-only root filesystem. The startup probe (health NOT_SERVING while the
+    server warms) allows a cold compile (~20 s of CPU; at least 120 s) before liveness applies."""
+    cache = numba_cache_dir(STAGES["gpu"])
+    assert "NUMBA_CACHE_DIR" not in {e["name"] for e in CONTAINER.get("env", [])}
+    for mount in CONTAINER["volumeMounts"]:
+        path = mount["mountPath"].rstrip("/") + "/"
+        assert not (cache + "/").startswith(path), f"{mount['mountPath']} hides the image's numba cache {cache}"
+    assert CONTAINER["securityContext"]["readOnlyRootFilesystem"] is True
+    tmp = next(m for m in CONTAINER["volumeMounts"] if m["mountPath"] == "/tmp")
+    assert not tmp.get("readOnly") and "emptyDir" in {v["name"]: v for v in POD["volumes"]}[tmp["name"]]
+    startup = CONTAINER["startupProbe"]
+    assert startup["grpc"].get("service", "") == "" and startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    assert ARGS.warmup is True, "the Deployment's server warms before SERVING"

@@ -19,7 +19,7 @@ RESOURCE_EXHAUSTED at once), ``--workers`` (computations at once), ``--stream-id
 upload is cut), ``--min-upload-rate-kib`` / ``--upload-rate-window`` (a streamed upload slower than the
 minimum is cut), ``--max-shm-regions-per-client`` (shared-memory regions per client connection),
 ``--max-pending-per-peer`` / ``--max-pending-per-connection`` (calls of one client host / connection waiting for
-their request body; beyond: RESOURCE_EXHAUSTED at once). Security: ``--tls-cert`` and
+their request body that keep their place when the server is full). Security: ``--tls-cert`` and
 ``--tls-key`` (TLS), ``--tls-client-ca`` (mutual TLS), ``--auth-token-file`` (bearer token on every
 call but health checks). See RELIABILITY.md.
 """
@@ -29,6 +29,7 @@ import argparse
 import faulthandler
 import logging
 import math
+import os
 import re
 import signal
 import sys
@@ -158,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "RESOURCE_EXHAUSTED (default "
                         f"{DEFAULT_MAX_SHM_REGIONS_PER_CLIENT}; the server holds 256 in all)")
     p.add_argument("--max-pending-per-peer", type=positive_int, default=None,
-                   help="ComputeAdvantage calls of one client host that may wait for their request body at once "
-                        "(calls that have it, computing or queued, do not count); more are refused with "
-                        "RESOURCE_EXHAUSTED (default: max(1, --max-concurrent-requests // 4))")
+                   help="ComputeAdvantage calls of one client host that keep their place for sure while waiting for "
+                        "their request body (calls that have it do not count); when the server is full, an upload of "
+                        "a host beyond it is cut (RESOURCE_EXHAUSTED) to give its place to a client within its share "
+                        "(default: max(1, --max-concurrent-requests // 4))")
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
                    help="the same for one client connection (default: --max-pending-per-peer's value)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
@@ -184,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="report SERVING without first compiling the CPU kernels (by default every kernel signature "
                         "is compiled, or loaded from NUMBA_CACHE_DIR, while health says NOT_SERVING; the start-up "
-                        "log says how long it took). For tests; a first call may then wait seconds for a compile")
+                        "log says how long it took). For tests; a first call may then wait seconds for a compile. "
+                        "ADVANTAGE_WARMUP=0 in the environment makes --no-warmup the default (the test suite sets "
+                        "it for the servers it starts)")
+    p.set_defaults(warmup=os.environ.get("ADVANTAGE_WARMUP", "1").strip() != "0")
     return p
 
 

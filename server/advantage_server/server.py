@@ -5,8 +5,11 @@ Every ``AdvantageService`` call goes through one pipeline (:meth:`AdvantageServi
 1. bearer token (:class:`~advantage_server.auth.TokenAuthInterceptor`, when the server has one), on the
    call's metadata only;
 2. the :class:`~advantage_server.limits.RequestGate`: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
-   beyond ``--max-concurrent-requests``; a call refused by 1 or 2 is answered before its request body is
-   read (the handlers are request-streaming, so gRPC hands over no bytes until asked);
+   beyond ``--max-concurrent-requests`` (when every place is taken, a call of a client within its share of
+   calls waiting for their body, ``--max-pending-per-connection`` / ``--max-pending-per-peer``, first takes a
+   place back from a client beyond its share: :meth:`AdvantageServicer._make_room`); a call refused by 1 or 2
+   is answered before its request body is read (the handlers are request-streaming, so gRPC hands over no
+   bytes until asked);
 3. reading the request message (cut after ``--stream-idle-timeout`` if it does not arrive:
    :class:`~advantage_server.limits.UploadWatch`), then decoding it here rather than in gRPC, so that bytes
    that are not a valid message are an INVALID_ARGUMENT like every other malformed request (gRPC would
@@ -54,14 +57,15 @@ from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
     DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
-    DEFAULT_UPLOAD_RATE_WINDOW, LIGHT_BODY_BYTES,
-    Draining, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadCut, UploadWatch, check_batch_elements,
-    checkpoints,
+    DEFAULT_UPLOAD_RATE_WINDOW, EVICTION_WAIT, LIGHT_BODY_BYTES,
+    Draining, FullReport, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadCut, UploadWatch,
+    check_batch_elements, checkpoints,
     grpc_liveness, is_out_of_memory,
 )
 from advantage_server import transport
 from advantage_server.transport import tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
+from advantage_server.warmup import KernelCollector, warm
 
 log = logging.getLogger("advantage_server")
 _SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"]
@@ -151,7 +155,8 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         self.core = core
         self.limits = limits or Limits()
         self.gate = RequestGate(self.limits.max_concurrent_requests, self.limits.workers)
-        self.uploads = UploadWatch(self.limits.stream_idle_timeout)
+        self.uploads = UploadWatch(self.limits.stream_idle_timeout, per_peer=self.limits.pending_per_peer,
+                                   per_connection=self.limits.pending_per_connection)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
@@ -170,7 +175,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         response_cls = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(self, method.name)
         if method.name in transport.CUSTOM_HANDLERS:  # ComputeAdvantageStream
-            return self.custom_handler(method)
+            return self._with_room(self.custom_handler(method))
         if method.client_streaming or method.server_streaming:  # none today; no gate, gRPC decodes
             kind = {(False, True): grpc.unary_stream_rpc_method_handler,
                     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -188,9 +193,11 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             started = time.monotonic()
             what, status = method.name, None
             try:
+                if limited:
+                    self._make_room(context)
                 with self.gate.admit(limited, context.add_callback), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
-                    data = self._receive(requests, context)
+                    data = self._receive(requests, context, counted=limited)
                     if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
                         raise InvalidInput("request", f"the {len(data)}-byte request is larger than {method.name} "
                                                       f"takes ({LIGHT_BODY_BYTES} bytes at most); send only the "
@@ -212,6 +219,8 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                 # request bytes in a reference cycle until the garbage collector happens to run.
                 status = self._status(exc, what)
             finally:
+                if limited:
+                    self.gate.unreserve()  # a reservation the admission did not take (draining)
                 if log.isEnabledFor(logging.DEBUG):
                     outcome = "OK" if status is None else code_pb2.Code.Name(status.code)
                     log.debug("%s -> %s in %.1f ms (peer %s)", what, outcome, 1e3 * (time.monotonic() - started),
@@ -221,10 +230,33 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         return grpc.stream_unary_rpc_method_handler(handle, request_deserializer=None,
                                                     response_serializer=transport.response_serializer(response_cls))
 
-    def _receive(self, requests: Any, context: grpc.ServicerContext) -> bytes:
+    def _make_room(self, context: grpc.ServicerContext) -> None:
+        """Before a limited call's admission: when every ``--max-concurrent-requests`` place is taken and the
+        caller's client is within its pending shares, cut the most stalled upload of a client beyond its share
+        (:meth:`UploadWatch.evict_for`) and reserve the place it frees for this call (:meth:`RequestGate.reserve`,
+        at most ``EVICTION_WAIT`` seconds); the gate's admit, next in this thread, takes it. Otherwise the gate
+        decides as before (a full server refuses naming ``--max-concurrent-requests``)."""
+        if self.gate.full and self.uploads.evict_for(context):
+            self.gate.reserve(EVICTION_WAIT)
+
+    def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` (the streaming transport's, which admits the call itself) with :meth:`_make_room` first."""
+        stream = handler.stream_stream
+
+        def with_room(request_iterator: Any, context: grpc.ServicerContext) -> Any:
+            self._make_room(context)
+            try:
+                yield from stream(request_iterator, context)  # its first step is the admission
+            finally:
+                self.gate.unreserve()  # a reservation the admission did not take (draining, an early error)
+        return grpc.stream_stream_rpc_method_handler(with_room, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+    def _receive(self, requests: Any, context: grpc.ServicerContext, counted: bool = True) -> bytes:
         """The one request message of a unary call (its raw bytes), read after admission; a client whose
-        message does not arrive within ``--stream-idle-timeout`` is cut (:class:`UploadWatch`)."""
-        with self.uploads.watch(context):
+        message does not arrive within ``--stream-idle-timeout`` is cut (:class:`UploadWatch`). ``counted``:
+        the call holds one of its client's pending places while its message arrives."""
+        with self.uploads.watch(context, counted=counted):
             try:
                 return next(requests)
             except StopIteration:
@@ -281,7 +313,7 @@ class GatedReflection(reflection.ReflectionServicer):
 
     def ServerReflectionInfo(self, request_iterator, context):  # noqa: N802
         try:
-            with self._gate.light("ServerReflectionInfo"), self._uploads.watch(context) as touch:
+            with self._gate.light("ServerReflectionInfo"), self._uploads.watch(context, counted=False) as touch:
                 for request in request_iterator:
                     touch()
                     yield from super().ServerReflectionInfo(iter((request,)), context)
@@ -314,14 +346,24 @@ class BoundServer:
         self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
         self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
+        #: turns the service's health NOT_SERVING while every --max-concurrent-requests place is taken
+        self.full_report: FullReport | None = None
+        #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
+        self.warmup = False
+        self.warmup_report: Any = None  # advantage_server.warmup.WarmupReport once warmed
 
     def start(self) -> "BoundServer":
         self.grpc_server.start()
         self.memory.start()
         for endpoint in self.endpoints:
             endpoint.start()
+        if self.warmup:  # health is NOT_SERVING (set in create_server) until every kernel is compiled or loaded
+            self.warmup_report = warm(self.core)
+            log.info("%s", self.warmup_report.line())
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.full_report is not None:
+            self.full_report.start()
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:
@@ -345,6 +387,8 @@ class BoundServer:
         self.grpc_server.stop(0)
         done.wait()
         self.memory.stop()
+        if self.full_report is not None:
+            self.full_report.stop()
         if self.uploads is not None:
             self.uploads.stop()
         for endpoint in self.endpoints:
@@ -378,7 +422,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                   stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
                   min_upload_rate_kib: int = DEFAULT_MIN_UPLOAD_RATE_KIB,
                   upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW,
-                  max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT) -> BoundServer:
+                  max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT,
+                  max_pending_per_peer: int | None = None,
+                  max_pending_per_connection: int | None = None, warmup: bool = False) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
     Serves ``advantage.v1.AdvantageService``, ``grpc.health.v1.Health`` and server reflection.
@@ -390,7 +436,14 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     those computing at once, ``stream_idle_timeout`` the seconds an admitted call's upload may go without
     receiving bytes (then it is cut), ``min_upload_rate_kib`` the KiB/s a streamed upload must average over
     each ``upload_rate_window`` seconds (0: no minimum), ``max_shm_regions_per_client`` the shared-memory
-    regions one client connection may hold registered (see RELIABILITY.md). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
+    regions one client connection may hold registered, ``max_pending_per_peer`` / ``max_pending_per_connection``
+    the ComputeAdvantage calls of one client host / connection that keep their place for sure while waiting for
+    their request body (None: a quarter of ``max_concurrent_requests``, at least 1; when the server is full, an
+    upload of a client beyond its share is cut with RESOURCE_EXHAUSTED to give its place to a client within
+    its share) (see RELIABILITY.md, "Admission shares"). While every ``max_concurrent_requests`` place is taken (for
+    ``limits.FULL_REPORT_AFTER`` seconds in a row) the ``advantage.v1.AdvantageService`` health status is
+    NOT_SERVING (the overall ``""`` status stays SERVING: the server is alive); health ``Watch`` streams are
+    capped in total and per client host (``HealthServicer``). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
     ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
     ``authorization: Bearer <token>`` on every call but health checks.
 
@@ -399,11 +452,18 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     HTTP (Prometheus) on ``metrics_host`` (loopback by default: it has neither TLS nor a token),
     ``health_port`` serves the health service in plaintext on ``host`` (for kubelet gRPC probes)
     (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
+
+    ``warmup``: :meth:`BoundServer.start` compiles (or loads from numba's cache) every CPU kernel signature
+    a request can need before health reports SERVING (NOT_SERVING meanwhile; :mod:`advantage_server.warmup`:
+    well under a second with a filled cache, ~20 s of CPU with an empty one), and logs how long it took.
+    Off by default here (tests build many servers in one process); ``advantage-server`` and the Ray replicas
+    warm unless ``--no-warmup``.
     """
     limits = Limits(max_message_mb=max_message_mb, max_stream_mb=max_stream_mb, max_batch_elements=max_batch_elements,
                     max_concurrent_requests=max_concurrent_requests, workers=workers,
                     stream_idle_timeout=stream_idle_timeout, min_upload_rate_kib=min_upload_rate_kib,
-                    upload_rate_window=upload_rate_window, max_shm_regions_per_client=max_shm_regions_per_client)
+                    upload_rate_window=upload_rate_window, max_shm_regions_per_client=max_shm_regions_per_client,
+                    max_pending_per_peer=max_pending_per_peer, max_pending_per_connection=max_pending_per_connection)
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
     core = AdvantageCore(device, max_batch_elements=limits.max_batch_elements)
     _deterministic(core.device)
@@ -415,6 +475,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", limits.max_message_bytes),
+        # calls of any kind one client connection may have open at once (health Watch streams included)
+        ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
         *_KEEPALIVE_OPTIONS,
     ]
     servicer = AdvantageServicer(core, limits)
@@ -425,6 +487,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    full_report = FullReport(lambda serving: health_servicer.set(
+        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING))
+    servicer.gate.on_full = full_report
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(GatedReflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         servicer.gate, servicer.uploads), server)
@@ -440,6 +505,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                          auth=bool(auth_token), limits=limits)
     result.metrics = metrics
     result.uploads = servicer.uploads
+    result.full_report = full_report
+    result.warmup = warmup
+    metrics.registry.register(KernelCollector())  # advantage_kernel_signatures: grows if a call compiles
     try:
         if health_port is not None:
             result.endpoints.append(HealthPort(health_servicer, host, health_port))

@@ -11,7 +11,12 @@ module holds what those CPU kernels share:
   signature, and cached on disk (next to this package, else in numba's user cache directory; set
   ``NUMBA_CACHE_DIR`` for a read-only install), so a new server process loads the machine code instead
   of compiling it again (~0.5 s per kernel variant the first time). Without numba it returns the
-  Python function unchanged (never called on the hot path then).
+  Python function unchanged (never called on the hot path then). Every kernel it makes is listed in
+  :data:`KERNELS`; the server compiles (or loads) each signature it can be asked for before it reports
+  SERVING (:mod:`advantage_server.warmup`), and tests/test_warmup.py fails for a kernel the warm-up misses.
+* A read-only ``NUMBA_CACHE_DIR`` (the Docker image's cache, filled at build time, under Kubernetes'
+  read-only root filesystem) is copied once, at import, into a writable directory (see
+  :func:`cache_location`): numba only uses a cache directory it can write to.
 * :func:`parallel_rows` - runs ``kernel(lo, hi, *args)`` on row ranges that split ``[0, B)``, on a
   small process-wide thread pool plus the calling thread. The kernels release the GIL, so the chunks
   and concurrent requests run on all cores. A fixed pool (instead of numba's own ``parallel=True``
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
@@ -43,6 +50,56 @@ except Exception:  # pragma: no cover - exercised by installs without numba
 NUMBA: bool = _numba is not None and os.environ.get("ADVANTAGE_NUMBA", "1") not in ("0", "false", "no", "off")
 
 _local = threading.local()
+
+#: every kernel :func:`njit` compiled, in definition order (numba dispatchers; empty without numba)
+KERNELS: list[Any] = []
+
+
+def _writable(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _use_cache_dir() -> str:
+    """Where numba's cache lives for this process (called once, at import, before any kernel is made).
+
+    ``NUMBA_CACHE_DIR`` writable: it. Set but read-only (an image's cache, filled at build time): a copy in
+    ``$TMPDIR/advantage-numba-cache-<uid>`` (a few MB; numba refuses a cache directory it cannot write to and
+    would compile everything again), used instead. Unset: numba's default (``__pycache__`` beside the
+    kernels' modules, else the user's cache directory)."""
+    configured = _numba.config.CACHE_DIR if _numba is not None else ""
+    if not configured:
+        return "__pycache__ beside the kernels (or numba's user cache; NUMBA_CACHE_DIR unset)"
+    if _writable(configured):
+        return configured
+    copy = os.path.join(tempfile.gettempdir(), f"advantage-numba-cache-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    try:
+        if os.path.isdir(configured):
+            shutil.copytree(configured, copy, dirs_exist_ok=True)
+        if not _writable(copy):
+            raise OSError(f"{copy} is not writable")
+    except OSError as err:
+        return f"{configured} (read-only, and no writable copy: {err}; kernels compile in each process)"
+    _numba.config.CACHE_DIR = copy
+    return f"{copy} (a copy of read-only {configured})"
+
+
+_CACHE_LOCATION = _use_cache_dir() if _numba is not None else "none (numba is not installed)"
+
+
+def cache_location() -> str:
+    """numba's cache directory for this process, in words (the server's start-up log prints it)."""
+    return _CACHE_LOCATION
+
+
+def compiled_signatures() -> int:
+    """Machine-code variants the kernels hold in this process (compiled or loaded from the cache), summed
+    over :data:`KERNELS`. Grows when a call needs a variant the warm-up did not make."""
+    return sum(len(kernel.signatures) for kernel in KERNELS)
 
 #: below this many elements a kernel runs on the calling thread alone (a hand-off costs ~20 us)
 PARALLEL_MIN_ELEMENTS = 1 << 17
@@ -64,9 +121,11 @@ def njit(fn: Callable | None = None, *, contract: bool = False, reassoc: bool = 
             return f
         options = dict(nogil=True, fastmath=flags or False, error_model="numpy")
         try:
-            return _numba.njit(cache=True, **options)(f)
+            kernel = _numba.njit(cache=True, **options)(f)
         except RuntimeError:  # no writable cache location (read-only install, no $HOME): compile per process
-            return _numba.njit(cache=False, **options)(f)
+            kernel = _numba.njit(cache=False, **options)(f)
+        KERNELS.append(kernel)
+        return kernel
 
     return wrap if fn is None else wrap(fn)
 
