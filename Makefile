@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml constraints.txt $(REFS)
 	@echo "make: kubernetes-validate, the reference packages the differential tests run: about 1.9 GB with a CPU-only torch, 2-4 min)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt -r $(REFS)
+	# --ignore-requires-python: skyrl 0.4.0 declares Python >= 3.12; its advantage code runs on 3.11 (tests/references/skyrl_ref.py)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python -c constraints.txt -r $(REFS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -32,12 +32,19 @@ def tensors(draw):
 @st.composite
 def configs(draw):
     name = draw(st.sampled_from(sorted(codec.ONEOF_NUMBER)))
-    cls = codec._CONFIG_CLS[name]
+    return name, draw(messages(codec._CONFIG_CLS[name]))
+
+
+@st.composite
+def messages(draw, cls):
+    """A ``cls`` config message with random fields set (nested config messages too: AReaL's NormConfig)."""
     msg = cls()
     for fd in cls.DESCRIPTOR.fields:
         if not draw(st.booleans()):
             continue
-        if fd.is_repeated:
+        if fd.message_type is not None:
+            getattr(msg, fd.name).CopyFrom(draw(messages(type(getattr(msg, fd.name)))))
+        elif fd.is_repeated:
             getattr(msg, fd.name).extend(draw(st.lists(st.floats(allow_nan=False), max_size=3)))
         elif fd.enum_type is not None:
             setattr(msg, fd.name, draw(st.integers(0, 4)))
@@ -47,7 +54,7 @@ def configs(draw):
             setattr(msg, fd.name, draw(st.integers(-2**31, 2**31 - 1)))
         else:
             setattr(msg, fd.name, draw(st.floats(allow_nan=False)))
-    return name, msg
+    return msg
 
 
 @st.composite

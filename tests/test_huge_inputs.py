@@ -68,6 +68,8 @@ def _inputs(name: str, cfg: dict, dtype, scale: float) -> dict[str, torch.Tensor
     for s in spec.inputs:
         if s.kind == "integer":
             out[s.name] = torch.from_numpy(PROMPTS)
+        elif s.kind == "mask" and s.name != "mask":  # a second mask (AReaL's attention_mask)
+            out[s.name] = torch.from_numpy(MASK)
         elif s.kind == "float" and s.needed(resolved):
             for key in (["reward/a", "reward/b"] if s.is_pattern else [s.name]):
                 out[key] = torch.from_numpy((BASE[key] * scale).astype(dtype))

@@ -56,6 +56,8 @@ def batch(name: str, seed: int, token_rewards: bool = False) -> dict[str, torch.
             out[spec.name] = -torch.rand(B, T, generator=g) * 2
         elif spec.name in ("sum_pi_squared", "rollout_is_weights"):
             out[spec.name] = 0.05 + 0.95 * torch.rand(B, T, generator=g)
+        elif spec.kind == "mask":  # a second mask (AReaL's attention_mask): 0/1 with holes
+            out[spec.name] = (torch.rand(B, T, generator=g) > 0.2).float()
         elif spec.kind == "integer":  # ids (GiGPO trajectory_ids, anchor_ids, step_index)
             out[spec.name] = torch.randint(0, 3, (B,), generator=g)
         elif spec.shapes[0] == "[B]":

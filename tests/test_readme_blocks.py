@@ -49,7 +49,7 @@ CHECKS = {
     'res = client.compute("gae", {"gae_gamma": 0.99':
         "assert tuple(res.advantages.shape) == (B, T) and res.advantages.dtype == torch.float32\n"
         "assert tuple(res.returns.shape) == (B, T) and res.metrics == {}\n"
-        "assert names[:3] == ['gae', 'gdpo', 'gigpo'] and 'grpo' in names, names\n",
+        "assert names[:4] == ['areal', 'gae', 'gdpo', 'gigpo'] and 'grpo' in names, names\n",
     'output_dtype="float64", as_numpy=True':
         "assert isinstance(res.advantages, np.ndarray) and res.advantages.dtype == np.float64\n"
         "assert res.advantages.shape == (4, 5)\n",

@@ -152,7 +152,7 @@ def test_serves_requests(running):
         names = {e.name for e in client.list_estimators().estimators}
         assert names == {"grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk",
                          "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline",
-                         "tir_optimal_token_baseline", "pkpo", "qae", "gigpo"}
+                         "tir_optimal_token_baseline", "pkpo", "qae", "gigpo", "maxrl", "areal"}
         res = client.compute("raw_reward", {"normalize_advantages": False}, rewards=np.array([1.5, -2.0], np.float32),
                              mask=np.ones((2, 2), np.float32), as_numpy=True)
         np.testing.assert_array_equal(res.advantages, [[1.5, 1.5], [-2.0, -2.0]])

@@ -53,6 +53,8 @@ REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
               "gigpo/core_gigpo.py"),
     Reference("trinity", "Trinity-RFT", "0.6.0", "trinity-rft", "trinity/algorithm/advantage_fn/gigpo_advantage.py"),
     Reference("roll", "ROLL", "main@8eb27cc2dc34c4d1310b169d9b86d339004d811a", None, "roll/pipeline/agentic/utils.py"),
+    Reference("skyrl", "SkyRL", "0.4.0", "skyrl", "skyrl/backends/skyrl_train/utils/ppo_utils.py"),
+    Reference("areal", "AReaL", "1.0.4", "areal", "areal/trainer/ppo/actor.py"),
 )}
 
 #: the ``Semantics`` enum's short names

@@ -53,6 +53,7 @@ ESTIMATOR_FIELDS: dict[str, tuple[str, type]] = {
     "pkpo": ("pkpo", pb.PKPOConfig),
     "qae": ("qae", pb.QAEConfig),
     "maxrl": ("maxrl", pb.MaxRLConfig),
+    "areal": ("areal", pb.ArealConfig),
 }
 
 # dtype enum <-> (numpy dtype used to view the bytes, torch dtype, itemsize, name)
@@ -276,43 +277,57 @@ def config_message(estimator: str, config: Any = None) -> Any:
         return config
     if not isinstance(config, Mapping):
         raise WireError("config", f"expected a dict or {cls.__name__}, got {type(config).__name__}")
+    if config.get("name") not in (None, estimator):
+        raise WireError("config.name", f"{config['name']!r} does not match estimator {estimator!r}")
     msg = cls()
+    _fill(msg, {k: v for k, v in config.items() if k != "name"}, "config")
+    return msg
+
+
+def _fill(msg: Any, config: Mapping[str, Any], path: str) -> None:
+    """Set the fields of ``msg`` from the mapping ``config`` (see :func:`config_message`); a message-typed
+    field (AReaL's ``reward_norm``) takes a nested mapping or the message. ``path`` prefixes error fields."""
+    cls = type(msg)
     fields = cls.DESCRIPTOR.fields_by_name
     for key, value in config.items():
-        if key == "name":
-            if value not in (None, estimator):
-                raise WireError("config.name", f"{value!r} does not match estimator {estimator!r}")
-            continue
         if key not in fields:
-            raise WireError(f"config.{key}", f"{cls.__name__} has no field {key!r}; valid: {sorted(fields)}")
+            raise WireError(f"{path}.{key}", f"{cls.__name__} has no field {key!r}; valid: {sorted(fields)}")
         if value is None:
             continue
         try:
-            if fields[key].enum_type is not None:
+            if fields[key].message_type is not None:
+                sub = getattr(msg, key)
+                if isinstance(value, type(sub)):
+                    sub.CopyFrom(value)
+                elif isinstance(value, Mapping):
+                    sub.SetInParent()  # an empty mapping still sets the field (all its defaults)
+                    _fill(sub, value, f"{path}.{key}")
+                else:
+                    raise WireError(f"{path}.{key}", f"expected a dict or {type(sub).__name__}, got {type(value).__name__}")
+            elif fields[key].enum_type is not None:
                 codes = {name: code for code, name in enum_names(fields[key].enum_type).items() if name}
                 if isinstance(value, str) and value.lower() in codes:
                     setattr(msg, key, codes[value.lower()])
                 elif isinstance(value, int) and not isinstance(value, bool) and value in enum_names(fields[key].enum_type):
                     setattr(msg, key, value)
                 else:
-                    raise WireError(f"config.{key}", f"{value!r} is not one of {sorted(codes)}")
+                    raise WireError(f"{path}.{key}", f"{value!r} is not one of {sorted(codes)}")
             elif fields[key].is_repeated:
                 getattr(msg, key).extend(float(v) for v in value)
             elif fields[key].type == fields[key].TYPE_BOOL:
                 if not isinstance(value, (bool, np.bool_)):
-                    raise WireError(f"config.{key}", f"expected a bool, got {value!r}")
+                    raise WireError(f"{path}.{key}", f"expected a bool, got {value!r}")
                 setattr(msg, key, bool(value))
             elif fields[key].type in (fields[key].TYPE_INT32, fields[key].TYPE_INT64):
                 if isinstance(value, (bool, np.bool_)) or not float(value).is_integer():
-                    raise WireError(f"config.{key}", f"expected an integer, got {value!r}")
+                    raise WireError(f"{path}.{key}", f"expected an integer, got {value!r}")
                 setattr(msg, key, int(value))
             else:
                 setattr(msg, key, float(value))
         except (TypeError, ValueError) as exc:
             if isinstance(exc, WireError):
                 raise
-            raise WireError(f"config.{key}", f"bad value {value!r}: {exc}") from None
-    return msg
+            raise WireError(f"{path}.{key}", f"bad value {value!r}: {exc}") from None
 
 
 def config_to_dict(msg: Any) -> dict[str, Any]:
@@ -327,6 +342,9 @@ def config_to_dict(msg: Any) -> dict[str, Any]:
             name = enum_names(fd.enum_type).get(getattr(msg, fd.name))
             if name is not None:
                 out[fd.name] = name
+        elif fd.message_type is not None:
+            if msg.HasField(fd.name):
+                out[fd.name] = config_to_dict(getattr(msg, fd.name))
         elif msg.HasField(fd.name):
             out[fd.name] = getattr(msg, fd.name)
     return out

@@ -560,8 +560,14 @@ def _config_fields(config_cls: type, descriptor: Any) -> tuple[tuple[Any, Any], 
 
 def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
     """Typed proto config message -> the estimator's config dataclass (unset fields take defaults)."""
+    return _dataclass_from_proto(spec.config, msg)
+
+
+def _dataclass_from_proto(config_cls: type, msg: Any) -> Any:
+    """``config_cls`` from the message ``msg``; a message-typed field (AReaL's ``reward_norm``) becomes the
+    dataclass its field's ``message`` metadata names, built the same way, or None when unset."""
     values: dict[str, Any] = {}
-    for f, fd in _config_fields(spec.config, msg.DESCRIPTOR):
+    for f, fd in _config_fields(config_cls, msg.DESCRIPTOR):
         if fd.is_repeated:
             if len(getattr(msg, f.name)) > MAX_CONFIG_ITEMS:  # bounded work before any loop over it
                 raise InvalidInput(f"config.{f.name}", f"holds {len(getattr(msg, f.name))} values; at most "
@@ -582,9 +588,12 @@ def config_from_proto(spec: EstimatorSpec, msg: Any) -> Any:
                 raise InvalidInput(f"config.{f.name}", f"unknown enum value {code}; use {known}")
             if names[code] is not None:
                 values[f.name] = names[code]
+        elif fd.message_type is not None:
+            if msg.HasField(f.name):
+                values[f.name] = _dataclass_from_proto(f.metadata["message"], getattr(msg, f.name))
         elif msg.HasField(f.name):
             values[f.name] = getattr(msg, f.name)
-    return spec.config(**values)
+    return config_cls(**values)
 
 
 def config_from_dict(spec: EstimatorSpec, config: Mapping[str, Any]) -> Any:
@@ -645,6 +654,8 @@ def encode_result(result: AdvantageResult, dtype: torch.dtype, consume: bool = F
 def _type_name(annotation: Any, metadata: Mapping[str, Any]) -> str:
     if "enum" in metadata:
         return metadata["enum"]
+    if "message" in metadata:  # a nested config message (AReaL's NormConfig): its proto message name
+        return metadata["message"].MESSAGE
     text = str(annotation)
     if "tuple" in text:
         return "repeated double"

@@ -169,6 +169,15 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
     roll/pipeline/agentic/utils.py
     """
+    SEMANTICS_SKYRL: _Semantics.ValueType  # 8
+    """NovaSky SkyRL 0.4.0 (PyPI),
+    skyrl/backends/skyrl_train/utils/ppo_utils.py
+    """
+    SEMANTICS_AREAL: _Semantics.ValueType  # 9
+    """inclusionAI AReaL 1.0.4 (PyPI), areal/trainer/ppo/actor.py
+    (PPOActor._compute_advantages) and areal/utils/data.py (Normalization,
+    KLEstimator)
+    """
 
 class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     """Which public reference an estimator reproduces, where references that share
@@ -204,6 +213,15 @@ SEMANTICS_ROLL: Semantics.ValueType  # 7
 """alibaba ROLL (no PyPI release)
 main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
 roll/pipeline/agentic/utils.py
+"""
+SEMANTICS_SKYRL: Semantics.ValueType  # 8
+"""NovaSky SkyRL 0.4.0 (PyPI),
+skyrl/backends/skyrl_train/utils/ppo_utils.py
+"""
+SEMANTICS_AREAL: Semantics.ValueType  # 9
+"""inclusionAI AReaL 1.0.4 (PyPI), areal/trainer/ppo/actor.py
+(PPOActor._compute_advantages) and areal/utils/data.py (Normalization,
+KLEstimator)
 """
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
 
@@ -260,6 +278,44 @@ GIGPO_MODE_MEAN_NORM: GiGPOMode.ValueType  # 1
 GIGPO_MODE_MEAN_STD_NORM: GiGPOMode.ValueType  # 2
 """(x - group mean) / (group std + epsilon)"""
 Global___GiGPOMode: _TypeAlias = GiGPOMode  # noqa: Y015
+
+class _ArealNormLevel:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ArealNormLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ArealNormLevel.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    AREAL_NORM_LEVEL_UNSPECIFIED: _ArealNormLevel.ValueType  # 0
+    """default: batch (AReaL's NormConfig default)"""
+    AREAL_NORM_LEVEL_BATCH: _ArealNormLevel.ValueType  # 1
+    """over the whole batch sent (AReaL all-reduces over the data-parallel
+    batch: send the whole batch in one call)
+    """
+    AREAL_NORM_LEVEL_GROUP: _ArealNormLevel.ValueType  # 2
+    """over fixed contiguous blocks of group_size rows (rows 0..n-1, n..2n-1,
+    ...); rows after the last full block get mean 0 and std 0 (x / eps)
+    """
+    AREAL_NORM_LEVEL_NONE: _ArealNormLevel.ValueType  # 3
+    """AReaL's None: no centring (mean) / no scaling (std)"""
+
+class ArealNormLevel(_ArealNormLevel, metaclass=_ArealNormLevelEnumTypeWrapper):
+    """AReaL NormConfig levels (areal/api/cli_args.py): where a mean or a std is
+    taken.
+    """
+
+AREAL_NORM_LEVEL_UNSPECIFIED: ArealNormLevel.ValueType  # 0
+"""default: batch (AReaL's NormConfig default)"""
+AREAL_NORM_LEVEL_BATCH: ArealNormLevel.ValueType  # 1
+"""over the whole batch sent (AReaL all-reduces over the data-parallel
+batch: send the whole batch in one call)
+"""
+AREAL_NORM_LEVEL_GROUP: ArealNormLevel.ValueType  # 2
+"""over fixed contiguous blocks of group_size rows (rows 0..n-1, n..2n-1,
+...); rows after the last full block get mean 0 and std 0 (x / eps)
+"""
+AREAL_NORM_LEVEL_NONE: ArealNormLevel.ValueType  # 3
+"""AReaL's None: no centring (mean) / no scaling (std)"""
+Global___ArealNormLevel: _TypeAlias = ArealNormLevel  # noqa: Y015
 
 class _ResultLayout:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -358,6 +414,9 @@ class GRPOConfig(_message.Message):
                 chosen by scale_rewards; broadcast over every column. A
                 completion TRL cannot score (every reward function returned
                 None): send an all-zero mask row with exclude_empty_responses.
+      skyrl     SkyRL compute_grpo_outcome_advantage (grpo_norm_by_std =
+                normalize_rewards): verl's numbers (the same code), epsilon
+                1e-6; a group of one has mean 0, std 1 (A = r / (1 + eps)).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -379,9 +438,9 @@ class GRPOConfig(_message.Message):
     nemo_rl; not applicable to the other semantics (INVALID_ARGUMENT if set).
     """
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf or trl"""
+    """nemo_rl (default), verl, openrlhf, trl or skyrl"""
     epsilon: _builtins.float
-    """Added to the std before dividing. Default 1e-6 (nemo_rl, verl), 1e-9
+    """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl), 1e-9
     (openrlhf), 1e-4 (trl). Must be >= 0.
     """
     scale_rewards: Global___ScaleRewards.ValueType
@@ -561,6 +620,11 @@ class ReinforcePlusPlusConfig(_message.Message):
                 (no resets); advantages = (G - mean) / sqrt(max(var, 1e-8)) over
                 the mask = 1 tokens (biased variance), at every position.
                 Returns: G.
+      skyrl     SkyRL compute_reinforce_plus_plus_outcome_advantage (verl
+                0.8's rule): G_t = r_t + gamma * mask_{t+1} * G_{t+1} (a
+                hole resets the return; returns not masked), advantages =
+                returns whitened over the mask (unbiased variance), 0 where
+                mask = 0. Returns: G.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -590,9 +654,10 @@ class ReinforcePlusPlusConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10: |kl| cap"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl or openrlhf"""
+    """nemo_rl (default), verl, openrlhf or skyrl"""
     gamma: _builtins.float
-    """Discount of the returns, in [0, 1]. Default 1.0 for verl and openrlhf;
+    """Discount of the returns, in [0, 1]. Default 1.0 for verl, openrlhf and
+    skyrl (SkyRL's algorithm.gamma);
     not applicable to nemo_rl.
     """
     exclude_empty_responses: _builtins.bool
@@ -707,6 +772,15 @@ class GAEConfig(_message.Message):
       verl     verl compute_gae_advantage_return: the same recursion, the
                whitening applied at every position and masked positions NOT
                zeroed (they carry the next valid position's advantage).
+      skyrl    SkyRL compute_gae_advantage_return: the recursion runs over
+               every position, the mask ignored (values and [B, T] rewards at
+               padding and holes enter it; SkyRL's trainer sends right-aligned
+               masks), V after the last column = 0; returns = advantages +
+               values; advantages whitened over the mask = 1 tokens (unbiased
+               variance, rsqrt(var + 1e-8)), masked positions NOT zeroed.
+               bootstrap_values, when sent, is V after the last column T
+               (SkyRL: 0); the nemo_rl-only fields do not apply
+               (INVALID_ARGUMENT).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -724,7 +798,9 @@ class GAEConfig(_message.Message):
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     SEMANTICS_FIELD_NUMBER: _builtins.int
     gae_lambda: _builtins.float
-    """Default 0.95 (nemo_rl), 1.0 (verl, its algorithm.lam default)."""
+    """Default 0.95 (nemo_rl), 1.0 (verl, its algorithm.lam default; skyrl,
+    its algorithm.lambd default).
+    """
     gae_gamma: _builtins.float
     """default 1.0"""
     normalize_advantages: _builtins.bool
@@ -751,7 +827,7 @@ class GAEConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default) or verl"""
+    """nemo_rl (default), verl or skyrl"""
     def __init__(
         self,
         *,
@@ -1133,6 +1209,10 @@ class RLOOConfig(_message.Message):
                 position, minus the masked KL penalty; returns G = reverse
                 cumulative sum (gamma 1); advantages = G (OpenRLHF 0.11.2 does
                 not whiten rloo). Returns: G.
+      skyrl     SkyRL compute_rloo_outcome_advantage: s = sum_T(token
+                rewards) (minus the masked KL penalty when use_kl_in_reward);
+                a = s - mean of the others; a group of one gets 0; a on every
+                mask = 1 position, 0 elsewhere. No returns.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1146,7 +1226,7 @@ class RLOOConfig(_message.Message):
     EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
-    """verl (default) or openrlhf"""
+    """verl (default), openrlhf or skyrl"""
     use_kl_in_reward: _builtins.bool
     """default false"""
     reference_policy_kl_penalty: _builtins.float
@@ -1539,6 +1619,252 @@ class GiGPOConfig(_message.Message):
 Global___GiGPOConfig: _TypeAlias = GiGPOConfig  # noqa: Y015
 
 @_typing.final
+class MaxRLConfig(_message.Message):
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning",
+    arXiv:2602.02710): per prompt group of n samples, s = reward ([B, T]
+    summed over T), A_i = (s_i - mean) / (mean + epsilon), on every mask = 1
+    position, 0 elsewhere. No returns; no metrics.
+    Inputs: prompt_ids [B] (or [B, L]), rewards [B] or [B, T], mask [B, T].
+    Semantics (unset = skyrl):
+      skyrl  SkyRL compute_maxrl_advantage: a group of one gets its raw score
+             s (SkyRL's mean 0, not divided); the (mean + epsilon) denominator
+             is kept as SkyRL has it (negative for a group mean below
+             -epsilon, large near it). Where SkyRL divides by zero the service
+             is finite: a tied group gives 0 (also at mean = -epsilon, where
+             SkyRL gives NaN), and an untied group whose mean + epsilon is
+             exactly 0 gives 0 (SkyRL: +-inf).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEMANTICS_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
+    semantics: Global___Semantics.ValueType
+    """skyrl (default)"""
+    epsilon: _builtins.float
+    """Added to the group mean before dividing. Default 1e-6 (SkyRL's). Must be
+    >= 0.
+    """
+    def __init__(
+        self,
+        *,
+        semantics: Global___Semantics.ValueType = ...,
+        epsilon: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "epsilon", b"epsilon"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "epsilon", b"epsilon", "semantics", b"semantics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
+    _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
+
+Global___MaxRLConfig: _TypeAlias = MaxRLConfig  # noqa: Y015
+
+@_typing.final
+class ArealNormConfig(_message.Message):
+    """AReaL NormConfig (areal/api/cli_args.py), applied by areal/utils/data.py
+    Normalization: (x - mean) / (std + eps), float32 result. An unset message
+    field (ArealConfig.reward_norm / adv_norm) is AReaL's None: no
+    normalisation. Statistics: batch level in float64; group level in float64,
+    stored in buffers of the input's dtype (float32 for float32 inputs).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEAN_LEVEL_FIELD_NUMBER: _builtins.int
+    MEAN_LEAVE1OUT_FIELD_NUMBER: _builtins.int
+    STD_LEVEL_FIELD_NUMBER: _builtins.int
+    STD_UNBIASED_FIELD_NUMBER: _builtins.int
+    EPS_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    mean_level: Global___ArealNormLevel.ValueType
+    """default batch"""
+    mean_leave1out: _builtins.bool
+    """Leave-one-out mean: each element's mean excludes itself (its block's
+    other elements; 0 when the block has at most one). Default false.
+    """
+    std_level: Global___ArealNormLevel.ValueType
+    """default batch"""
+    std_unbiased: _builtins.bool
+    """Unbiased (n - 1) std, taken around the (per-element leave-one-out) means;
+    1 when n <= 1. Default true (AReaL's since 0.3.4).
+    """
+    eps: _builtins.float
+    """Added to the std. Default 1e-5. Must be > 0 (AReaL divides by zero with
+    eps = 0; the service refuses it).
+    """
+    group_size: _builtins.int
+    """Rows per group block, >= 1. Default 1."""
+    def __init__(
+        self,
+        *,
+        mean_level: Global___ArealNormLevel.ValueType = ...,
+        mean_leave1out: _builtins.bool | None = ...,
+        std_level: Global___ArealNormLevel.ValueType = ...,
+        std_unbiased: _builtins.bool | None = ...,
+        eps: _builtins.float | None = ...,
+        group_size: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eps", b"_eps", "_group_size", b"_group_size", "_mean_leave1out", b"_mean_leave1out", "_std_unbiased", b"_std_unbiased", "eps", b"eps", "group_size", b"group_size", "mean_leave1out", b"mean_leave1out", "std_unbiased", b"std_unbiased"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eps", b"_eps", "_group_size", b"_group_size", "_mean_leave1out", b"_mean_leave1out", "_std_unbiased", b"_std_unbiased", "eps", b"eps", "group_size", b"group_size", "mean_leave1out", b"mean_leave1out", "mean_level", b"mean_level", "std_level", b"std_level", "std_unbiased", b"std_unbiased"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__eps: _TypeAlias = _typing.Literal["eps"]  # noqa: Y015
+    _WhichOneofArgType__eps: _TypeAlias = _typing.Literal["_eps", b"_eps"]  # noqa: Y015
+    _WhichOneofReturnType__group_size: _TypeAlias = _typing.Literal["group_size"]  # noqa: Y015
+    _WhichOneofArgType__group_size: _TypeAlias = _typing.Literal["_group_size", b"_group_size"]  # noqa: Y015
+    _WhichOneofReturnType__mean_leave1out: _TypeAlias = _typing.Literal["mean_leave1out"]  # noqa: Y015
+    _WhichOneofArgType__mean_leave1out: _TypeAlias = _typing.Literal["_mean_leave1out", b"_mean_leave1out"]  # noqa: Y015
+    _WhichOneofReturnType__std_unbiased: _TypeAlias = _typing.Literal["std_unbiased"]  # noqa: Y015
+    _WhichOneofArgType__std_unbiased: _TypeAlias = _typing.Literal["_std_unbiased", b"_std_unbiased"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eps) -> _WhichOneofReturnType__eps | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__group_size) -> _WhichOneofReturnType__group_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_leave1out) -> _WhichOneofReturnType__mean_leave1out | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__std_unbiased) -> _WhichOneofReturnType__std_unbiased | None: ...
+
+Global___ArealNormConfig: _TypeAlias = ArealNormConfig  # noqa: Y015
+
+@_typing.final
+class ArealConfig(_message.Message):
+    """AReaL 1.0.4 PPOActor._compute_advantages (areal/trainer/ppo/actor.py), the
+    whole pipeline, with AReaL's config names and defaults:
+      r = clip((rewards + reward_bias) * reward_scaling, +-reward_clip), then
+          reward_norm (over the rows, fixed blocks of group_size);
+      lm = roll(mask, -1) (circular: lm[T-1] = mask[0]); seqlen =
+          sum(attention_mask); a row with seqlen = T has no end token;
+      token rewards = -kl_ctl * KL(roll(logprobs, -1) * lm, reference_logprobs
+          * lm) (kl_estimator k1/k2/k3, float32, clamped to +-10), 0 at
+          seqlen - 1, plus r at max(seqlen - 2, 0) (not for rows without an end
+          token when mask_no_eos_with_zero);
+      GAE (discount, gae_lambda) backwards over t = T-2..0, skipping lm = 0
+          positions (they carry the running advantage), bootstrapped from
+          values[T-1] for rows without an end token; advantages[T-1] = 0;
+      returns = advantages + values; advantages then adv_norm'd over lm (masked
+          positions 0; returned unchanged when lm is all 0).
+    Results are in AReaL's rolled frame (position t scores token t + 1), as
+    _compute_advantages stores them. Inputs: rewards [B], mask [B, T] (AReaL's
+    loss_mask as in its batch, before the roll), attention_mask [B, T],
+    logprobs [B, T] (data["logprobs"], rolled by the service; data["prox_logp"],
+    not rolled, when recompute_logprob and not use_decoupled_loss), optional
+    reference_logprobs [B, T] (ref_logp; absent = 0) and values [B, T] (absent
+    = 0: AReaL's GRPO). AReaL's GRPO examples are this estimator with
+    reward_norm {mean_level: group, std_level: group, group_size: n_samples},
+    no values, kl_ctl 0 (discount and gae_lambda 1, the defaults).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEMANTICS_FIELD_NUMBER: _builtins.int
+    REWARD_BIAS_FIELD_NUMBER: _builtins.int
+    REWARD_SCALING_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_FIELD_NUMBER: _builtins.int
+    REWARD_NORM_FIELD_NUMBER: _builtins.int
+    KL_CTL_FIELD_NUMBER: _builtins.int
+    KL_ESTIMATOR_FIELD_NUMBER: _builtins.int
+    DISCOUNT_FIELD_NUMBER: _builtins.int
+    GAE_LAMBDA_FIELD_NUMBER: _builtins.int
+    ADV_NORM_FIELD_NUMBER: _builtins.int
+    MASK_NO_EOS_WITH_ZERO_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_LOGPROB_FIELD_NUMBER: _builtins.int
+    USE_DECOUPLED_LOSS_FIELD_NUMBER: _builtins.int
+    semantics: Global___Semantics.ValueType
+    """areal (default; the only one)"""
+    reward_bias: _builtins.float
+    """default 0"""
+    reward_scaling: _builtins.float
+    """default 1"""
+    reward_clip: _builtins.float
+    """default 20"""
+    kl_ctl: _builtins.float
+    """default 0.1"""
+    kl_estimator: Global___KLType.ValueType
+    """default k1 (AReaL's)"""
+    discount: _builtins.float
+    """default 1; in [0, 1] (AReaL: any)"""
+    gae_lambda: _builtins.float
+    """default 1, in [0, 1]"""
+    mask_no_eos_with_zero: _builtins.bool
+    """Drop the reward of rows without an end token (seqlen = T). Default false."""
+    recompute_logprob: _builtins.bool
+    """With use_decoupled_loss false: logprobs is data["prox_logp"] (already in
+    the rolled frame, not rolled again). Default false.
+    """
+    use_decoupled_loss: _builtins.bool
+    """default false"""
+    @_builtins.property
+    def reward_norm(self) -> Global___ArealNormConfig:
+        """unset: none"""
+
+    @_builtins.property
+    def adv_norm(self) -> Global___ArealNormConfig:
+        """unset: none"""
+
+    def __init__(
+        self,
+        *,
+        semantics: Global___Semantics.ValueType = ...,
+        reward_bias: _builtins.float | None = ...,
+        reward_scaling: _builtins.float | None = ...,
+        reward_clip: _builtins.float | None = ...,
+        reward_norm: Global___ArealNormConfig | None = ...,
+        kl_ctl: _builtins.float | None = ...,
+        kl_estimator: Global___KLType.ValueType = ...,
+        discount: _builtins.float | None = ...,
+        gae_lambda: _builtins.float | None = ...,
+        adv_norm: Global___ArealNormConfig | None = ...,
+        mask_no_eos_with_zero: _builtins.bool | None = ...,
+        recompute_logprob: _builtins.bool | None = ...,
+        use_decoupled_loss: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_discount", b"_discount", "_gae_lambda", b"_gae_lambda", "_kl_ctl", b"_kl_ctl", "_mask_no_eos_with_zero", b"_mask_no_eos_with_zero", "_recompute_logprob", b"_recompute_logprob", "_reward_bias", b"_reward_bias", "_reward_clip", b"_reward_clip", "_reward_scaling", b"_reward_scaling", "_use_decoupled_loss", b"_use_decoupled_loss", "adv_norm", b"adv_norm", "discount", b"discount", "gae_lambda", b"gae_lambda", "kl_ctl", b"kl_ctl", "mask_no_eos_with_zero", b"mask_no_eos_with_zero", "recompute_logprob", b"recompute_logprob", "reward_bias", b"reward_bias", "reward_clip", b"reward_clip", "reward_norm", b"reward_norm", "reward_scaling", b"reward_scaling", "use_decoupled_loss", b"use_decoupled_loss"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_discount", b"_discount", "_gae_lambda", b"_gae_lambda", "_kl_ctl", b"_kl_ctl", "_mask_no_eos_with_zero", b"_mask_no_eos_with_zero", "_recompute_logprob", b"_recompute_logprob", "_reward_bias", b"_reward_bias", "_reward_clip", b"_reward_clip", "_reward_scaling", b"_reward_scaling", "_use_decoupled_loss", b"_use_decoupled_loss", "adv_norm", b"adv_norm", "discount", b"discount", "gae_lambda", b"gae_lambda", "kl_ctl", b"kl_ctl", "kl_estimator", b"kl_estimator", "mask_no_eos_with_zero", b"mask_no_eos_with_zero", "recompute_logprob", b"recompute_logprob", "reward_bias", b"reward_bias", "reward_clip", b"reward_clip", "reward_norm", b"reward_norm", "reward_scaling", b"reward_scaling", "semantics", b"semantics", "use_decoupled_loss", b"use_decoupled_loss"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__discount: _TypeAlias = _typing.Literal["discount"]  # noqa: Y015
+    _WhichOneofArgType__discount: _TypeAlias = _typing.Literal["_discount", b"_discount"]  # noqa: Y015
+    _WhichOneofReturnType__gae_lambda: _TypeAlias = _typing.Literal["gae_lambda"]  # noqa: Y015
+    _WhichOneofArgType__gae_lambda: _TypeAlias = _typing.Literal["_gae_lambda", b"_gae_lambda"]  # noqa: Y015
+    _WhichOneofReturnType__kl_ctl: _TypeAlias = _typing.Literal["kl_ctl"]  # noqa: Y015
+    _WhichOneofArgType__kl_ctl: _TypeAlias = _typing.Literal["_kl_ctl", b"_kl_ctl"]  # noqa: Y015
+    _WhichOneofReturnType__mask_no_eos_with_zero: _TypeAlias = _typing.Literal["mask_no_eos_with_zero"]  # noqa: Y015
+    _WhichOneofArgType__mask_no_eos_with_zero: _TypeAlias = _typing.Literal["_mask_no_eos_with_zero", b"_mask_no_eos_with_zero"]  # noqa: Y015
+    _WhichOneofReturnType__recompute_logprob: _TypeAlias = _typing.Literal["recompute_logprob"]  # noqa: Y015
+    _WhichOneofArgType__recompute_logprob: _TypeAlias = _typing.Literal["_recompute_logprob", b"_recompute_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__reward_bias: _TypeAlias = _typing.Literal["reward_bias"]  # noqa: Y015
+    _WhichOneofArgType__reward_bias: _TypeAlias = _typing.Literal["_reward_bias", b"_reward_bias"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip: _TypeAlias = _typing.Literal["reward_clip"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip: _TypeAlias = _typing.Literal["_reward_clip", b"_reward_clip"]  # noqa: Y015
+    _WhichOneofReturnType__reward_scaling: _TypeAlias = _typing.Literal["reward_scaling"]  # noqa: Y015
+    _WhichOneofArgType__reward_scaling: _TypeAlias = _typing.Literal["_reward_scaling", b"_reward_scaling"]  # noqa: Y015
+    _WhichOneofReturnType__use_decoupled_loss: _TypeAlias = _typing.Literal["use_decoupled_loss"]  # noqa: Y015
+    _WhichOneofArgType__use_decoupled_loss: _TypeAlias = _typing.Literal["_use_decoupled_loss", b"_use_decoupled_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__discount) -> _WhichOneofReturnType__discount | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gae_lambda) -> _WhichOneofReturnType__gae_lambda | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_ctl) -> _WhichOneofReturnType__kl_ctl | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mask_no_eos_with_zero) -> _WhichOneofReturnType__mask_no_eos_with_zero | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recompute_logprob) -> _WhichOneofReturnType__recompute_logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_bias) -> _WhichOneofReturnType__reward_bias | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip) -> _WhichOneofReturnType__reward_clip | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_scaling) -> _WhichOneofReturnType__reward_scaling | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_decoupled_loss) -> _WhichOneofReturnType__use_decoupled_loss | None: ...
+
+Global___ArealConfig: _TypeAlias = ArealConfig  # noqa: Y015
+
+@_typing.final
 class ComputeAdvantageRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1580,6 +1906,8 @@ class ComputeAdvantageRequest(_message.Message):
     GIGPO_FIELD_NUMBER: _builtins.int
     PKPO_FIELD_NUMBER: _builtins.int
     QAE_FIELD_NUMBER: _builtins.int
+    MAXRL_FIELD_NUMBER: _builtins.int
+    AREAL_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUT_DTYPE_FIELD_NUMBER: _builtins.int
     CU_SEQLENS_FIELD_NUMBER: _builtins.int
@@ -1645,14 +1973,18 @@ class ComputeAdvantageRequest(_message.Message):
     @_builtins.property
     def qae(self) -> Global___QAEConfig: ...
     @_builtins.property
+    def maxrl(self) -> Global___MaxRLConfig: ...
+    @_builtins.property
+    def areal(self) -> Global___ArealConfig: ...
+    @_builtins.property
     def inputs(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]:
         """Input tensors by name. Names and shapes per estimator are listed by
         ListEstimators: prompt_ids, rewards, mask, values, bootstrap_values,
         logprobs, reference_logprobs, teacher_logprobs, prev_logprobs,
         reward_baselines, sum_pi_squared, rollout_is_weights, std_rewards,
-        trajectory_ids, step_index, anchor_ids (GiGPO), and the GDPO components
-        "reward/<name>". A name the chosen estimator does not read
-        is an INVALID_ARGUMENT. Float inputs may be float32, float64, bfloat16 or
+        trajectory_ids, step_index, anchor_ids (GiGPO), attention_mask (areal),
+        and the GDPO components "reward/<name>". A name the chosen estimator does
+        not read is an INVALID_ARGUMENT. Float inputs may be float32, float64, bfloat16 or
         float16 and are computed in float32 (float64 when any input is float64);
         they may also be int64, int32, uint8 or bool (e.g. 0/1 verifier rewards),
         converted exactly: in float32 while every |value| <= 2^24, in float64
@@ -1700,17 +2032,19 @@ class ComputeAdvantageRequest(_message.Message):
         gigpo: Global___GiGPOConfig | None = ...,
         pkpo: Global___PKPOConfig | None = ...,
         qae: Global___QAEConfig | None = ...,
+        maxrl: Global___MaxRLConfig | None = ...,
+        areal: Global___ArealConfig | None = ...,
         inputs: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
         output_dtype: Global___DType.ValueType = ...,
         cu_seqlens: Global___Tensor | None = ...,
         per_sample: _builtins.bool = ...,
         mask_columns: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["areal", b"areal", "cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "maxrl", b"maxrl", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "mask_columns", b"mask_columns", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "per_sample", b"per_sample", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["areal", b"areal", "cu_seqlens", b"cu_seqlens", "estimator", b"estimator", "gae", b"gae", "gdpo", b"gdpo", "gigpo", b"gigpo", "gpg", b"gpg", "grpo", b"grpo", "grpo_passk", b"grpo_passk", "inputs", b"inputs", "mask_columns", b"mask_columns", "maxrl", b"maxrl", "opd", b"opd", "opo", b"opo", "optimal_token_baseline", b"optimal_token_baseline", "output_dtype", b"output_dtype", "per_sample", b"per_sample", "pkpo", b"pkpo", "qae", b"qae", "raw_reward", b"raw_reward", "reinforce_plus_plus", b"reinforce_plus_plus", "reinforce_plus_plus_baseline", b"reinforce_plus_plus_baseline", "remax", b"remax", "rloo", b"rloo", "tir_optimal_token_baseline", b"tir_optimal_token_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_estimator: _TypeAlias = _typing.Literal["grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gigpo", "pkpo", "qae"]  # noqa: Y015
+    _WhichOneofReturnType_estimator: _TypeAlias = _typing.Literal["grpo", "gdpo", "reinforce_plus_plus", "raw_reward", "gae", "opd", "grpo_passk", "reinforce_plus_plus_baseline", "rloo", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gigpo", "pkpo", "qae", "maxrl", "areal"]  # noqa: Y015
     _WhichOneofArgType_estimator: _TypeAlias = _typing.Literal["estimator", b"estimator"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_estimator) -> _WhichOneofReturnType_estimator | None: ...
 
