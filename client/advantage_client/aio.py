@@ -46,10 +46,12 @@ from advantage_client import codec, masks, streaming, wire
 from advantage_client import conditions as conditions_mod
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
-from advantage_client.channel import auth_metadata, channel_target, make_channel
+from advantage_client.channel import (
+    auth_metadata, cached_replica_count, channel_target, make_channel, replica_count, replica_targets,
+)
 from advantage_client.client import (
-    CLIENT_TIMEOUT, AdvantageResult, AdvantageServiceError, call_timeout, check_inputs, check_timeout, finish_result,
-    lengths_refused, not_ready, prepare_call, stream_refused,
+    CLIENT_TIMEOUT, AdvantageResult, AdvantageServiceError, Failover, admission_refused, call_timeout, check_inputs,
+    check_timeout, finish_result, lengths_refused, not_ready, prepare_call, stream_refused,
 )
 from advantage_client.errors import hint
 
@@ -65,8 +67,6 @@ DEFAULT_COALESCE_MAX_ROWS = 4096
 _SHARED_ERRORS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.CANCELLED})
-#: the flag a RESOURCE_EXHAUSTED of the server's admission names (``limits.RequestGate.admit``)
-_ADMISSION_FLAG = "--max-concurrent-requests"
 
 _last_transport: contextvars.ContextVar[str | None] = contextvars.ContextVar("advantage_last_transport", default=None)
 
@@ -85,7 +85,10 @@ class AsyncAdvantageClient:
     """Connection to the advantage service for asyncio code; use ``async with`` or ``await client.close()``.
 
     target, timeout, max_message_mb, tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file,
-    retry, wait_for_ready, stream_threshold_mb, chunk_mb, compact: as :class:`advantage_client.AdvantageClient`.
+    retry, wait_for_ready, stream_threshold_mb, chunk_mb, compact, failover: as
+    :class:`advantage_client.AdvantageClient` (failover: an admission refusal sent again to another replica, an
+    attempt timed out after half the deadline sent once more; ``advantage_client.client.Failover``; a
+    coalesced request fails over as one request).
     channel: a ``grpc.aio.Channel`` to use instead of making one (closed by :meth:`close`).
     channel_options: more gRPC channel arguments, added to the client's own on every channel it makes.
     transport: ``"auto"`` (default), ``"unary"`` or ``"stream"``; ``"shm"`` raises ``ValueError`` (see the
@@ -129,13 +132,18 @@ class AsyncAdvantageClient:
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, compact: bool = True,
                  max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT, coalesce_ms: float = 0.0,
-                 coalesce_max_rows: int = DEFAULT_COALESCE_MAX_ROWS, channel_options: Sequence[tuple[str, Any]] = ()):
+                 coalesce_max_rows: int = DEFAULT_COALESCE_MAX_ROWS, channel_options: Sequence[tuple[str, Any]] = (),
+                 failover: bool = True):
         if not (isinstance(coalesce_ms, (int, float)) and not isinstance(coalesce_ms, bool)
                 and 0 <= coalesce_ms < float("inf")):
             raise ValueError(f"coalesce_ms={coalesce_ms!r}: give a finite number of milliseconds >= 0 (0 = off)")
         if isinstance(coalesce_max_rows, bool) or not isinstance(coalesce_max_rows, int) or coalesce_max_rows < 1:
             raise ValueError(f"coalesce_max_rows={coalesce_max_rows!r}: give an integer >= 1")
         self.coalesce_ms = float(coalesce_ms)
+        self.failover = bool(failover)
+        #: called when a timed-out attempt is sent again (``advantage_client.client.Failover``; the Ray client)
+        self._on_timeout: Any = None
+        self._replicas: dict[str, _Replica] = {}  # failover resends to one replica of a list target
         self.coalesce_max_rows = coalesce_max_rows
         self._group_local: dict[str, tuple[list[str], dict[str, str]]] | None = None
         self._group_local_task: asyncio.Future | None = None
@@ -158,6 +166,7 @@ class AsyncAdvantageClient:
                                   tls_key=tls_key, tls_server_name=tls_server_name, retry=retry,
                                   wait_for_ready=wait_for_ready, aio=True, options=tuple(channel_options))
         self._own_stream_channel = channel is None
+        self._steerable = channel is None  # a channel given by the caller: its options are not known here
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -220,12 +229,16 @@ class AsyncAdvantageClient:
                                  "it (it was created at import time, in another thread, or in an earlier "
                                  f"asyncio.run): {LOOP_RULE}")
 
-    async def _send(self, transport: str, data: streaming.Request, timeout: float | None) -> codec.DecodedResult:
+    async def _send(self, transport: str, data: streaming.Request, timeout: float | None,
+                    via: _Replica | None = None) -> codec.DecodedResult:
+        """One call on the client's channels, or on ``via``'s (a failover resend to one replica)."""
         _last_transport.set(transport)
         if transport == "unary":
-            return await self._unary(data.tobytes(), timeout=timeout, metadata=self._metadata)
+            unary = self._unary if via is None else via.unary
+            return await unary(data.tobytes(), timeout=timeout, metadata=self._metadata)
         started = time.monotonic()
-        call = self._stream_callable()(data.chunks(self.chunk_bytes), timeout=timeout, metadata=self._metadata)
+        stream = self._stream_callable() if via is None else via.stream_callable()
+        call = stream(data.chunks(self.chunk_bytes), timeout=timeout, metadata=self._metadata)
         out = streaming.Reassembler()
         try:
             async for total, chunk in call:
@@ -302,40 +315,66 @@ class AsyncAdvantageClient:
         timeout = call_timeout(timeout, self.timeout)
         prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                 compact=self.compact, as_lengths=self._lengths_ok)
+        args = (estimator, config, output_dtype, cu_seqlens, per_sample, tensors)
         if self._in_flight is None:
-            return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
-                                                cu_seqlens, per_sample, tensors, timeout)
+            return await self._compute_failover(prepared, transport, as_numpy, args, timeout)
         async with self._in_flight:  # queued here beyond max_in_flight calls at once
-            return await self._compute_prepared(prepared, transport, as_numpy, estimator, config, output_dtype,
-                                                cu_seqlens, per_sample, tensors, timeout)
+            return await self._compute_failover(prepared, transport, as_numpy, args, timeout)
+
+    async def _compute_failover(self, prepared: Any, transport: str, as_numpy: bool, args: tuple,
+                                timeout: float | None) -> AdvantageResult:
+        """The call's attempts: one, or with several replicas those :class:`advantage_client.client.Failover`
+        allows (an admission refusal sent again to another replica, a timed-out attempt once more)."""
+        replicas = 1
+        if self.failover:
+            replicas = cached_replica_count(self.target)
+            if replicas is None:  # a DNS name not resolved lately: resolve it off the event loop
+                replicas = await asyncio.to_thread(replica_count, self.target)
+        if replicas < 2:
+            return await self._compute_prepared(prepared, transport, as_numpy, *args, timeout)
+        plan = Failover(replicas, timeout, self._on_timeout, replica_targets(self.target) if self._steerable else ())
+        while True:
+            via = None if plan.via is None else self._replica(plan.via)
+            try:
+                return await self._compute_prepared(prepared, transport, as_numpy, *args, plan.attempt_timeout(), via)
+            except AdvantageServiceError as err:
+                pause = plan.after(err, self.target)  # raises the call's error when not sent again
+            await asyncio.sleep(pause)  # then the next attempt, on plan.via (else round_robin's next replica)
+
+    def _replica(self, target: str) -> "_Replica":
+        """The channels to the one replica ``target`` (made on first use, closed by :meth:`close`)."""
+        if target not in self._replicas:
+            self._replicas[target] = _Replica(target, self._channel_args)
+        return self._replicas[target]
 
     async def _compute_prepared(self, prepared: Any, transport: str, as_numpy: bool, estimator: str, config: Any,
                                 output_dtype: Any, cu_seqlens: Any, per_sample: bool,
-                                tensors: dict[str, Any], timeout: float | None) -> AdvantageResult:
+                                tensors: dict[str, Any], timeout: float | None,
+                                via: _Replica | None = None) -> AdvantageResult:
         try:
-            return await self._send_prepared(prepared, transport, as_numpy, timeout)
+            return await self._send_prepared(prepared, transport, as_numpy, timeout, via)
         except AdvantageServiceError as err:
             if not lengths_refused(err, prepared):
                 raise
             self._lengths_ok = False  # a server that predates `lengths`: masks go as bytes from now on
             prepared = prepare_call(estimator, config, output_dtype, cu_seqlens, per_sample, tensors,
                                     compact=self.compact, as_lengths=False)
-            return await self._send_prepared(prepared, transport, as_numpy, timeout)
+            return await self._send_prepared(prepared, transport, as_numpy, timeout, via)
 
     async def _send_prepared(self, prepared: Any, transport: str, as_numpy: bool,
-                             timeout: float | None) -> AdvantageResult:
+                             timeout: float | None, via: _Replica | None = None) -> AdvantageResult:
         data = prepared.request
         auto = transport == "auto"
         if auto:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
         try:
-            reply = await self._send(transport, data, timeout)
+            reply = await self._send(transport, data, timeout, via)
         except grpc.RpcError as err:
             error = AdvantageServiceError.from_rpc_error(err, self.target, timeout)
             if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             try:
-                reply = await self._send("unary", data, timeout)
+                reply = await self._send("unary", data, timeout, via)
             except grpc.RpcError as err2:
                 raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
@@ -534,6 +573,9 @@ class AsyncAdvantageClient:
                     e.future.set_exception(AdvantageServiceError(
                         grpc.StatusCode.CANCELLED, "the client was closed before the call was sent"))
         self._batches.clear()
+        replicas, self._replicas = list(self._replicas.values()), {}
+        for replica in replicas:
+            await replica.close()
         if self._own_stream_channel and self._stream_channel is not None:
             await self._stream_channel.close()
             self._stream_channel = None
@@ -544,6 +586,33 @@ class AsyncAdvantageClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+class _Replica:
+    """The channels to one replica of a list target (``advantage_client.channel.replica_targets``): where a
+    failover resend goes. Retry policy off: a replica not serving answers UNAVAILABLE at once and the resend
+    moves on to the next one. The stream channel is made on first use, with the small retry buffer."""
+
+    def __init__(self, target: str, channel_args: dict[str, Any]):
+        self.target, self._args = target, {**channel_args, "retry": False}
+        self.channel = make_channel(target, **self._args)
+        self.unary = self.channel.unary_unary(streaming.COMPUTE, request_serializer=None,
+                                              response_deserializer=streaming.decode_writable)
+        self._stream_channel: Any = None
+        self._stream: Any = None
+
+    def stream_callable(self) -> Any:
+        if self._stream is None:
+            self._stream_channel = make_channel(
+                self.target, **{**self._args, "retry_buffer_mb": streaming.STREAM_RETRY_BUFFER_MB})
+            self._stream = self._stream_channel.stream_stream(streaming.COMPUTE_STREAM, request_serializer=None,
+                                                              response_deserializer=codec.decode_chunk)
+        return self._stream
+
+    async def close(self) -> None:
+        if self._stream_channel is not None:
+            await self._stream_channel.close()
+        await self.channel.close()
 
 
 @dataclasses.dataclass
@@ -575,11 +644,10 @@ def _with_columns(tensors: dict[str, Any], columns: int) -> dict[str, Any]:
 
 def _shared_error(error: AdvantageServiceError) -> bool:
     """Whether a merged request's error is every merged caller's as it is (not sent again call by call): a code
-    of :data:`_SHARED_ERRORS`, or RESOURCE_EXHAUSTED from the server's admission (``--max-concurrent-requests``:
-    refused before the request was read, so it says nothing about any caller's inputs; the other
+    of :data:`_SHARED_ERRORS`, or the server's admission refusal (:func:`advantage_client.client.admission_refused`:
+    it says nothing about any caller's inputs; the other
     RESOURCE_EXHAUSTED, a size limit or out of memory, may not hold for one call alone)."""
-    return error.code in _SHARED_ERRORS or (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                                            and _ADMISSION_FLAG in str(error))
+    return error.code in _SHARED_ERRORS or admission_refused(error)
 
 
 def _config_snapshot(estimator: str, config: Any) -> Any:

@@ -11,6 +11,10 @@
   gives the same result.
 * :func:`make_channel`: plaintext, or TLS with a CA bundle and, for mutual TLS, a client certificate.
 * :func:`auth_metadata`: ``authorization: Bearer <token>`` sent with every call.
+* :func:`replica_count`: how many replicas a target names (a list: its length; a DNS name: the addresses it
+  resolves to, loopback addresses counted as one), which decides whether the clients fail over
+  (``advantage_client.client.Failover``: an admission refusal or a timed-out attempt is sent again, and the
+  round_robin picker, which takes the next replica for every call, sends it to another one).
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import json
 import os
 import pathlib
 import re
+import socket
+import threading
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
@@ -244,3 +251,85 @@ def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
                                                    _pem(tls_cert, "tls_cert"))
         return (grpc.aio if aio else grpc).secure_channel(target, credentials, options=options)
     return (grpc.aio if aio else grpc).insecure_channel(target, options=options)
+
+
+#: seconds :func:`replica_count` keeps what a DNS name resolved to
+DNS_COUNT_TTL_S = 30.0
+_counts: dict[str, tuple[int, float]] = {}
+_counts_lock = threading.Lock()
+
+
+def _dns_host_port(target: str) -> tuple[str, str] | None:
+    """(host, port) of a target gRPC resolves by DNS (``dns:[//authority/]host:port`` or a bare ``host:port``
+    whose host is a name, not an IP literal); None for every other target."""
+    address = target.strip()
+    low = address.lower()
+    if low.startswith("dns:"):
+        address = address[4:]
+        if address.startswith("//"):
+            _, _, address = address[2:].partition("/")
+    elif _OTHER_URI.match(address) or low.startswith((*_PORTLESS_SCHEMES, "ipv4:", "ipv6:")):
+        return None
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None  # one address
+    except ValueError:
+        return host, port
+
+
+def cached_replica_count(target: str) -> int | None:
+    """:func:`replica_count` when it needs no DNS look-up now (a list, an IP, a name resolved less than
+    ``DNS_COUNT_TTL_S`` seconds ago); None when it does (the asyncio client then resolves in a thread)."""
+    low = target.strip().lower()
+    if low.startswith(("ipv4:", "ipv6:")):
+        return len([a for a in target.strip()[5:].split(",") if a.strip()])
+    if _dns_host_port(target) is None:
+        return 1
+    with _counts_lock:
+        hit = _counts.get(target)
+    return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+
+
+def replica_count(target: str) -> int:
+    """How many replicas ``target`` (a :func:`channel_target` string) names: the addresses of an ``ipv4:``/
+    ``ipv6:`` list; for a DNS name (``dns:///name:port``, ``name:port``) the distinct addresses it resolves to
+    now, every loopback address counted as one (``localhost`` is 127.0.0.1 and ::1: one server), kept for
+    ``DNS_COUNT_TTL_S`` seconds (a name that does not resolve counts 1); 1 for an IP address, a unix socket
+    and any other resolver's URI (``xds:``: not known here). Never raises."""
+    count = cached_replica_count(target)
+    if count is not None:
+        return count
+    host, port = _dns_host_port(target) or ("", "")
+    try:
+        infos = socket.getaddrinfo(host, int(port) if port.isdigit() else None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError):
+        infos = []
+    seen = set()
+    for info in infos:
+        try:
+            ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        except ValueError:
+            continue
+        seen.add("loopback" if ip.is_loopback else str(ip))
+    count = max(1, len(seen))
+    with _counts_lock:
+        _counts[target] = (count, time.monotonic() + DNS_COUNT_TTL_S)
+    return count
+
+
+def replica_targets(target: str) -> list[str]:
+    """One gRPC target per replica of an ``ipv4:``/``ipv6:`` list (``"ipv4:10.0.0.1:50051,10.0.0.2:50051"`` ->
+    ``["ipv4:10.0.0.1:50051", "ipv4:10.0.0.2:50051"]``): what a client uses to send a call to a replica it
+    chooses (failover: the resend of an admission refusal goes to each replica in turn, not wherever the
+    round_robin picker, shared with the calls of other threads, points next). Empty for any other target (a
+    DNS name's addresses are the resolver's; a resend then goes through the rotation)."""
+    address = target.strip()
+    scheme = address[:5].lower()
+    if scheme not in ("ipv4:", "ipv6:"):
+        return []
+    parts = [a.strip() for a in address[5:].split(",") if a.strip()]
+    return [f"{scheme}{a}" for a in parts] if len(parts) > 1 else []

@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import numbers
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import grpc
 import numpy as np
 
 from advantage_client import layout, masks, streaming, wire
-from advantage_client.channel import auth_metadata, channel_target, make_channel
+from advantage_client.channel import auth_metadata, channel_target, make_channel, replica_count, replica_targets
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 # defined with the modules that own them (shm and streaming use them too), and importable from here as before
@@ -45,6 +46,133 @@ MAX_SHM_FORGOTTEN = 3
 SHM_RETRY_S = 60.0
 #: regions the shared-memory pool of one client grows to (one call per region at a time)
 DEFAULT_SHM_REGIONS = 8
+
+
+#: failover (a target naming several replicas): an admission refusal is sent again at most this many times (and
+#: at most once per other replica)
+FAILOVER_MAX_RETRIES = 3
+#: seconds before the first resend of a refused call (doubled for each further one, jittered +-50 %)
+FAILOVER_BACKOFF_S = 0.05
+#: the share of the caller's deadline one attempt may take while the resend after a timeout is still left
+FAILOVER_DEADLINE_SHARE = 0.5
+#: a resend needs at least this many seconds of the caller's deadline left
+FAILOVER_MIN_ATTEMPT_S = 0.05
+#: the flags a RESOURCE_EXHAUSTED of the server's admission names (``advantage_server.limits``): every place
+#: taken, or this client beyond its share of calls waiting for their request body
+ADMISSION_FLAGS = ("--max-concurrent-requests", "--max-pending-per-connection", "--max-pending-per-peer")
+
+
+def admission_refused(error: AdvantageServiceError) -> bool:
+    """Whether ``error`` is the server's admission refusal: RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``
+    (every place taken: answered before the request is read) or ``--max-pending-per-connection`` /
+    ``--max-pending-per-peer`` (this client had more calls waiting for their body than its share). It says
+    nothing about the request: another replica (or the same one later) may take it. The other
+    RESOURCE_EXHAUSTED (a size limit such as ``--max-message-mb``, out of memory) is about the request."""
+    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(f in str(error) for f in ADMISSION_FLAGS)
+
+
+class Failover:
+    """The attempts of one ``compute`` call on a target naming ``replicas`` replicas, within its deadline
+    ``timeout`` (seconds, None: none), shared by the sync and asyncio clients.
+
+    With one replica (``replicas < 2``) there is one attempt under the whole deadline and its error is the
+    call's, as before. With several:
+
+    * an admission refusal (:func:`admission_refused`) is sent again after a short jittered backoff
+      (``FAILOVER_BACKOFF_S``, doubled each time), at most ``min(replicas, FAILOVER_MAX_RETRIES)`` times. With
+      ``targets`` (one gRPC target per replica, :func:`advantage_client.channel.replica_targets`: a list of
+      replicas, the Ray client's) the resends go to the replicas one after another in an order of this call's
+      own (a random rotation over all of them: the client does not know which replica refused, so with
+      ``replicas`` resends every other replica is tried once); a resend that finds its replica not serving
+      (UNAVAILABLE: full for 2 s, draining, down) moves on to the next at once. Without ``targets`` (a DNS
+      name) the resend goes through the channel's round_robin picker: the next replica in the rotation for a
+      caller alone, but the rotation is shared with the other calls in flight, so under concurrency a resend
+      lands on another replica with probability (replicas - 1) / replicas; a replica full for 2 s leaves the
+      rotation (its health turns NOT_SERVING);
+    * while the resend after a timeout is left, an attempt takes at most ``FAILOVER_DEADLINE_SHARE`` (half) of
+      the deadline; one that ends DEADLINE_EXCEEDED (a hung replica, or a computation slower than that share:
+      the client cannot tell them apart) is sent once more, at once, through the round_robin rotation (the next
+      replica), under what is left of the deadline. Every compute call is idempotent, so a resend is safe; a
+      shared-memory call's region is dropped after the timed-out attempt (the old replica may still write into
+      it) and the resend takes a fresh one.
+
+    Any other error, or one past those bounds, is raised (a DEADLINE_EXCEEDED naming the caller's deadline).
+    ``on_timeout``: called (no arguments) when an attempt timed out and is sent again (the Ray client starts
+    its look-up there, which drops a hung replica)."""
+
+    def __init__(self, replicas: int, timeout: float | None, on_timeout: Any = None, targets: Sequence[str] = ()):
+        self.replicas, self.timeout, self.on_timeout = int(replicas), timeout, on_timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
+        self.refusals = 0
+        self.timeouts = 0
+        self._refusal: AdvantageServiceError | None = None  # the first admission refusal
+        start = random.randrange(len(targets)) if targets else 0
+        self._order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
+        #: the replica's target the next attempt goes to (None: the round_robin channel)
+        self.via: str | None = None
+
+    def attempt_timeout(self) -> float | None:
+        """The deadline of the next attempt in seconds (None: none)."""
+        if self.end is None:
+            return None
+        if self.replicas < 2:
+            return self.timeout  # one attempt, under the whole deadline as given
+        # a resend is made only with FAILOVER_MIN_ATTEMPT_S left: the floor only keeps the value valid
+        left = max(self.end - time.monotonic(), 1e-3)
+        if self.timeouts == 0:
+            left = min(left, self.timeout * FAILOVER_DEADLINE_SHARE)
+        return left
+
+    def retry(self, error: AdvantageServiceError) -> float | None:
+        """After an attempt failed with ``error``: seconds to wait before sending the call again (to
+        :attr:`via`), or None when ``error`` is the call's (see the class docstring)."""
+        if self.replicas < 2:
+            return None
+        left = math.inf if self.end is None else self.end - time.monotonic()
+        steered_away = self.via is not None and error.code == grpc.StatusCode.UNAVAILABLE
+        if admission_refused(error) or steered_away:
+            self._refusal = self._refusal or (None if steered_away else error)
+            if self.refusals >= min(self.replicas, FAILOVER_MAX_RETRIES) or left < FAILOVER_MIN_ATTEMPT_S:
+                return None
+            self.refusals += 1
+            self.via = self._order[(self.refusals - 1) % len(self._order)] if self._order else None
+            if steered_away:
+                return 0.0
+            pause = FAILOVER_BACKOFF_S * 2 ** (self.refusals - 1) * random.uniform(0.5, 1.5)
+            return pause if pause + FAILOVER_MIN_ATTEMPT_S <= left else None
+        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and self.end is not None and self.timeouts == 0:
+            self.timeouts += 1
+            if left < FAILOVER_MIN_ATTEMPT_S:
+                return None
+            self.via = None
+            if self.on_timeout is not None:
+                self.on_timeout()
+            return 0.0
+        return None
+
+    def after(self, error: AdvantageServiceError, target: str) -> float:
+        """:meth:`retry`'s pause before the next attempt; raises the call's error (:meth:`error`) when there is
+        none (``target``: the client's, for the error's hint)."""
+        pause = self.retry(error)
+        if pause is None:
+            final = self.error(error, target)
+            if final is error:
+                raise error
+            raise final from None
+        return pause
+
+    def error(self, error: AdvantageServiceError, target: str) -> AdvantageServiceError:
+        """The error the call raises: ``error``; a DEADLINE_EXCEEDED after a resend names the caller's deadline
+        (the attempt's own hint named its share of it); the first admission refusal when the last resend found
+        its replica not serving."""
+        if error.code == grpc.StatusCode.UNAVAILABLE and self.via is not None and self._refusal is not None:
+            return self._refusal
+        if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or not self.timeouts or self.timeout is None:
+            return error
+        return AdvantageServiceError(error.code, hint(
+            error.code, "Deadline Exceeded", target, self.timeout) + " [failover: the first attempt timed out after "
+            f"{self.timeout * FAILOVER_DEADLINE_SHARE:g} s (half the deadline) and was sent again to another replica "
+            "within the rest]", error.field_violations)
 
 
 def decode_result(msg: pb.AdvantageResult, as_numpy: bool = False) -> AdvantageResult:
@@ -326,6 +454,11 @@ class AdvantageClient:
              result over the wire (the behaviour of clients before per-sample results; for comparisons).
     channel_options: more gRPC channel arguments (``[("grpc.use_local_subchannel_pool", 1)]``), added to the
              client's own (``advantage_client.channel.make_channel``) on every channel it makes.
+    failover: with a target naming several replicas (a list, a DNS name resolving to several addresses, the
+             Ray client's replicas): resend an admission refusal (a full replica) to another replica, and give
+             each attempt at most half the call's deadline so that one timed out on a hung replica is sent
+             once more to another within it (default True; see :class:`Failover`). False: one attempt per call
+             under the whole deadline, its error raised. With one replica there is nothing to fail over to.
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
@@ -335,8 +468,12 @@ class AdvantageClient:
                  transport: str = "auto", stream_threshold_mb: float = streaming.DEFAULT_STREAM_THRESHOLD_MB,
                  chunk_mb: float = streaming.DEFAULT_CHUNK_MB, shm_min_mb: float = streaming.DEFAULT_SHM_MIN_MB,
                  shm_max_mb: float = streaming.DEFAULT_SHM_MAX_MB, compact: bool = True,
-                 shm_regions: int = DEFAULT_SHM_REGIONS, channel_options: Sequence[tuple[str, Any]] = ()):
+                 shm_regions: int = DEFAULT_SHM_REGIONS, channel_options: Sequence[tuple[str, Any]] = (),
+                 failover: bool = True):
         self.compact = bool(compact)
+        self.failover = bool(failover)
+        #: called when a timed-out attempt is sent again (:class:`Failover`; the Ray client's look-up)
+        self._on_timeout: Any = None
         self.target = channel_target(target)
         self.timeout = check_timeout(timeout)
         self.max_message_bytes = int(max_message_mb * (1 << 20))
@@ -345,6 +482,10 @@ class AdvantageClient:
                             tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready,
                             options=tuple(channel_options))
         self._channel = channel or make_channel(self.target, **channel_args)
+        # failover resends to a replica of a list target chosen per call (_replica_calls); not on a channel
+        # given by the caller (its options are not known here)
+        self._channel_args, self._chunk_mb, self._steerable = channel_args, chunk_mb, channel is None
+        self._replicas: dict[str, tuple[grpc.Channel, streaming.Calls]] = {}
         # Streams go on a channel of their own whose retry buffer is small: gRPC keeps every message of a call
         # it may retry (here up to max_message_mb) until the server answers, so a streamed 256 MiB request
         # would stay in memory twice and every chunk would land in fresh pages. A stream that has sent more
@@ -429,19 +570,54 @@ class AdvantageClient:
         ``metadata=``, or a scalar such as a misspelt ``timout=5.0``: see :func:`check_inputs`), and
         :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
         (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
+
+        Failover (a target naming several replicas, ``failover=True``: see :class:`Failover`): an admission
+        refusal (RESOURCE_EXHAUSTED naming ``--max-concurrent-requests`` or a ``--max-pending-*`` share) is
+        sent again to another replica after a short backoff, up to once per other replica (at most
+        ``FAILOVER_MAX_RETRIES``); an attempt takes at most half of ``timeout``, and one that timed out is sent
+        once more to another replica under the rest (a shared-memory call on a fresh region). With one replica
+        the first error is raised, as before.
         """
         deadline = call_timeout(timeout, self.timeout)
         check_inputs(tensors, self)
-        if deadline == self.timeout:
-            return self._compute(estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample,
-                                 tensors)
+        args = (estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample, tensors)
+        replicas = replica_count(self.target) if self.failover else 1
+        if deadline == self.timeout and replicas < 2:
+            return self._compute(*args)
         # the shared-memory path (shm.py) makes its RPCs through _call, which reads this thread's deadline
-        outer, self._local.timeout = getattr(self._local, "timeout", CLIENT_TIMEOUT), deadline
+        outer = getattr(self._local, "timeout", CLIENT_TIMEOUT)
+        if replicas < 2:
+            self._local.timeout = deadline
+            try:
+                return self._compute(*args)
+            finally:
+                self._local.timeout = outer
+        plan = Failover(replicas, deadline, self._on_timeout, replica_targets(self.target) if self._steerable else ())
         try:
-            return self._compute(estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample,
-                                 tensors)
+            while True:
+                self._local.timeout = plan.attempt_timeout()
+                self._local.calls = None if plan.via is None else self._replica_calls(plan.via)
+                try:
+                    return self._compute(*args)
+                except AdvantageServiceError as err:
+                    pause = plan.after(err, self.target)  # raises the call's error when not sent again
+                time.sleep(pause)  # then the next attempt, on plan.via (else round_robin's next replica)
         finally:
-            self._local.timeout = outer
+            self._local.timeout, self._local.calls = outer, None
+
+    def _replica_calls(self, target: str) -> streaming.Calls:
+        """The calls on a channel to the one replica ``target`` (:func:`replica_targets`), made on first use and
+        kept until :meth:`close`: where a failover resend goes (:class:`Failover`). Its retry policy is off (a
+        replica not serving answers UNAVAILABLE at once and the resend moves on to the next)."""
+        with self._shm_lock:
+            if self._shm_closed:
+                raise ValueError("the client is closed")
+            if target not in self._replicas:
+                args = {**self._channel_args, "retry": False}
+                channel = make_channel(target, **args)
+                self._replicas[target] = (channel, streaming.Calls(channel, self._chunk_mb, lambda: make_channel(
+                    target, retry_buffer_mb=streaming.STREAM_RETRY_BUFFER_MB, **args)))
+            return self._replicas[target][1]
 
     @property
     def _call_timeout(self) -> float | None:
@@ -485,7 +661,8 @@ class AdvantageClient:
         if auto:
             transport = "stream" if data.nbytes >= self.stream_threshold_bytes else "unary"
         self.last_transport = transport
-        call = self._calls.stream if transport == "stream" else self._calls.unary
+        calls = getattr(self._local, "calls", None) or self._calls  # a failover resend's replica, if any
+        call = calls.stream if transport == "stream" else calls.unary
         timeout = self._call_timeout
         try:
             reply = call(data, timeout=timeout, metadata=self._metadata)
@@ -496,7 +673,7 @@ class AdvantageClient:
             # the server takes smaller streams than this; one message may still be within its limit
             self.last_transport = "unary"
             try:
-                reply = self._calls.unary(data, timeout=timeout, metadata=self._metadata)
+                reply = calls.unary(data, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as err2:
                 raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
@@ -740,6 +917,11 @@ class AdvantageClient:
             waiter.ready.set()
         for region in idle:
             region.close()
+        with self._shm_lock:
+            replicas, self._replicas = list(self._replicas.values()), {}
+        for channel, calls in replicas:
+            calls.close()
+            channel.close()
         self._calls.close()
         self._channel.close()
 

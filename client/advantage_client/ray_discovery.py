@@ -31,7 +31,9 @@ A replica whose process hangs (SIGSTOPped, or wedged) keeps its TCP connection a
 gRPC keeps sending it a share of the calls, each failing DEADLINE_EXCEEDED. A look-up drops it: once one replica
 answered ``info()``, the others get ``STALL_S`` (1 s) more, and one that has not answered by then is left out of
 the new set (it comes back at a later look-up once it answers). A call that fails DEADLINE_EXCEEDED starts such
-a look-up at once (in the background; the error is raised as it is, not retried), so a hung replica is dropped
+a look-up at once (in the background), as does an attempt the client's failover sends again after it timed out
+(``advantage_client.client.Failover``: with several replicas an attempt takes at most half the call's deadline
+and one that timed out is sent once more to another replica within the rest), so a hung replica is dropped
 within about ``STALL_S`` + 1 s of the first call to it that timed out, and at the latest at the next periodic
 look-up (``refresh_s`` + ``STALL_S``). Calls already sent to it still end at their own deadline.
 
@@ -250,7 +252,8 @@ class _Slot:
 
     __slots__ = ("client", "found", "addresses", "users", "retired")
 
-    def __init__(self, factory: Callable[..., Any], found: dict[str, str], client_kwargs: dict[str, Any]):
+    def __init__(self, factory: Callable[..., Any], found: dict[str, str], client_kwargs: dict[str, Any],
+                 on_timeout: Callable[[], None] | None = None):
         self.found = dict(found)
         self.addresses = sorted(found)
         # connections of its own: gRPC shares a process-wide pool of connections between channels with the same
@@ -259,6 +262,9 @@ class _Slot:
         # refused" for ~1.5 s while the restarted server listened)
         options = (*client_kwargs.get("channel_options", ()), LOCAL_SUBCHANNEL_POOL)
         self.client = factory(self.addresses, **{**client_kwargs, "channel_options": options})
+        # an attempt that timed out and is sent again to another replica (the client's failover) starts the
+        # look-up that drops a hung replica, as a call that failed DEADLINE_EXCEEDED does
+        self.client._on_timeout = on_timeout
         self.users, self.retired = 0, False
 
     def current(self, found: dict[str, str]) -> bool:
@@ -312,8 +318,9 @@ class RayClient:
     """What :meth:`AdvantageClient.from_ray <advantage_client.AdvantageClient.from_ray>` returns: an
     :class:`~advantage_client.AdvantageClient` on the replicas' current addresses, replaced when they change
     (see the module docstring). ``compute``, ``list_estimators`` and ``wait_ready`` are the client's, with the
-    look-up and one more try on UNAVAILABLE, and a look-up started in the background on DEADLINE_EXCEEDED (the
-    error stands; a hung replica is dropped within about ``STALL_S`` + 1 s); every other attribute is the
+    look-up and one more try on UNAVAILABLE, and a look-up started in the background on DEADLINE_EXCEEDED (also
+    on an attempt timed out and sent again by the client's failover; a hung replica is dropped within about
+    ``STALL_S`` + 1 s); every other attribute is the
     current client's. Without ``token``/``token_file`` the client uses the token ``advantage-ray up``
     generated, read from a replica (:func:`replica_token`). Thread-safe; use as a context manager or call
     :meth:`close`.
@@ -337,7 +344,7 @@ class RayClient:
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._stall_lookup: threading.Thread | None = None
-        self._slot = _Slot(factory, found, self._kwargs)
+        self._slot = _Slot(factory, found, self._kwargs, self._look_soon)
         self._closed = threading.Event()
         self.refresh_s = refresh_s
         self._thread: threading.Thread | None = None
@@ -368,7 +375,7 @@ class RayClient:
                 return False, False
             if not found or self._slot.current(found):
                 return False, bool(found)
-            new = _Slot(self._factory, found, self._kwargs)
+            new = _Slot(self._factory, found, self._kwargs, self._look_soon)
             with self._lock:
                 old, self._slot = self._slot, new
                 old.retired = True
@@ -487,7 +494,7 @@ class AsyncRayClient:
                  refresh_s: float | None, client_kwargs: dict[str, Any], wait_s: float = 30.0):
         self._factory, self._kwargs, self._lookup = factory, client_kwargs, lookup
         self.wait_s = wait_s
-        self._slot = _Slot(factory, found, client_kwargs)
+        self._slot = _Slot(factory, found, client_kwargs, self._look_soon)
         self._refresh_lock = asyncio.Lock()
         self._stall_lookup: asyncio.Task | None = None
         self._closed = False
@@ -527,7 +534,7 @@ class AsyncRayClient:
                 return False, False
             if not found or self._slot.current(found):
                 return False, bool(found)
-            old, self._slot = self._slot, _Slot(self._factory, found, self._kwargs)
+            old, self._slot = self._slot, _Slot(self._factory, found, self._kwargs, self._look_soon)
             old.retired = True
             if old.users == 0:
                 await old.client.close()
@@ -548,6 +555,11 @@ class AsyncRayClient:
                 return True
         return False
 
+    def _look_soon(self) -> None:
+        """As :meth:`RayClient._look_soon`: a look-up task of its own, now (one at a time)."""
+        if not self._closed and (self._stall_lookup is None or self._stall_lookup.done()):
+            self._stall_lookup = asyncio.get_running_loop().create_task(self.refresh())
+
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
@@ -566,9 +578,8 @@ class AsyncRayClient:
         try:
             return await getattr(slot.client, method)(*args, **kwargs)
         except AdvantageServiceError as err:
-            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._closed and (
-                    self._stall_lookup is None or self._stall_lookup.done()):
-                self._stall_lookup = asyncio.get_running_loop().create_task(self.refresh())  # as RayClient's
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._look_soon()
             if err.code != grpc.StatusCode.UNAVAILABLE or not await self._recover(slot, method, args):
                 raise
         finally:
