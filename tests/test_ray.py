@@ -322,6 +322,16 @@ def test_verl_estimator_reaches_the_replicas_through_from_ray(deployment):
     torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
 
 
+def test_skyrl_registry_carries_a_remote_estimator_to_a_ray_worker(cluster, server):
+    """SkyRL's ``AdvantageEstimatorRegistry`` backed by its named Ray actor on this cluster: ``remote_grpo`` and
+    ``remote_maxrl`` registered on the driver (advantage_client.skyrl.register) are found by a Ray task through
+    SkyRL's registry and compute on the server (tests/test_skyrl_plugin.py, ``check_in_ray_worker``)."""
+    pytest.importorskip("skyrl")
+    from test_skyrl_plugin import check_in_ray_worker
+
+    check_in_ray_worker(server.address)
+
+
 def test_replica_killed_mid_run_no_failed_request(deployment):
     victim = deployment[0]
     failures: list[BaseException] = []

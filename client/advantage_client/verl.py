@@ -58,12 +58,21 @@ Names: the pinned verl's (0.9.1) registry names ``gae``, ``grpo``, ``grpo_vector
 ``rloo_vectorized``, ``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` (or
 verl's ``AdvantageEstimator`` enum members; tests/test_diff_verl.py fails when the registry has a name
 this module lacks). Shared service estimators (gae, grpo, gdpo, reinforce_plus_plus, rloo, ...) run with
-``semantics = verl``.
+``semantics = verl``. A client built from an address also reads ``$ADVANTAGE_SERVICE_TLS_CA`` (a PEM file: TLS)
+and ``$ADVANTAGE_SERVICE_TOKEN_FILE`` (bearer token), as examples/nemo_rl/remote_advantage.py does.
+
+Plugin (configuration alone, no change to verl's code): :func:`register` adds ``remote_<name>`` to verl's
+registry for every name above and lets verl's ``compute_advantage`` dispatch it with the inputs verl gives
+``<name>`` (its docstring says what it changes in the process); ``VERL_USE_EXTERNAL_MODULES=advantage_client.verl``
+makes verl import this module, which then registers, in every verl process. Then
+``algorithm.adv_estimator=remote_grpo``. tests/test_verl_plugin.py runs verl's own ``compute_advantage`` with each
+name and its remote name.
 """
 from __future__ import annotations
 
 import enum
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -75,6 +84,8 @@ from advantage_client.client import AdvantageClient, reduce_prompt_ids
 from advantage_client.nemo import warn_unapplied
 
 DEFAULT_TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
+TLS_CA_ENV = "ADVANTAGE_SERVICE_TLS_CA"
+TOKEN_FILE_ENV = "ADVANTAGE_SERVICE_TOKEN_FILE"
 _DEFAULT_TARGET = "localhost:50051"
 
 
@@ -129,21 +140,33 @@ _clients: dict[Any, AdvantageClient] = {}
 _clients_lock = threading.Lock()
 
 
-def _client_for(target: Any) -> AdvantageClient:
+def _client_for(target: Any, tls_ca: str | None = None, token_file: str | None = None) -> AdvantageClient:
+    """The client for ``target``: an ``AdvantageClient`` (or anything with ``compute``) as given; else one client
+    per (address, TLS CA, token file) per process, built from ``target`` (``"host:port"``, a list of replica
+    addresses, or None: ``$ADVANTAGE_SERVICE_TARGET``, comma-separated for replicas, default ``localhost:50051``),
+    ``tls_ca`` (default ``$ADVANTAGE_SERVICE_TLS_CA``: a PEM file turns TLS on) and ``token_file`` (default
+    ``$ADVANTAGE_SERVICE_TOKEN_FILE``: its bearer token is sent), as examples/nemo_rl/remote_advantage.py reads
+    them. Raises ``TypeError`` for any other ``target``."""
     if isinstance(target, AdvantageClient) or callable(getattr(target, "compute", None)):
         return target  # a client, or one that stands for several (AdvantageClient.from_ray)
     if target is None:
-        target = os.environ.get(DEFAULT_TARGET_ENV, _DEFAULT_TARGET)
+        target = os.environ.get(DEFAULT_TARGET_ENV) or _DEFAULT_TARGET
+        if "," in target:
+            target = [t.strip() for t in target.split(",") if t.strip()]
     if isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target):
-        key: Any = tuple(target)  # replica addresses
+        addresses: Any = tuple(target)  # replica addresses
     elif isinstance(target, str):
-        key = target
+        addresses = target
     else:
         raise TypeError(f"target must be a 'host:port' string, a list of them or an AdvantageClient, "
                         f"got {type(target).__name__}")
+    tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
+    token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
+    key = (addresses, tls_ca, token_file)
     with _clients_lock:  # verl looks the estimator up on every step: one channel per address
         if key not in _clients:
-            _clients[key] = AdvantageClient(list(key) if isinstance(key, tuple) else key)
+            _clients[key] = AdvantageClient(list(addresses) if isinstance(addresses, tuple) else addresses,
+                                            tls_ca=tls_ca, token_file=token_file)
         return _clients[key]
 
 
@@ -292,11 +315,12 @@ def _gdpo_components(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[floa
     return components, weights
 
 
-def _with_semantics(service: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Add ``semantics = verl`` where the service's config message has that field (shared names)."""
+def _with_semantics(service: str, cfg: dict[str, Any], semantics: str = "verl") -> dict[str, Any]:
+    """Add ``semantics`` (``verl``; the SkyRL plugin's ``skyrl``) where the service's config message has that
+    field (shared names)."""
     _, cls = wire.ESTIMATOR_FIELDS.get(service, (None, None))
     if cls is not None and "semantics" in cls.DESCRIPTOR.fields_by_name:
-        return {"semantics": "verl", **cfg}
+        return {"semantics": semantics, **cfg}
     return cfg
 
 
@@ -363,4 +387,221 @@ def get_adv_estimator_fn(name_or_enum: Any, target: Any = None) -> Callable[...,
     return adv_estimator_fn
 
 
-__all__ = ["get_adv_estimator_fn", "ESTIMATORS", "config_get", "group_labels", "DEFAULT_TARGET_ENV"]
+# ------------------------------------------------------------------------------------------ the verl plugin
+#: the prefix of the names :func:`register` adds to verl's registry: ``remote_grpo`` is verl's ``grpo``, computed
+#: by the service
+REMOTE_PREFIX = "remote_"
+#: the ``algorithm`` config section's key that may name the server (``target``, ``tls_ca``, ``token_file``)
+CONFIG_KEY = "advantage_service"
+#: verl's functions that take the estimator name and branch on it: (module, function); :func:`register` wraps
+#: each one that can be imported
+DISPATCHERS = (("verl.trainer.ppo.ray_trainer", "compute_advantage"),
+               ("verl.trainer.ppo.v1.utils", "compute_advantage_for_multi_trajectories"))
+
+_plugin: dict[str, Any] = {"target": None}  # register()'s target (None: the algorithm config or the environment)
+_plugin_lock = threading.Lock()
+
+
+def remote_name(name_or_enum: Any) -> str | None:
+    """``"remote_grpo"`` -> ``"grpo"``; None for any other value (verl's own names and enum members). Raises
+    ``ValueError`` for a ``remote_`` name whose verl estimator the service does not run."""
+    if isinstance(name_or_enum, enum.Enum) or not isinstance(name_or_enum, str) \
+            or not name_or_enum.startswith(REMOTE_PREFIX):
+        return None
+    name = name_or_enum[len(REMOTE_PREFIX):]
+    if name not in ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator simply: {name_or_enum}; the service runs "
+                         f"{', '.join(REMOTE_PREFIX + n for n in sorted(ESTIMATORS))}")
+    return name
+
+
+def service_client(config: Any = None, target: Any = None) -> AdvantageClient:
+    """The client a ``remote_<name>`` estimator computes with: ``target`` if given, else :func:`register`'s,
+    else ``config.advantage_service`` (verl's ``algorithm`` section: ``target``, ``tls_ca``, ``token_file``;
+    e.g. ``+algorithm.advantage_service.target=host:port`` on verl's command line), else the environment
+    (``$ADVANTAGE_SERVICE_TARGET``, ``$ADVANTAGE_SERVICE_TLS_CA``, ``$ADVANTAGE_SERVICE_TOKEN_FILE``)."""
+    target = target if target is not None else _plugin["target"]
+    if target is not None:
+        return _client_for(target)
+    section = config_get(config, CONFIG_KEY)
+    return _client_for(config_get(section, "target"), config_get(section, "tls_ca"),
+                       config_get(section, "token_file"))
+
+
+class _ServiceCoreAlgos:
+    """verl's ``core_algos`` module as verl's own code sees it while it runs a ``remote_<name>``: the three
+    entry points through which verl computes advantages answered by the service (this module's drop-ins, with
+    verl's keywords), every other attribute (``AdvantageEstimator``, ``compute_pf_ppo_reweight_data``, ...)
+    verl's."""
+
+    def __init__(self, core_algos: Any, client: Any) -> None:
+        self._core, self._client = core_algos, client
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._core, attr)
+
+    def compute_gae_advantage_return(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return get_adv_estimator_fn("gae", self._client)(*args, **kwargs)
+
+    def compute_grpo_outcome_advantage(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return get_adv_estimator_fn("grpo", self._client)(*args, **kwargs)
+
+    def get_adv_estimator_fn(self, name_or_enum: Any) -> Callable[..., tuple[Any, Any]]:
+        return get_adv_estimator_fn(name_or_enum, self._client)
+
+
+def _on_service(fn: Callable[..., Any], client: Any, originals: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
+    """A copy of verl's function ``fn`` (its own code object) whose global ``core_algos`` is
+    :class:`_ServiceCoreAlgos` and whose globals naming another dispatcher (``compute_advantage`` in v1's
+    ``compute_advantage_for_multi_trajectories``) name that dispatcher's copy."""
+    import types
+
+    from verl.trainer.ppo import core_algos
+
+    namespace = dict(fn.__globals__)
+    namespace["core_algos"] = _ServiceCoreAlgos(core_algos, client)
+    for attr, original in originals.items():
+        if original is not fn and attr in namespace:
+            namespace[attr] = _on_service(original, client, {})
+    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _dispatcher(original: Callable[..., Any], originals: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
+    """verl's ``original`` (``compute_advantage(data, adv_estimator, ..., config)`` and its v1 twin) taking
+    ``remote_<name>`` too: verl's own names go to ``original`` untouched; ``remote_<name>`` runs ``original``'s
+    code with ``adv_estimator=<name>`` (so verl's branches hand the estimator exactly the inputs they give
+    ``<name>``) and its estimator calls answered by the service (:func:`_on_service`)."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        name = remote_name(bound.arguments.get("adv_estimator"))
+        if name is None:
+            return original(*args, **kwargs)
+        bound.arguments["adv_estimator"] = name
+        client = service_client(bound.arguments.get("config"))
+        return _on_service(original, client, originals)(*bound.args, **bound.kwargs)
+
+    dispatch.advantage_service_original = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def _replace_everywhere(original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
+    """Every loaded module's global bound to ``original`` (``from ... import compute_advantage`` before
+    :func:`register` ran: verl's v1 trainer, the experimental trainers, a recipe) rebound to ``replacement``."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                namespace[attr] = replacement
+
+
+def _registry_entry(name: str) -> Callable[..., tuple[Any, Any]]:
+    """``remote_<name>`` in verl's registry: verl's ``<name>`` with verl's keywords, computed by the service
+    (the client resolved on each call, :func:`service_client` with the call's ``config``)."""
+    def remote_estimator(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return get_adv_estimator_fn(name, service_client(kwargs.get("config")))(*args, **kwargs)
+
+    remote_estimator.__name__ = remote_estimator.__qualname__ = REMOTE_PREFIX + name
+    remote_estimator.__doc__ = f"verl's {name!r} advantage estimator, computed by the advantage service."
+    remote_estimator.advantage_service = name  # type: ignore[attr-defined]
+    return remote_estimator
+
+
+def register(target: Any = None) -> list[str]:
+    """Make verl 0.9.1 compute advantages on the service by configuration alone: ``remote_<name>`` for every
+    name of verl's ``ADV_ESTIMATOR_REGISTRY`` (``algorithm.adv_estimator=remote_grpo``), ``gae`` and ``grpo``
+    included. Idempotent; call it in the process that runs verl's trainer (or let verl import this module:
+    ``VERL_USE_EXTERNAL_MODULES=advantage_client.verl``, which calls it).
+
+    What it changes in the process:
+      * verl's ``ADV_ESTIMATOR_REGISTRY`` gains ``remote_<name>`` (verl's keyword signature; verl's own entries
+        are untouched);
+      * ``verl.trainer.ppo.ray_trainer.compute_advantage`` and, where verl's v1 trainer imports,
+        ``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories`` are replaced, in every loaded
+        module that holds them, by a dispatcher: a verl name runs verl's function untouched; ``remote_<name>``
+        runs a copy of verl's own function with ``<name>``, whose ``core_algos`` calls
+        (``compute_gae_advantage_return``, ``compute_grpo_outcome_advantage``, ``get_adv_estimator_fn``) the
+        service answers. So a remote name gets exactly the inputs verl gives its own name (``values`` for gae,
+        GDPO's ``non_tensor_batch``/``batch``, the optimal-token-baseline inputs, the v1 trainer's
+        last-session GRPO).
+
+    target: ``"host:port"``, a list of replica addresses or an ``AdvantageClient`` (in-process only); default:
+    ``algorithm.advantage_service`` or the environment (:func:`service_client`). Returns the names added.
+    Raises ``ImportError`` when verl is not installed. A name of verl's registry this module does not know
+    (a newer verl) gets no remote entry and a ``UserWarning``.
+    """
+    import importlib
+    import warnings
+
+    from verl.trainer.ppo import core_algos
+
+    with _plugin_lock:
+        _plugin["target"] = target
+        registry = core_algos.ADV_ESTIMATOR_REGISTRY
+        added = []
+        for name in [n for n in list(registry) if not n.startswith(REMOTE_PREFIX)]:
+            if name not in ESTIMATORS:
+                warnings.warn(f"advantage_client.verl: verl's estimator {name!r} has no remote_{name} (the service "
+                              f"runs {', '.join(sorted(ESTIMATORS))})", UserWarning, stacklevel=2)
+                continue
+            current = registry.get(REMOTE_PREFIX + name)
+            if current is not None and getattr(current, "advantage_service", None) != name:
+                raise ValueError(f"verl's registry already has {REMOTE_PREFIX + name!r} ({current!r}), not this "
+                                 f"plugin's: unregister it or rename it")
+            if current is None:
+                registry[REMOTE_PREFIX + name] = _registry_entry(name)
+            added.append(REMOTE_PREFIX + name)
+        originals: dict[str, Callable[..., Any]] = {}
+        modules = []
+        for module_name, attr in DISPATCHERS:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # verl's v1 trainer needs transfer_queue: without it, v1 cannot run either
+                continue
+            current = getattr(module, attr)
+            originals[attr] = getattr(current, "advantage_service_original", current)
+            modules.append((module, attr))
+        for module, attr in modules:
+            current = getattr(module, attr)
+            if hasattr(current, "advantage_service_original"):
+                continue  # registered before
+            dispatch = _dispatcher(originals[attr], originals)
+            _replace_everywhere(originals[attr], dispatch)
+            _plugin.setdefault("dispatchers", []).append((originals[attr], dispatch))
+        return added
+
+
+def unregister() -> None:
+    """Undo :func:`register` in this process: the ``remote_`` entries it added leave verl's registry and verl's
+    own functions are bound again wherever the dispatchers were (tests; a process that switches back)."""
+    core_algos = sys.modules.get("verl.trainer.ppo.core_algos")
+    with _plugin_lock:
+        if core_algos is not None:
+            registry = core_algos.ADV_ESTIMATOR_REGISTRY
+            for name in [n for n, fn in registry.items() if getattr(fn, "advantage_service", None)]:
+                del registry[name]
+        for original, dispatch in _plugin.pop("dispatchers", []):
+            _replace_everywhere(dispatch, original)
+        _plugin["target"] = None
+
+
+def _named_by_verl() -> bool:
+    """Whether verl is importing this module because ``$VERL_USE_EXTERNAL_MODULES`` names it (verl's
+    ``verl/__init__.py`` imports each module that variable lists, in every process that imports verl)."""
+    return __name__ in [m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]
+
+
+__all__ = ["get_adv_estimator_fn", "ESTIMATORS", "config_get", "group_labels", "DEFAULT_TARGET_ENV", "register",
+           "unregister", "remote_name", "service_client", "REMOTE_PREFIX"]
+
+if _named_by_verl():
+    register()
