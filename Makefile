@@ -20,7 +20,7 @@ setup: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt $(REFS)
 	@echo "make: installing the service and its test tools into $(VENV) (torch, numba, grpcio, Ray, buf, hadolint,"
-	@echo "make: kubernetes-validate, the reference packages the differential tests run: about 1.9 GB with a CPU-only torch, 2-4 min)"
+	@echo "make: kubernetes-validate, the reference packages and TRL's training stack (transformers, accelerate, datasets): about 2.4 GB with a CPU-only torch, 3-5 min)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	# --ignore-requires-python: skyrl 0.4.0 declares Python >= 3.12; its advantage code runs on 3.11 (tests/references/skyrl_ref.py)
