@@ -296,6 +296,8 @@ def test_list_estimators_says_which_are_per_sample(target):
 
     listing = run(main())
     rules = {name: [(r.when, layout.layout_name(r.layout)) for r in e.per_sample] for name, e in listing.items()}
-    assert rules["grpo"] == [("semantics = nemo_rl", "broadcast"), ("semantics = verl", "broadcast_times_mask"),
+    assert rules["grpo"] == [("semantics = nemo_rl", "broadcast"),
+                             ("semantics = verl or semantics = skyrl", "broadcast_times_mask"),  # SkyRL's is verl's code
                              ("semantics = openrlhf", "up_to_last_valid"), ("semantics = trl", "broadcast")]
+    assert rules["maxrl"] == [("", "broadcast_times_mask")]
     assert rules["gae"] == [] and rules["opd"] == []

@@ -296,6 +296,17 @@ def test_verl_returns_kernel_matches_loop(gamma, T):
         close(verl_returns(r, m, gamma, reset), verl_returns_loop(r, m, gamma, reset), tol=1e-10)
 
 
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_verl_returns_reset_keeps_a_small_segment_next_to_a_huge_reward(gamma):
+    """verl 0.8 / skyrl: the segment before a hole holds -0.1 per token (a KL penalty) and the reward 1e19 comes
+    after the hole. Its returns are exact (the difference of two cumulative sums gave 0 there)."""
+    r = torch.tensor([[-0.1, -0.1, -0.1, 0.0, 1e19]], dtype=F64)
+    m = torch.tensor([[1, 1, 1, 0, 1]], dtype=F64)
+    want = verl_returns_loop(r, m, gamma, reset_at_holes=True)
+    assert want[0, 0] == pytest.approx(-0.1 * (1 + gamma + gamma ** 2))
+    torch.testing.assert_close(verl_returns(r, m, gamma, reset_at_holes=True), want, rtol=1e-15, atol=0)
+
+
 # ---------------------------------------------------------------------------------- gae (verl)
 def test_gae_verl_keeps_masked_positions_and_nemo_zeroes_them():
     vals = torch.linspace(-1, 1, 30, dtype=F64).reshape(6, 5)

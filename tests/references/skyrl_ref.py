@@ -48,18 +48,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from references.stubs import really_installed, restore_modules
+from references.stubs import (
+    StubUsed, cannot_build, import_released, package_standin, raising, really_installed, restore_modules, stub_module,
+)
 
-__all__ = ["load", "version", "compute", "ESTIMATORS", "STUBS"]
+__all__ = ["load", "version", "compute", "ESTIMATORS", "STUBS", "StubUsed"]
 
 TARGET = "skyrl.backends.skyrl_train.utils.ppo_utils"
 PACKAGES = ("skyrl", "skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.utils")
 #: the service's estimator name -> SkyRL's registry name
 ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce++", "maxrl": "maxrl"}
-
-
-class StubUsed(RuntimeError):
-    """A stub stood in for code that was actually run: the harness is not honest for this call."""
+OWNER = "tests/references/skyrl_ref.py"
 
 
 class _Annotation:
@@ -69,53 +68,29 @@ class _Annotation:
         return item[0] if isinstance(item, tuple) else item
 
 
-def _cannot_build(name: str) -> type:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise StubUsed(f"{name} is a stub in tests/references/skyrl_ref.py")
-    return type(name.rsplit(".", 1)[1], (), {"__init__": __init__})
-
-
-def _raises(name: str):
-    def stub(*args: Any, **kwargs: Any) -> Any:
-        raise StubUsed(f"{name} is a stub in tests/references/skyrl_ref.py")
-    return stub
-
-
 #: module -> {attribute: value}: the stubbed modules and the only names ppo_utils' import chain reads
 STUBS: dict[str, dict[str, Any]] = {
     "skyrl.train": {},
-    "skyrl.train.config": {"AlgorithmConfig": _cannot_build("skyrl.train.config.AlgorithmConfig")},
+    "skyrl.train.config": {"AlgorithmConfig": cannot_build("skyrl.train.config.AlgorithmConfig", OWNER)},
     "ray": {"remote": lambda cls: cls, "is_initialized": lambda: False,
-            **{n: _raises(f"ray.{n}") for n in ("get", "get_actor", "kill", "init")}},
+            **{n: raising(f"ray.{n}", OWNER) for n in ("get", "get_actor", "kill", "init")}},
     "jaxtyping": {"Float": _Annotation, "Integer": _Annotation},
     "loguru": {"logger": logging.getLogger("skyrl")},
 }
 _OPTIONAL = ("jaxtyping", "loguru")  # stubbed only where the real package is not installed
 
 _module: types.ModuleType | None = None
-_stubbed: list[str] = []
+_stubbed: list[str] = []  # the module names stood in for (import_released fills it)
 
 
 def _stub(name: str, attrs: dict[str, Any]) -> types.ModuleType:
-    module = types.ModuleType(name, f"stub of {name} (tests/references/skyrl_ref.py): not advantage code")
-    module.__path__ = []
-    module.__stub__ = True  # type: ignore[attr-defined]
-    for attr, value in attrs.items():
-        setattr(module, attr, value)
-
-    def __getattr__(attr: str) -> Any:
-        raise AttributeError(f"{name}.{attr}: not in tests/references/skyrl_ref.py STUBS")
-
-    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
-    return module
+    """The stand-in module ``name`` holding ``attrs`` (:func:`references.stubs.stub_module`)."""
+    return stub_module(name, attrs, OWNER)
 
 
 def _package(name: str, root: pathlib.Path) -> types.ModuleType:
     """``name`` as a package whose submodules load from the installed files, its ``__init__`` not run."""
-    module = types.ModuleType(name, f"package stand-in (tests/references/skyrl_ref.py): {name}.__init__ not run")
-    module.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
-    module.__package__ = name
-    return module
+    return package_standin(name, root, OWNER)
 
 
 def load() -> types.ModuleType:
@@ -127,35 +102,13 @@ def load() -> types.ModuleType:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("skyrl is not installed: run `make setup` (it installs tests/references/requirements.txt)")
     root = pathlib.Path(list(spec.submodule_search_locations)[0])
-    tops = {"skyrl", "ray", *_OPTIONAL}
-    saved = {name: mod for name, mod in sys.modules.items() if name.split(".")[0] in tops}
-    try:
-        for name in saved:
-            del sys.modules[name]
-        for name in PACKAGES:
-            sys.modules[name] = _package(name, root)
-            if "." in name:
-                setattr(sys.modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1], sys.modules[name])
-        for name, attrs in STUBS.items():
-            top = name.split(".")[0]
-            if top in _OPTIONAL and really_installed(top):
-                continue  # the real one is imported
-            sys.modules[name] = _stub(name, attrs)
-            if "." in name:
-                setattr(sys.modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1], sys.modules[name])
-            if top not in _stubbed:
-                _stubbed.append(top)
-        _module = importlib.import_module(TARGET)
-    finally:
-        for name in [n for n in sys.modules if n.split(".")[0] in tops]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    _module = import_released(TARGET, root, PACKAGES, STUBS, _OPTIONAL, _stubbed, OWNER)
     return _module
 
 
 def stubbed() -> list[str]:
     """The top-level modules :func:`load` stood in for (besides SkyRL's own package inits)."""
-    return list(_stubbed)
+    return list(dict.fromkeys(name.split(".")[0] for name in _stubbed))
 
 
 def version() -> str:

@@ -45,8 +45,12 @@ correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes i
     NOT zeroed. ``gae_lambda`` defaults to 1.0 (SkyRL's ``algorithm.lambd``); the nemo_rl-only fields are
     rejected. ``bootstrap_values`` (optional; SkyRL has none) is V after the last column, T, not after the
     row's last valid position, since this recursion ignores the mask; unset = 0, SkyRL's. Where SkyRL
-    raises (fewer than two valid tokens) the whitening uses variance 0, as under verl. Kernel: the
-    unmasked recursion is :func:`discounted_reverse_cumsum` of delta (float64), no per-step loop.
+    raises (fewer than two valid tokens) the whitening uses variance 0, as under verl. Kernel: the returns
+    are the lambda-returns G_t = A_t + V_t = r_t + gamma (1 - lambda) V_{t+1} + gamma lambda G_{t+1} (G_T = V_T),
+    :func:`discounted_reverse_cumsum` of r_t + gamma (1 - lambda) V_{t+1} (float64, no per-step loop), and
+    A = G - V: the same sums as SkyRL's loop without adding and then subtracting each V (with lambda = 1 the
+    returns do not read the values at all), so a return that is 0 (padding after the row's reward) is 0
+    exactly, not rounding noise of the values' size.
 
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
@@ -405,19 +409,24 @@ def skyrl_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
     """``semantics = skyrl`` (module docstring): SkyRL's unmasked recursion, float64, whitened over the mask.
 
     Inputs as :func:`gae`; ``bootstrap_values`` [B], when sent, is V after the last column (SkyRL: 0).
+    Returns advantages and returns ``[B, T]`` in the values' dtype. The returns are computed as
+    lambda-returns and A = G - V (module docstring, Kernel), so no value is added and subtracted again.
     """
     mask, values, raw = batch["mask"], batch["values"], batch["rewards"]
     bootstrap = batch.get("bootstrap_values")
     dtype = values.dtype
+    gamma, lam = cfg.gae_gamma, cfg.gae_lambda
     v = values.to(torch.float64)
     r = apply_kl(place_rewards(raw, mask).to(torch.float64), cfg, batch, mask=mask)
-    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))                      # V after the last column: 0
-    if bootstrap is not None:                                               # ... or the caller's bootstrap
-        next_v[:, -1] = bootstrap.to(torch.float64)
-    delta = r + cfg.gae_gamma * next_v - v
-    g = torch.full((batch.B,), cfg.gae_gamma * cfg.gae_lambda, dtype=torch.float64, device=v.device)
-    adv = discounted_reverse_cumsum(delta, g)
-    returns = adv + v
+    # x_t = r_t + gamma (1 - lambda) V_{t+1} (t < T - 1); x_{T-1} = r_{T-1} + gamma V_T (G_T = V_T: A_T = 0)
+    x = r.clone()
+    if lam != 1.0:
+        x[:, :-1] += (gamma * (1.0 - lam)) * v[:, 1:]
+    if bootstrap is not None:                                               # V after the last column (else 0)
+        x[:, -1] += gamma * bootstrap.to(torch.float64)
+    g = torch.full((batch.B,), gamma * lam, dtype=torch.float64, device=v.device)
+    returns = discounted_reverse_cumsum(x, g)
+    adv = returns - v
     if cfg.normalize_advantages:
         adv = whiten_unbiased(adv, mask)
     return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))

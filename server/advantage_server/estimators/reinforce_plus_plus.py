@@ -43,8 +43,10 @@ nemo_rl only.
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
 float64 temporaries; :func:`~advantage_server.estimators.whitening.whiten_rows_clamped`). The verl 0.9
 recursion packs each row's mask = 1 rewards to the left, takes their discounted reverse cumulative sum
-and gathers it back (float64, no per-step loop); the verl 0.8 one is the discounted reverse cumulative
-sum S of the token rewards minus, at each t, S at the next mask = 0 position after t discounted back to t.
+and gathers it back (float64, no per-step loop); the verl 0.8 one (and skyrl's) is a reverse scan of the
+affine steps ``G_t = r_t + c_t G_{t+1}`` (c_t = gamma * mask_{t+1}) by doubling (log2 T passes
+over [B, T]), which adds only terms of the same segment: a reward-free segment before a hole keeps its own
+returns (its KL penalty) next to a huge reward, where the difference of two cumulative sums lost them.
 :func:`verl_returns_loop` is the per-step loop twin of both (test oracle).
 """
 from __future__ import annotations
@@ -110,13 +112,12 @@ def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
     after t: the row's mask = 1 rewards are packed to the left, their discounted reverse cumulative sum
     taken, and gathered back to their positions (0 where mask = 0).
     ``reset_at_holes`` (verl 0.8): ``G_t = r_t + gamma * mask_{t+1} * G_{t+1}`` (G_T = 0) at every position,
-    computed as S_t - gamma^(z - t) S_z with S the discounted reverse cumulative sum of r and z the first
-    position after t where mask = 0 (T if none, S_T = 0).
+    computed by :func:`segmented_returns` (no subtraction: exact next to huge rewards).
     """
     r = token_rewards.to(torch.float64)
     B, T = r.shape
-    g = torch.full((B,), gamma, dtype=torch.float64, device=r.device)
     if not reset_at_holes:
+        g = torch.full((B,), gamma, dtype=torch.float64, device=r.device)
         valid = mask.bool()
         before = torch.cumsum(valid, 1) - valid.long()                    # mask = 1 positions before t
         slot = torch.where(valid, before, torch.full_like(before, T))      # holes go to a trash slot T
@@ -125,14 +126,27 @@ def verl_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
         G = discounted_reverse_cumsum(packed[:, :T], g)
         return torch.where(valid, G.gather(1, before.clamp(max=T - 1)), torch.zeros((), dtype=torch.float64,
                                                                                      device=r.device))
-    S = torch.nn.functional.pad(discounted_reverse_cumsum(r, g), (0, 1))
-    pos = torch.arange(T + 1, device=r.device)
-    zero_at = torch.where(torch.nn.functional.pad(mask.bool(), (0, 1), value=False), T, pos[None, :].expand(B, T + 1))
-    zero_at[:, T] = T
-    first_zero_from = zero_at.flip(1).cummin(1).values.flip(1)             # first mask = 0 position >= t
-    z = first_zero_from[:, 1:]                                             # first mask = 0 position > t
-    decay = torch.tensor(gamma, dtype=torch.float64, device=r.device) ** (z - pos[None, :T]).to(torch.float64)
-    return S[:, :T] - decay * S.gather(1, z)
+    carry = torch.nn.functional.pad(mask[:, 1:].to(torch.float64), (0, 1)) * gamma  # c_t = gamma * mask_{t+1}
+    return segmented_returns(r, carry)
+
+
+def segmented_returns(r: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+    """``G_t = r_t + carry_t * G_{t+1}`` along the last axis (G_T = 0), by recursive doubling.
+
+    r, carry: ``[B, T]`` float64 (carry in [0, 1]; 0 cuts the return after t). Returns ``[B, T]`` float64.
+    After the pass with shift s, ``(G_t, C_t)`` is the composition of the affine steps t .. t + 2s - 1
+    (C_t their carry product), so log2(T) vectorised passes suffice (any device, no per-step loop). Each G_t
+    is a sum of r_k * prod(carry) over its own segment only: no cancellation (verl 0.8 and SkyRL's loop
+    give the same sums, in another order).
+    """
+    T = r.shape[-1]
+    G, C = r, carry
+    s = 1
+    while s < T:
+        G = torch.cat([G[:, :T - s] + C[:, :T - s] * G[:, s:], G[:, T - s:]], 1)
+        C = torch.cat([C[:, :T - s] * C[:, s:], C[:, T - s:]], 1)
+        s *= 2
+    return G
 
 
 def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
