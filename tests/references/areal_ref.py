@@ -28,6 +28,10 @@ Stand-ins, only while those files are imported (the previous ``sys.modules`` ent
       ``torchdata`` (where not installed; used by data.py's padding and data-loader helpers only).
     * the actor's config: a ``types.SimpleNamespace`` with ``PPOActorConfig``'s field names (a data holder).
 Any other name read from a stub raises, so a stub reached by the advantage computation fails the test.
+
+:func:`load_config` imports the released ``areal/api/cli_args.py`` itself (AReaL's ``PPOActorConfig``,
+``NormConfig``, ... with their ``__post_init__`` checks; tests/test_areal_actor.py builds both actors from them),
+with the stand-ins of :data:`CONFIG_STUBS` (hydra, uvloop, name_resolve, pkg_version, the seqpack constant).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ import torch
 
 from references.stubs import StubUsed, cannot_build, import_released, raising
 
-__all__ = ["load", "version", "compute", "norm_config", "STUBS", "stubbed", "StubUsed"]
+__all__ = ["load", "load_config", "version", "compute", "norm_config", "STUBS", "CONFIG_STUBS", "stubbed", "StubUsed"]
 
 TARGET = "areal.trainer.ppo.actor"
 PACKAGES = ("areal", "areal.utils", "areal.trainer", "areal.trainer.ppo")
@@ -123,6 +127,38 @@ def load() -> types.ModuleType:
 
     _module = import_released(TARGET, root, PACKAGES, STUBS, _OPTIONAL, _stubbed, OWNER, prepare)
     return _module
+
+
+#: the stand-ins while ``areal/api/cli_args.py`` itself is imported (:func:`load_config`): its launcher and
+#: cluster helpers (hydra, uvloop, name_resolve, pkg_version: not reached by the config classes) and the
+#: seqpack constant its ``MicroBatchSpec`` checks (the released value, ``areal/utils/seqpack.py``)
+CONFIG_STUBS: dict[str, dict[str, Any]] = {
+    "hydra": {"compose": _raises("hydra.compose"), "initialize": _raises("hydra.initialize")},
+    "hydra.core": {},
+    "hydra.core.global_hydra": {"GlobalHydra": _cannot_build("hydra.core.global_hydra.GlobalHydra")},
+    "uvloop": {"install": lambda: None},
+    "areal.utils.logging": STUBS["areal.utils.logging"],
+    "areal.utils.name_resolve": {"reconfigure": _raises("areal.utils.name_resolve.reconfigure")},
+    "areal.utils.pkg_version": {"is_version_greater_or_equal":
+                                _raises("areal.utils.pkg_version.is_version_greater_or_equal")},
+    "areal.utils.seqpack": {"PACKING_ALGORITHMS": {"ffd", "kk"}},
+}
+_CONFIG_PACKAGES = ("areal", "areal.api", "areal.utils", "areal.engine", "areal.engine.fsdp_utils")
+_config_module: types.ModuleType | None = None
+_config_stubbed: list[str] = []
+
+
+def load_config() -> types.ModuleType:
+    """``areal.api.cli_args`` of the installed release, imported once: AReaL's own config classes
+    (``PPOActorConfig``, ``NormConfig``, ...) with their defaults and ``__post_init__`` checks. Its imports of
+    ``areal/utils/constants.py`` and ``areal/engine/fsdp_utils/attn_impl.py`` (the attention-name check, which
+    reads transformers) are the released files; :data:`CONFIG_STUBS` stand in for the rest (``hydra`` and
+    ``uvloop`` only where not installed). The actor of :func:`load` takes these configs as they are."""
+    global _config_module
+    if _config_module is None:
+        _config_module = import_released("areal.api.cli_args", _root(), _CONFIG_PACKAGES, CONFIG_STUBS,
+                                         ("hydra", "uvloop"), _config_stubbed, OWNER)
+    return _config_module
 
 
 def stubbed() -> list[str]:

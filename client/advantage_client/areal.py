@@ -1,0 +1,285 @@
+"""AReaL drop-in: :class:`RemotePPOActor` is AReaL's ``PPOActor`` with ``compute_advantages`` done by the service.
+
+An AReaL 1.0.4 user changes one class name and keeps everything else (``PPOActorConfig``, the engine, the
+rollout data, ``compute_logp`` and ``ppo_update``)::
+
+    # was: from areal.trainer.ppo.actor import PPOActor
+    from advantage_client.areal import RemotePPOActor as PPOActor
+
+    actor = PPOActor(config.actor, engine)          # server: $ADVANTAGE_SERVICE_TARGET
+    adv_batch = actor.compute_advantages(rollout_batch)
+
+AReaL's engine actors (``FSDPPPOActor``, ``MegatronPPOActor``, ``ArchonPPOActor``) build their ``PPOActor`` in
+``__init__`` (``self.actor = PPOActor(config, self)``) and delegate ``compute_advantages`` to it; swap it after
+construction (``engine.actor = RemotePPOActor(engine.config, engine)``) or in a subclass's ``__init__``. Any
+other class with AReaL's ``self.config`` and ``_compute_advantages`` contract can take :class:`RemoteAdvantagesMixin`
+first among its bases.
+
+The server: ``advantage_client=`` (an :class:`~advantage_client.AdvantageClient`, or any object with its
+``compute``), else ``advantage_target=`` (``"host:port"``, or a list or comma-separated string of replicas), else
+``$ADVANTAGE_SERVICE_TARGET`` (default ``localhost:50051``); a client made here reads ``$ADVANTAGE_SERVICE_TLS_CA``
+(a PEM file: TLS) and ``$ADVANTAGE_SERVICE_TOKEN_FILE`` (a bearer token), as ``advantage_client.verl`` does;
+``advantage_timeout``: its deadline per call in seconds (default 60).
+
+What changes: only ``_compute_advantages`` (one batch dict). AReaL's ``compute_advantages`` (its
+``batched_call``: concatenating the trajectories, splitting the result back) stays AReaL's. For the batch dict
+AReaL passes (``input_ids``, ``rewards`` ``[B]``, ``loss_mask``, ``attention_mask``, ``logprobs`` ``[B, T]``;
+optional ``ref_logp``, ``values``, ``prox_logp`` ``[B, T]``), :func:`areal_advantages` writes into ``data``
+exactly the keys AReaL 1.0.4 writes, with AReaL's dtypes, on the device of ``data["logprobs"]``:
+
+* ``advantages`` ``[B, T]`` (float32 with ``adv_norm``, else float32 promoted with the ``values`` dtype) and
+  ``returns`` (the latter dtype): the service's ``areal`` estimator with the actor's config
+  (``semantics = "areal"``; reward bias/scaling/clip, ``reward_norm``, ``kl_ctl``, ``kl_estimator``,
+  ``discount``, ``gae_lambda``, ``adv_norm``, ``mask_no_eos_with_zero``);
+* ``kl_rewards`` and ``tot_rewards`` ``[B, T]`` float32 (AReaL's KL reward, and the token rewards with the
+  reward score placed at ``seqlen - 2``): a second call of the same estimator, with ``discount = 0``, no values,
+  no ``adv_norm``, an all-ones mask and the masked log-probs two columns wider, returns the KL reward per
+  column and the (normalised) reward score in the extra column; the client then zeroes ``seqlen - 1`` and adds
+  the score at ``max(seqlen - 2, 0)`` (not for rows without an end token under ``mask_no_eos_with_zero``), the
+  indexing AReaL does. No advantage arithmetic runs in the client;
+* as AReaL: ``loss_mask`` = the float loss mask rolled by -1; ``logprobs`` = the shifted log-probs (``prox_logp``
+  when ``recompute_logprob`` and not ``use_decoupled_loss``, else ``logprobs`` rolled by -1) multiplied in place
+  by that mask, also stored as ``prox_logp`` when neither option is on; ``ref_logp`` multiplied in place by it.
+
+``overlong_reward_penalty``: applied client-side by AReaL's own ``reward_overlong_penalty`` (from the installed
+AReaL that the actor's class comes from; ``data["rewards"]`` changes in place, as in AReaL) before the rewards
+are sent. The service computes batch-level statistics (``mean_level``/``std_level`` = ``batch``) over the batch
+it is sent: AReaL all-reduces them over the data-parallel group, so with several data-parallel ranks use
+group-level normalisation or one rank's whole batch. The outputs agree with AReaL's own method within the
+differential tests' rule (float32: ``|d| <= 2e-4 |AReaL| + 2e-5 max(1, max |AReaL|)``; the service rounds the
+reward score once from float64), tested in ``tests/test_areal_actor.py``.
+
+Errors: the service's INVALID_ARGUMENT (e.g. ``config.adv_norm.eps`` <= 0, a ``discount`` outside [0, 1]) as
+:class:`~advantage_client.InvalidArgumentError` (a ``ValueError``) naming ``config.<field>``; ``ValueError`` as
+AReaL for ``prox_logp`` None under ``recompute_logprob`` and for ``overlong_reward_penalty`` without
+``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed.
+
+This module imports without AReaL and without torch: AReaL's ``PPOActor`` is imported, and the subclass made, when
+``RemotePPOActor`` is first looked up; :func:`remote_actor_class` makes it from a given ``PPOActor`` class.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from advantage_client.trl import client_from_environment
+
+__all__ = ["RemotePPOActor", "RemoteAdvantagesMixin", "remote_actor_class", "areal_advantages", "service_config"]
+
+#: PPOActorConfig fields the service's ``areal`` estimator takes as they are
+_SCALARS = ("reward_bias", "reward_scaling", "reward_clip", "kl_ctl", "kl_estimator", "discount", "gae_lambda",
+            "mask_no_eos_with_zero")
+_NORM_FIELDS = ("mean_level", "mean_leave1out", "std_level", "std_unbiased", "eps", "group_size")
+#: PPOActor class -> its RemotePPOActor (made once per base)
+_classes: dict[type, type] = {}
+_lock = threading.Lock()
+
+
+def _norm(norm: Any) -> dict[str, Any] | None:
+    """AReaL's ``NormConfig`` (or a dict of its fields) in the service's spelling (level None = ``"none"``)."""
+    if not norm:
+        return None
+    get = norm.get if isinstance(norm, dict) else lambda k, d=None: getattr(norm, k, d)
+    out = {k: get(k) for k in _NORM_FIELDS if get(k) is not None or k.endswith("_level")}
+    for key in ("mean_level", "std_level"):
+        out[key] = out.get(key) or "none"
+    return out
+
+
+def service_config(config: Any) -> dict[str, Any]:
+    """The ``areal`` estimator config for an AReaL ``PPOActorConfig`` ``config`` (its fields as they are, the two
+    ``NormConfig`` as dicts; ``semantics = "areal"``). The log-probs are sent already shifted and masked, so
+    ``recompute_logprob`` is sent true and ``use_decoupled_loss`` false (the service does not roll them again)."""
+    cfg: dict[str, Any] = {"semantics": "areal", "recompute_logprob": True, "use_decoupled_loss": False}
+    for key in _SCALARS:
+        cfg[key] = getattr(config, key)
+    for key in ("reward_norm", "adv_norm"):
+        norm = _norm(getattr(config, key, None))
+        if norm is not None:
+            cfg[key] = norm
+    return cfg
+
+
+def _cpu(t: Any) -> Any:
+    return None if t is None else t.detach().cpu()
+
+
+def _overlong_penalty(data: dict[str, Any], config: Any, penalty: Callable[..., Any] | None) -> dict[str, Any]:
+    """AReaL's own ``reward_overlong_penalty`` on ``data`` (``penalty``, else imported from the installed AReaL)."""
+    if penalty is None:
+        try:
+            from areal.utils.functional import reward_overlong_penalty as penalty
+        except ImportError as exc:
+            raise ImportError(f"overlong_reward_penalty=True is applied by AReaL's own reward_overlong_penalty, "
+                              f"which could not be imported ({exc}): install areal==1.0.4, or set "
+                              f"overlong_reward_penalty=False") from exc
+    if config.overlong_tokens is None or config.overlong_penalty_factor is None:
+        raise ValueError("overlong_reward_penalty=True needs PPOActorConfig.overlong_tokens and "
+                         "overlong_penalty_factor (AReaL asserts both are set)")
+    return penalty(data, overlong_tokens=config.overlong_tokens,
+                   overlong_penalty_factor=config.overlong_penalty_factor,
+                   max_response_length=config.max_new_tokens)
+
+
+def areal_advantages(config: Any, data: dict[str, Any], *, client: Any = None,
+                     overlong_penalty: Callable[..., Any] | None = None, timeout: Any = None) -> dict[str, Any]:
+    """AReaL 1.0.4's ``PPOActor._compute_advantages(data)`` with the advantages from the service (module docstring).
+
+    config: an AReaL ``PPOActorConfig`` (or any object with its field names); data: AReaL's batch dict
+    (``input_ids`` ``[B, T]``, ``rewards`` ``[B]``, ``loss_mask``, ``attention_mask``, ``logprobs`` ``[B, T]``,
+    optional ``ref_logp``, ``values``, ``prox_logp`` ``[B, T]``), torch tensors on any device; client: an
+    :class:`~advantage_client.AdvantageClient` (None: ``$ADVANTAGE_SERVICE_TARGET``); overlong_penalty: AReaL's
+    ``reward_overlong_penalty`` (None: imported from ``areal`` when the config asks for it). Returns ``data``
+    with ``advantages``, ``returns``, ``kl_rewards``, ``tot_rewards``, ``loss_mask``, ``logprobs`` (and
+    ``prox_logp``, ``ref_logp``) written as AReaL writes them. Raises what the module docstring lists.
+    """
+    import torch
+
+    client = client if client is not None else client_from_environment()
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if config.overlong_reward_penalty:
+        data = _overlong_penalty(data, config, overlong_penalty)
+
+    # AReaL's bookkeeping of the batch dict, line for line (areal/trainer/ppo/actor.py)
+    raw_mask = data["loss_mask"]
+    loss_mask = torch.roll(raw_mask.float(), shifts=-1, dims=-1)
+    if not config.use_decoupled_loss and config.recompute_logprob:
+        prox = data["prox_logp"]
+        if prox is None:
+            raise ValueError("prox_logp is None but recompute_logprob=True. "
+                             "This indicates compute_logp() was skipped incorrectly.")
+        old_logp = data["logprobs"] = prox
+    else:
+        old_logp = torch.roll(data["logprobs"], shifts=-1, dims=-1)
+        if not config.use_decoupled_loss:
+            data["prox_logp"] = old_logp
+    ref_logp = data.get("ref_logp")
+    sent_ref = ref_logp is not None
+    if ref_logp is None:
+        ref_logp = torch.zeros_like(old_logp)
+    ref_logp *= loss_mask
+    old_logp *= loss_mask
+
+    attention = data["attention_mask"]
+    values = data.get("values")
+    B, T = loss_mask.shape
+    cfg = service_config(config)
+    device = old_logp.device
+
+    # 1. advantages and returns: the whole pipeline on the service
+    out = client.compute(
+        "areal", cfg, output_dtype="float64" if values is not None and values.dtype == torch.float64 else "float32",
+        rewards=_cpu(data["rewards"]), mask=_cpu(raw_mask), attention_mask=_cpu(attention),
+        logprobs=_cpu(old_logp), reference_logprobs=_cpu(ref_logp) if sent_ref else None, values=_cpu(values),
+        **kwargs)
+    out_dtype = torch.float32 if values is None else torch.promote_types(torch.float32, values.dtype)
+    returns = torch.as_tensor(out.returns).to(device=device, dtype=out_dtype)
+    advantages = torch.as_tensor(out.advantages).to(
+        device=device, dtype=torch.float32 if config.adv_norm else out_dtype)
+
+    # 2. the token rewards: KL per column and the reward score (extra column T), discount 0 so A_t = reward_t
+    pad = torch.zeros(B, 2, dtype=old_logp.dtype)
+    token_cfg = {k: v for k, v in cfg.items() if k != "adv_norm"}
+    token_cfg.update(discount=0.0, gae_lambda=0.0, mask_no_eos_with_zero=False)
+    token = client.compute(
+        "areal", token_cfg, output_dtype="float32", rewards=_cpu(data["rewards"]),
+        mask=torch.ones(B, T + 2, dtype=torch.int8), attention_mask=torch.ones(B, T + 2, dtype=torch.int8),
+        logprobs=torch.cat([_cpu(old_logp), pad], dim=1),
+        reference_logprobs=torch.cat([_cpu(ref_logp), pad], dim=1) if sent_ref else None, **kwargs)
+    token_rewards = torch.as_tensor(token.advantages).to(device=device, dtype=torch.float32)
+    kl_rewards, score = token_rewards[:, :T].contiguous(), token_rewards[:, T]
+
+    # AReaL's placement of the reward score (indexing only)
+    rows = torch.arange(B, device=device, dtype=torch.long)
+    seqlens = attention.sum(-1).long().to(device)
+    rewards = kl_rewards.clone()
+    rewards[rows, seqlens - 1] = 0
+    placed = torch.where(seqlens == attention.shape[1], 0, score) if config.mask_no_eos_with_zero else score
+    rewards[rows, torch.clip(seqlens - 2, min=0)] += placed
+
+    data["returns"] = returns
+    data["advantages"] = advantages
+    data["kl_rewards"] = kl_rewards
+    data["tot_rewards"] = rewards
+    data["loss_mask"] = loss_mask
+    data["logprobs"] = old_logp
+    return data
+
+
+class RemoteAdvantagesMixin:
+    """``_compute_advantages`` from the service for a class with AReaL's ``self.config`` (``PPOActorConfig``):
+    put it first among the bases (``class MyActor(RemoteAdvantagesMixin, PPOActor)``). The client is
+    ``self.advantage_client`` when set, else one made from ``$ADVANTAGE_SERVICE_TARGET`` on first use."""
+
+    advantage_client: Any = None
+    _advantage_lock = threading.Lock()
+
+    def _remote_client(self) -> Any:
+        with self._advantage_lock:
+            if self.advantage_client is None:
+                self.advantage_client = client_from_environment()
+            return self.advantage_client
+
+    def _areal_overlong_penalty(self) -> Callable[..., Any] | None:
+        """AReaL's ``reward_overlong_penalty`` as the base ``PPOActor``'s module holds it (None: not found)."""
+        for cls in type(self).__mro__:
+            method = cls.__dict__.get("_compute_advantages")
+            if method is not None and cls is not RemoteAdvantagesMixin:
+                found = getattr(method, "__globals__", {}).get("reward_overlong_penalty")
+                if found is not None:
+                    return found
+        return None
+
+    def _compute_advantages(self, data: dict[str, Any]) -> dict[str, Any]:
+        return areal_advantages(self.config, data, client=self._remote_client(),  # type: ignore[attr-defined]
+                                overlong_penalty=self._areal_overlong_penalty())
+
+
+def remote_actor_class(base: type) -> type:
+    """``RemotePPOActor`` for the given AReaL ``PPOActor`` class ``base`` (made once per base)."""
+    with _lock:
+        if base not in _classes:
+            cls = _classes[base] = _make_class(base)
+            cls.__module__, cls.__qualname__ = __name__, "RemotePPOActor"
+        return _classes[base]
+
+
+def _make_class(base: type) -> type:
+    class RemotePPOActor(RemoteAdvantagesMixin, base):  # type: ignore[misc, valid-type]
+        """AReaL's ``PPOActor`` whose advantages come from the advantage service (module
+        ``advantage_client.areal`` says what is sent and what stays AReaL's).
+
+        Arguments: ``PPOActor``'s own (``config``: ``PPOActorConfig``, ``engine``), plus the keywords
+        ``advantage_client`` (a client, or any object with its ``compute``), ``advantage_target``
+        (``"host:port"``, replicas as a list or comma-separated string; default ``$ADVANTAGE_SERVICE_TARGET``,
+        else ``localhost:50051``) and ``advantage_timeout`` (seconds per call of a client made here, default 60).
+        Raises ``TypeError`` for an ``advantage_client`` without ``compute``.
+        """
+
+        def __init__(self, config: Any, engine: Any, *, advantage_target: Any = None, advantage_client: Any = None,
+                     advantage_timeout: float | None = 60.0) -> None:
+            if advantage_client is not None and not callable(getattr(advantage_client, "compute", None)):
+                raise TypeError(f"advantage_client must be an AdvantageClient (or have its compute), "
+                                f"got {type(advantage_client).__name__}")
+            super().__init__(config, engine)
+            self.advantage_client = advantage_client if advantage_client is not None else \
+                client_from_environment(advantage_target, advantage_timeout)
+
+    return RemotePPOActor
+
+
+def __getattr__(name: str) -> Any:
+    """``RemotePPOActor``: the subclass of the installed ``areal.trainer.ppo.actor.PPOActor``."""
+    if name == "RemotePPOActor":
+        return remote_actor_class(_installed_ppo_actor())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _installed_ppo_actor() -> type:
+    """AReaL's ``PPOActor``; ``ImportError`` saying what to install when AReaL is missing."""
+    try:
+        from areal.trainer.ppo.actor import PPOActor
+    except ImportError as exc:
+        raise ImportError(f"advantage_client.areal.RemotePPOActor needs AReaL (pip install areal==1.0.4): {exc}") \
+            from exc
+    return PPOActor
