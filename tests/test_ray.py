@@ -539,7 +539,8 @@ def test_replicas_require_the_token_up_generated(deployment):
 
 def test_sigstopped_replica_is_dropped_after_a_call_to_it_times_out(deployment):
     """One replica's process stopped (SIGSTOP): gRPC still sends it every other call (its connection and last
-    health status stand), and such a call fails DEADLINE_EXCEEDED at the client's timeout. That failure starts a
+    health status stand); such an attempt times out at half the call's timeout and the client sends the call once
+    more to the other replica (failover), so the caller gets its answer, late. The timed-out attempt starts a
     look-up (no periodic one here: refresh_s=None) in which the stopped replica's ``info()`` does not answer
     within ``STALL_S`` of the other's: it is dropped, and every later call goes to the other replica. Stated
     bound: about STALL_S + 1 s after the timed-out call (1.2 s measured at load average 9 on 2 cores); asserted
@@ -559,13 +560,14 @@ def test_sigstopped_replica_is_dropped_after_a_call_to_it_times_out(deployment):
         ok, timed_out_at = 0, None
         for seed in range(6):  # round_robin over 2: one of the first calls goes to the stopped replica
             rewards, expected = batch(seed)
-            try:
-                result = client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=rewards, mask=MASK,
-                                        as_numpy=True, timeout=3)
-                np.testing.assert_allclose(result.advantages, expected, atol=1e-6)
-                ok += 1
-            except AdvantageServiceError as err:
-                assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            start = time.monotonic()
+            # with two replicas the attempt on the stopped one gets half of the 3 s (client failover), times
+            # out, and the call is sent once more to the other replica: it is answered, late
+            result = client.compute("grpo", CONFIG, prompt_ids=PROMPT_IDS, rewards=rewards, mask=MASK,
+                                    as_numpy=True, timeout=3)
+            np.testing.assert_allclose(result.advantages, expected, atol=1e-6)
+            ok += 1
+            if time.monotonic() - start >= 1.4:
                 timed_out_at = time.monotonic()
                 break
         assert timed_out_at is not None, "no call reached the stopped replica"

@@ -83,7 +83,10 @@ def check_tls(cert: str | os.PathLike | None, key: str | os.PathLike | None,
               client_ca: str | os.PathLike | None = None) -> None:
     """Raise ``ValueError`` naming the flag (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``) when a PEM
     file given by path cannot be read, is not PEM of its kind, the key is encrypted, or the key is not the
-    certificate's. A missing half of the pair is left to :func:`advantage_server.auth.server_credentials`."""
+    certificate's, or only one half of the pair is given (checked first: a usage error before any file)."""
+    if (cert is None) != (key is None):
+        raise ValueError("TLS needs both --tls-cert and --tls-key" + (" (--tls-key is missing)" if key is None
+                                                                       else " (--tls-cert is missing)"))
     for value, flag in ((cert, "--tls-cert"), (key, "--tls-key"), (client_ca, "--tls-client-ca")):
         if value is not None:
             read_pem(value, flag)  # ValueError "--flag: cannot read PATH: reason"
