@@ -236,6 +236,87 @@ def test_peer_host_and_the_share_flags():
         assert main(["--port", "0", "--device", "cpu", flag, "0"]) == 2
 
 
+def test_every_ipv4_loopback_address_is_one_host():
+    """All of 127.0.0.0/8 is this machine: a same-host client binding its connections to 127.0.0.2, 127.0.0.3, ...
+    must not get one pending share (and one health Watch share) per address."""
+    assert peer_host("ipv4:127.0.0.2:5678") == peer_host("ipv4:127.255.3.4:1") == "ipv4:127.0.0.1"
+    assert peer_host("ipv6:[::ffff:127.0.0.9]:5678") == "ipv4:127.0.0.1"
+    assert peer_host("ipv4:10.1.2.3:5678") == "ipv4:10.1.2.3" and peer_host("ipv6:[::1]:5678") == "ipv6:[::1]"
+
+
+def _can_bind(address: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _source_proxy(source: str, port: int) -> str:
+    """A TCP relay on 127.0.0.1 whose connections reach the server at 127.0.0.1:``port`` from ``source``."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with listener:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                up = socket.socket()
+                up.bind((source, 0))
+                up.connect(("127.0.0.1", port))
+                threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
+                threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@needs_ipv6
+@pytest.mark.skipif(not all(_can_bind(f"127.0.0.{i}") for i in range(2, 6)),
+                    reason="127.0.0.2-5 cannot be bound here")
+def test_a_slow_loris_rotating_loopback_addresses_keeps_only_one_share():
+    """4 places (share 1): one stalled call from each of 127.0.0.2..5 filled the server with every source
+    "within its share", so a caller from another host (::1) was refused 3 of 3 (no eviction). They are one host
+    now: the caller cuts one of them and is served."""
+    with two_host_server(max_concurrent_requests=4, workers=2, stream_idle_timeout=30.0) as (srv, v6_target):
+        port = int(srv.address.rsplit(":", 1)[1])
+        release = threading.Event()
+
+        def silent():
+            release.wait(30)
+            return
+            yield
+        opts = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.insecure_channel(_source_proxy(f"127.0.0.{i}", port), options=opts) for i in range(2, 6)]
+        held = [ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30) for ch in channels]
+        try:
+            _wait_for(lambda: srv.gate.full, what="4 stalled calls from 4 loopback addresses admitted")
+            codes = _legit_calls(v6_target, "unary", 3)
+            assert codes == ["OK"] * 3, codes
+            assert srv.uploads.evictions >= 1
+        finally:
+            release.set()
+            for f in held:
+                f.cancel()
+            for ch in channels:
+                ch.close()
+
+
 # ------------------------------------------------------------------ item 3: health Watch streams are capped
 def _watch(channel: grpc.Channel, service: str = ""):
     return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service), timeout=60)

@@ -264,6 +264,27 @@ def test_integers_beyond_float32_are_computed_in_float64(client):
     np.testing.assert_array_equal(res.advantages[:, 0], [1.0, -1.0, -1.0, 1.0])
 
 
+def test_output_float64_keeps_the_float64_answer_of_integer_inputs(client):
+    """Integers beyond 2^24 are computed in float64; with output_dtype="float64" the answer must not be rounded
+    to float32 on the way (it was: 2^25 + 3 and 0 centred gave +-16777218.0, float32's rounding of 16777217.5,
+    while float64 rewards of the same values gave +-16777217.5)."""
+    cfg = {"normalize_rewards": False, "use_leave_one_out_baseline": False}
+    ids, mask = np.array([0, 0, 1, 1]), np.ones((4, 3), np.float32)
+    big = np.array([2 ** 25 + 3, 0, 3, 1], np.int64)
+    want = [16777217.5, -16777217.5, 1.0, -1.0]
+    for rewards in (big, big.astype(np.float64)):
+        res = client.compute("grpo", cfg, output_dtype="float64", as_numpy=True, prompt_ids=ids, rewards=rewards,
+                             mask=mask)
+        assert res.advantages.dtype == np.float64
+        np.testing.assert_array_equal(res.advantages[:, 0], want, err_msg=str(rewards.dtype))
+    res = client.compute("grpo", cfg, as_numpy=True, prompt_ids=ids, rewards=big, mask=mask)  # float32 asked for
+    np.testing.assert_array_equal(res.advantages[:, 0], np.float32(want))
+    for transport in ("stream", "shm"):
+        res = client.compute("grpo", cfg, output_dtype="float64", as_numpy=True, prompt_ids=ids, rewards=big,
+                             mask=mask, transport=transport)
+        np.testing.assert_array_equal(res.advantages[:, 0], want, err_msg=transport)
+
+
 def expect_invalid(call, field: str, *words: str) -> AdvantageServiceError:
     with pytest.raises(AdvantageServiceError) as exc:
         call()

@@ -115,7 +115,8 @@ class AdvantageCore:
         result = self.run(name, config_from_proto(REGISTRY[name], getattr(request, name)), tensors,
                           cu_seqlens=cu_seqlens, output_provider=output_provider,
                           per_sample=bool(getattr(request, "per_sample", False)),
-                          mask_columns=int(getattr(request, "mask_columns", 0)))
+                          mask_columns=int(getattr(request, "mask_columns", 0)),
+                          keep_float64=_OUTPUT[request.output_dtype] == torch.float64)
         checkpoint("before encoding")
         dtype = _OUTPUT[request.output_dtype]
         result.advantages = cast_output(result.advantages, dtype, "advantages")
@@ -125,7 +126,7 @@ class AdvantageCore:
 
     def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None,
             output_provider: OutputProvider | None = None, per_sample: bool = False,
-            mask_columns: int = 0) -> AdvantageResult:
+            mask_columns: int = 0, keep_float64: bool = False) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
 
         ``cu_seqlens`` ([B + 1] row offsets) selects the packed layout: token-level inputs are flat
@@ -138,6 +139,9 @@ class AdvantageCore:
         ``per_sample``: where the estimator declares per-sample results for this config
         (``EstimatorSpec.per_sample_for``) and not packed, the result is ``[B]`` values with its ``layout``
         set (see :func:`to_per_sample`); otherwise dense. Raises ``InvalidInput`` for a malformed request.
+        ``keep_float64``: results computed in float64 for inputs that are not float64 (integers beyond 2^24,
+        huge float32 values: see :meth:`prepare`) stay float64 instead of being rounded to float32 here (the
+        caller asked for ``output_dtype=float64``: rounding them first would lose the exactness it asked for).
         """
         spec = REGISTRY.get(name)
         if spec is None:
@@ -159,7 +163,7 @@ class AdvantageCore:
             batch.output_provider = output_provider
         checkpoint("before computing")
         result = spec.fn(config, batch)
-        if batch._tensors["mask"].dtype == torch.float64 and not any(
+        if not keep_float64 and batch._tensors["mask"].dtype == torch.float64 and not any(
                 torch.as_tensor(t).dtype == torch.float64 for t in tensors.values()):
             # float32 inputs of huge magnitude computed in float64 (prepare): results in the callers' dtype
             result.advantages = validate.cast(result.advantages, torch.float32)

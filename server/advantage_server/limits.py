@@ -492,14 +492,21 @@ def call_peer(context: Any) -> str:
 def peer_host(peer: str) -> str:
     """The client host of a peer string: ``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``, ``ipv6:[::1]:5678`` ->
     ``ipv6:[::1]``, an IPv4 client seen through an IPv6 socket (``ipv6:[::ffff:1.2.3.4]:5678``) ->
-    ``ipv4:1.2.3.4``; anything else (``unix:...``, ``unknown``) unchanged (all such clients are one host)."""
+    ``ipv4:1.2.3.4``; anything else (``unix:...``, ``unknown``) unchanged (all such clients are one host).
+
+    Every IPv4 loopback address (``127.0.0.0/8``) is this machine, so all of them are one host,
+    ``ipv4:127.0.0.1``: a same-host client that binds its connections to 127.0.0.2, 127.0.0.3, ... (any
+    process may) would otherwise get one share per address, enough of them to hold every place while
+    "within its share" on each (IPv6 loopback, ``::1``, is a single address and stays its own host)."""
     if not peer.startswith(("ipv4:", "ipv6:")):
         return peer
     host, sep, port = peer.rpartition(":")
     if not sep or not port.isdigit():
         return peer
     if host.lower().startswith("ipv6:[::ffff:") and host.endswith("]") and "." in host:
-        return "ipv4:" + host[len("ipv6:[::ffff:"):-1]
+        host = "ipv4:" + host[len("ipv6:[::ffff:"):-1]
+    if host.startswith("ipv4:127."):
+        return "ipv4:127.0.0.1"
     return host
 
 
