@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 from advantage_client.references import REFERENCES
 from references import skyrl_ref
-from references.counts import TRIED
+from references.counts import count_rules
 
 PPO = skyrl_ref.load()
 EXAMPLES = 200
@@ -315,12 +315,7 @@ def test_service_matches_released_skyrl(family, name, fixed, client):
         rules[rule] = rules.get(rule, 0) + 1
 
     run()
-    total = sum(rules.values())
-    TRIED[f"skyrl/{family}"] += total
-    for rule, n in sorted(rules.items()):
-        if rule != "agree":
-            TRIED[f"skyrl/{family} ({rule})"] += n
-    assert total >= EXAMPLES, f"{family}: only {total} batches tried"
+    count_rules(f"skyrl/{family}", rules, EXAMPLES)
 
 
 def test_installed_skyrl_is_the_pinned_release():

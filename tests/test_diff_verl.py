@@ -62,7 +62,7 @@ from hypothesis import strategies as st
 from advantage_client import verl as dropin
 from advantage_client.references import REFERENCES
 from references import verl_ref
-from references.counts import TRIED
+from references.counts import count_rules
 
 CORE = verl_ref.load()
 REGISTRY = verl_ref.registry()  # the pinned verl's names: the loop below is over these
@@ -466,12 +466,7 @@ def test_service_matches_released_verl(name, server):
         rules[rule] = rules.get(rule, 0) + 1
 
     run()
-    total = sum(rules.values())
-    TRIED[f"verl/{name}"] += total
-    for rule, n in sorted(rules.items()):
-        if rule != "agree":
-            TRIED[f"verl/{name} ({rule})"] += n
-    assert total >= EXAMPLES, f"{name}: only {total} batches tried"
+    count_rules(f"verl/{name}", rules, EXAMPLES)
 
 
 def test_dropin_covers_the_pinned_verl_registry():

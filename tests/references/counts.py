@@ -11,3 +11,15 @@ from collections import Counter
 
 #: "<reference>/<estimator or mode>" -> number of batches compared
 TRIED: dict[str, int] = Counter()
+
+
+def count_rules(label: str, rules: dict[str, int], at_least: int) -> None:
+    """Record one differential test's outcome: ``rules`` maps the rule that settled each batch (``"agree"``, or
+    a documented difference) to its count; every batch counts under ``label`` and each documented difference
+    also under ``"<label> (<rule>)"``. Fails when fewer than ``at_least`` batches were tried."""
+    total = sum(rules.values())
+    TRIED[label] += total
+    for rule, n in sorted(rules.items()):
+        if rule != "agree":
+            TRIED[f"{label} ({rule})"] += n
+    assert total >= at_least, f"{label}: only {total} batches tried"
