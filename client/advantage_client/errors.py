@@ -91,10 +91,19 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
         if "failed to parse" in low:  # "localhost:abc", "host:50051/": not a target at all
             return (f"the target {target!r} is not a host:port address ({message}); give it as host:port, e.g. "
                     "'localhost:50051', or a gRPC target such as 'dns:///advantage.svc:50051'")
+        # a TCP peer answered (so not 'nobody there') but not in plaintext gRPC
+        if "socket closed" in low or "http/2" in low or "settings frame" in low:
+            return (f"{message} (something at {target} closed the connection or does not speak plaintext gRPC: a "
+                    "server started with --tls-cert needs tls_ca=... (or tls=True) in the client; otherwise check "
+                    "that the port is advantage-server's gRPC port, not its metrics or another service's)")
         if any(k in low for k in _NOBODY_THERE):
             # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
             return (f"no advantage service answered at {target}: start advantage-server there, or check the "
                     f"address and port and that the server is running and reachable (gRPC: {message})")
+        if "unhealthy" in low:  # health checking: the server answers but reports NOT_SERVING
+            return (f"{message} (the advantage service at {target} is up but reports NOT_SERVING: it is warming "
+                    "up after start (its log says so; about 30 s with an empty kernel cache), draining, or every "
+                    "place is taken; wait, or pass wait_for_ready=True to the client to wait for it)")
         return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
                 "advantage-server is running there and reachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:

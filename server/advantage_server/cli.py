@@ -278,6 +278,9 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     args = p.parse_args(argv)
+    if not re.search(r":\d+$", args.address) and not args.address.startswith(("unix:", "unix-abstract:", "vsock:")):
+        p.error(f"--address {args.address!r} has no port: give host:port (the server's default port is 50051; "
+                "the Docker image's health-only port is 50052)")
     if args.tls_ca or args.tls_cert or args.tls_key:
         from advantage_server.auth import read_pem
         try:

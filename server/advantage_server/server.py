@@ -358,6 +358,9 @@ class BoundServer:
         for endpoint in self.endpoints:
             endpoint.start()
         if self.warmup:  # health is NOT_SERVING (set in create_server) until every kernel is compiled or loaded
+            log.info("warming up on %s: compiling the CPU kernels, or loading them from numba's cache; health says "
+                     "NOT_SERVING until done (about 30 s with an empty cache, a few seconds with a filled one; "
+                     "--no-warmup skips it)", self.address)
             self.warmup_report = warm(self.core)
             log.info("%s", self.warmup_report.line())
         for name in ("", SERVICE_NAME):

@@ -1,0 +1,54 @@
+"""The errors a newcomer meets right after starting a server point at the fix: a server still warming up
+(NOT_SERVING), a plaintext client against a TLS server, and a health check without a port."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client.errors import hint
+from advantage_server.cli import healthcheck_main
+from advantage_server.server import SERVICE_NAME
+from reliability_support import make_pki
+
+GROUP = dict(prompt_ids=np.array([0, 0, 1, 1]), rewards=np.array([1.0, 0.0, 1.0, 1.0], np.float32),
+             mask=np.ones((4, 3), np.float32))
+
+
+def test_a_server_reporting_not_serving_is_named_with_the_way_to_wait(make_server):
+    srv = make_server()
+    srv.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # what warm-up reports
+    with AdvantageClient(srv.address, timeout=3.0) as client:
+        with pytest.raises(AdvantageServiceError) as info:
+            client.compute("grpo", None, **GROUP)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "NOT_SERVING" in str(info.value) and "wait_for_ready=True" in str(info.value), str(info.value)
+
+
+def test_a_plaintext_client_against_a_tls_server_is_told_about_tls(make_server, tmp_path):
+    pki = make_pki(tmp_path)
+    srv = make_server(tls_cert=pki["server_cert"].read_bytes(), tls_key=pki["server_key"].read_bytes())
+    with AdvantageClient(srv.address, timeout=3.0) as client:
+        with pytest.raises(AdvantageServiceError) as info:
+            client.compute("grpo", None, **GROUP)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "tls_ca" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("message, words", [
+    ("connections to all backends failing; last error: ipv4:127.0.0.1:50071: backend unhealthy", "NOT_SERVING"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", "tls_ca"),
+    ("Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame)", "metrics"),
+])
+def test_hint_by_cause(message, words):
+    assert words in hint(grpc.StatusCode.UNAVAILABLE, message, "localhost:50071", 3.0)
+
+
+def test_healthcheck_without_a_port_says_so(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        healthcheck_main(["--address", "localhost"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'localhost' has no port" in err and "50051" in err, err
