@@ -150,3 +150,23 @@ def test_cli_rejects_bad_options(capsys):
     assert "--kl-in reward needs" in capsys.readouterr().err
     assert demo.main(["nope"]) == 2
     assert "unknown demo" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_steps_measured_and_writes_the_plot(tmp_path, monkeypatch, capsys):
+    """`make demo` stopped with Ctrl-C: the steps run so far stay in the CSV and the plot is still written."""
+    pytest.importorskip("matplotlib")
+    real_update, calls = lm.policy_update, []
+
+    def update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "policy_update", update)
+    csv_path, png = tmp_path / "lm.csv", tmp_path / "lm.png"
+    assert lm.main(["--max-steps", "10", "--warm-accuracy", "0.0", "--csv", str(csv_path), "--plot", str(png)]) == 0
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("step,samples") and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
+    assert png.stat().st_size > 0
+    assert "stopped by Ctrl-C after 2 RL steps" in capsys.readouterr().out

@@ -158,6 +158,8 @@ class TrainResult:
     wait_seconds: float
     seconds_to_90: float | None  # RL wall time when held-out accuracy first reached 0.9 (None: never)
     curve: list[tuple] = field(default_factory=list)
+    #: the run was stopped by Ctrl-C (SIGINT) after ``steps`` steps; what it measured is kept
+    interrupted: bool = False
 
 
 CSV_HEADER = ["step", "samples", "wall_s", "samples_per_s", "heldout_accuracy", "mean_reward", "rpc_share",
@@ -575,35 +577,42 @@ def train_rl(cfg: LMConfig, client: AdvantageClient, start: WarmStart) -> TrainR
         if not cfg.quiet:
             print(f"[{cfg.estimator}] warm start: held-out greedy accuracy {100 * accuracy:.1f}%", flush=True)
         t0 = time.perf_counter()
-        while step < cfg.max_steps and time.perf_counter() - t0 < cfg.rl_seconds:
-            step += 1
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * min(1.0, step / max(cfg.lr_warmup_steps, 1))
-            pairs = make_problems(rng, cfg.prompts_per_step, cfg.n_digits, start.exclude)
-            batch = rollout(policy, reference, teacher, requests, pairs, cfg, generator)
-            policy_update(policy, optimizer, batch, cfg, rng)
-            samples += len(batch.prompts)
-            if step % cfg.eval_every == 0:
-                accuracy = heldout_accuracy(policy, start.heldout_prompts, start.heldout_target)
-            wall = time.perf_counter() - t0
-            if seconds_to_90 is None and accuracy >= 0.9:
-                seconds_to_90 = wall
-            row = (step, samples, wall, samples / wall, accuracy, float(batch.correct.mean()),
-                   requests.rpc_seconds / wall, requests.wait_seconds / wall)
-            curve.append(row)
-            if writer is not None:
-                writer.writerow([step, samples, f"{wall:.2f}", f"{row[3]:.1f}", f"{accuracy:.4f}", f"{row[5]:.4f}",
-                                 f"{row[6]:.4f}", f"{row[7]:.4f}"])
-            if not cfg.quiet:
-                print(f"[{cfg.estimator}] step {step:4d} | samples {samples:7d} | {row[3]:5.0f} samples/s | "
-                      f"held-out {100 * accuracy:5.1f}% | mean reward {row[5]:.3f} | rpc {100 * row[6]:4.1f}% "
-                      f"(waiting {100 * row[7]:4.1f}%) | {wall:5.1f}s", flush=True)
-            if accuracy >= cfg.target_accuracy:
-                break
+        interrupted = False
+        try:
+            while step < cfg.max_steps and time.perf_counter() - t0 < cfg.rl_seconds:
+                step += 1
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * min(1.0, step / max(cfg.lr_warmup_steps, 1))
+                pairs = make_problems(rng, cfg.prompts_per_step, cfg.n_digits, start.exclude)
+                batch = rollout(policy, reference, teacher, requests, pairs, cfg, generator)
+                policy_update(policy, optimizer, batch, cfg, rng)
+                samples += len(batch.prompts)
+                if step % cfg.eval_every == 0:
+                    accuracy = heldout_accuracy(policy, start.heldout_prompts, start.heldout_target)
+                wall = time.perf_counter() - t0
+                if seconds_to_90 is None and accuracy >= 0.9:
+                    seconds_to_90 = wall
+                row = (step, samples, wall, samples / wall, accuracy, float(batch.correct.mean()),
+                       requests.rpc_seconds / wall, requests.wait_seconds / wall)
+                curve.append(row)
+                if writer is not None:
+                    writer.writerow([step, samples, f"{wall:.2f}", f"{row[3]:.1f}", f"{accuracy:.4f}", f"{row[5]:.4f}",
+                                     f"{row[6]:.4f}", f"{row[7]:.4f}"])
+                if not cfg.quiet:
+                    print(f"[{cfg.estimator}] step {step:4d} | samples {samples:7d} | {row[3]:5.0f} samples/s | "
+                          f"held-out {100 * accuracy:5.1f}% | mean reward {row[5]:.3f} | rpc {100 * row[6]:4.1f}% "
+                          f"(waiting {100 * row[7]:4.1f}%) | {wall:5.1f}s", flush=True)
+                if accuracy >= cfg.target_accuracy:
+                    break
+        except KeyboardInterrupt:  # Ctrl-C: keep the steps measured so far (CSV rows, the plot)
+            interrupted = True
+            print(f"[{cfg.estimator}] stopped by Ctrl-C after {len(curve)} RL steps: keeping what they measured",
+                  flush=True)
     wall = time.perf_counter() - t0
     return TrainResult(estimator=cfg.estimator, warm_accuracy=start.accuracy, final_accuracy=accuracy, steps=step,
                        samples=samples, wall_seconds=wall, rpc_seconds=requests.rpc_seconds,
-                       wait_seconds=requests.wait_seconds, seconds_to_90=seconds_to_90, curve=curve)
+                       wait_seconds=requests.wait_seconds, seconds_to_90=seconds_to_90, curve=curve,
+                       interrupted=interrupted)
 
 
 def train(cfg: LMConfig) -> list[TrainResult]:
@@ -629,6 +638,8 @@ def train(cfg: LMConfig) -> list[TrainResult]:
             csv_path = cfg.csv if len(estimators) == 1 or not cfg.csv else \
                 str(pathlib.Path(cfg.csv).with_suffix(f".{name}.csv"))
             results.append(train_rl(replace(cfg, estimator=name, csv=csv_path), client, start))
+            if results[-1].interrupted:  # Ctrl-C stops the comparison too
+                break
     return results
 
 
