@@ -59,6 +59,24 @@ def service_config(retry: bool = True, wait_for_ready: bool = False, health_chec
 DEFAULT_PORT = 50051
 #: the environment variable the verl drop-in reads its target from (``advantage_client.verl``)
 TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
+#: a PEM file: the CA that signed the server's certificate (TLS on), for clients the framework adapters build
+TLS_CA_ENV = "ADVANTAGE_SERVICE_TLS_CA"
+#: a file holding the bearer token sent with every call, for clients the framework adapters build
+TOKEN_FILE_ENV = "ADVANTAGE_SERVICE_TOKEN_FILE"
+DEFAULT_TARGET = "localhost:50051"
+
+
+def settings_from_environment(target: Any = None, tls_ca: str | None = None,
+                              token_file: str | None = None) -> tuple[Any, str | None, str | None]:
+    """``(target, tls_ca, token_file)`` for a client a framework adapter builds (verl, TRL, AReaL, SkyRL): each
+    argument left None comes from ``$ADVANTAGE_SERVICE_TARGET`` (a comma-separated string is a list of
+    replicas; default ``localhost:50051``), ``$ADVANTAGE_SERVICE_TLS_CA`` (a PEM file turns TLS on) and
+    ``$ADVANTAGE_SERVICE_TOKEN_FILE`` (its bearer token is sent); empty values count as unset."""
+    if target is None:
+        target = os.environ.get(TARGET_ENV, "").strip() or DEFAULT_TARGET
+        if "," in target:
+            target = [t.strip() for t in target.split(",") if t.strip()]
+    return target, tls_ca or os.environ.get(TLS_CA_ENV) or None, token_file or os.environ.get(TOKEN_FILE_ENV) or None
 #: gRPC target schemes whose addresses carry no port (a socket path, an abstract name) or a port of their own
 #: syntax (``vsock:cid:port``): passed on as given
 _PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:")

@@ -54,23 +54,17 @@ is an ``ImportError`` then.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from advantage_client.channel import TARGET_ENV
+from advantage_client.channel import TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV, settings_from_environment
 from advantage_client.client import AdvantageClient
 
 __all__ = ["RemoteGRPOTrainer", "trl_advantages", "client_from_environment", "SCALE_REWARDS",
            "TLS_CA_ENV", "TOKEN_FILE_ENV"]
 
-#: a PEM file: the CA that signed the server's certificate (TLS on)
-TLS_CA_ENV = "ADVANTAGE_SERVICE_TLS_CA"
-#: a file holding the bearer token sent with every call
-TOKEN_FILE_ENV = "ADVANTAGE_SERVICE_TOKEN_FILE"
-_DEFAULT_TARGET = "localhost:50051"
 #: TRL 1.16.0's ``scale_rewards`` values (after ``GRPOConfig`` maps True/False to group/none)
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -80,12 +74,10 @@ def client_from_environment(target: Any = None, timeout: float | None = 60.0) ->
     them; None: ``$ADVANTAGE_SERVICE_TARGET``, else ``localhost:50051``), with TLS from
     ``$ADVANTAGE_SERVICE_TLS_CA`` and the bearer token from ``$ADVANTAGE_SERVICE_TOKEN_FILE`` when set.
     Raises :class:`~advantage_client.TargetError` (a ``ValueError``) for a target without a port or a URL."""
-    if target is None:
-        target = os.environ.get(TARGET_ENV, "").strip() or _DEFAULT_TARGET
     if isinstance(target, str) and "," in target:
         target = [t.strip() for t in target.split(",") if t.strip()]
-    return AdvantageClient(target, timeout=timeout, tls_ca=os.environ.get(TLS_CA_ENV) or None,
-                           token_file=os.environ.get(TOKEN_FILE_ENV) or None)
+    target, tls_ca, token_file = settings_from_environment(target)
+    return AdvantageClient(target, timeout=timeout, tls_ca=tls_ca, token_file=token_file)
 
 
 def trl_advantages(client: Any, rewards_per_func: Any, reward_weights: Any, num_generations: int,

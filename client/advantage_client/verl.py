@@ -80,13 +80,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from advantage_client import wire
+from advantage_client.channel import TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV, settings_from_environment
 from advantage_client.client import AdvantageClient, reduce_prompt_ids
 from advantage_client.nemo import warn_unapplied
 
-DEFAULT_TARGET_ENV = "ADVANTAGE_SERVICE_TARGET"
-TLS_CA_ENV = "ADVANTAGE_SERVICE_TLS_CA"
-TOKEN_FILE_ENV = "ADVANTAGE_SERVICE_TOKEN_FILE"
-_DEFAULT_TARGET = "localhost:50051"
+DEFAULT_TARGET_ENV = TARGET_ENV
 
 
 @dataclass(frozen=True)
@@ -149,10 +147,7 @@ def _client_for(target: Any, tls_ca: str | None = None, token_file: str | None =
     them. Raises ``TypeError`` for any other ``target``."""
     if isinstance(target, AdvantageClient) or callable(getattr(target, "compute", None)):
         return target  # a client, or one that stands for several (AdvantageClient.from_ray)
-    if target is None:
-        target = os.environ.get(DEFAULT_TARGET_ENV) or _DEFAULT_TARGET
-        if "," in target:
-            target = [t.strip() for t in target.split(",") if t.strip()]
+    target, tls_ca, token_file = settings_from_environment(target, tls_ca, token_file)
     if isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target):
         addresses: Any = tuple(target)  # replica addresses
     elif isinstance(target, str):
@@ -160,8 +155,6 @@ def _client_for(target: Any, tls_ca: str | None = None, token_file: str | None =
     else:
         raise TypeError(f"target must be a 'host:port' string, a list of them or an AdvantageClient, "
                         f"got {type(target).__name__}")
-    tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
-    token_file = token_file or os.environ.get(TOKEN_FILE_ENV) or None
     key = (addresses, tls_ca, token_file)
     with _clients_lock:  # verl looks the estimator up on every step: one channel per address
         if key not in _clients:
