@@ -216,10 +216,8 @@ class AsyncAdvantageClient:
         # streams get a channel of their own with a small retry buffer, as in the sync client (see there)
         if self._stream is None:
             if self._stream_channel is None:
-                self._stream_channel = make_channel(
-                    self.target, **{**self._channel_args, "retry_buffer_mb": streaming.STREAM_RETRY_BUFFER_MB})
-            self._stream = self._stream_channel.stream_stream(streaming.COMPUTE_STREAM, request_serializer=None,
-                                                              response_deserializer=codec.decode_chunk)
+                self._stream_channel = _stream_channel(self.target, self._channel_args)
+            self._stream = _compute_stream(self._stream_channel)
         return self._stream
 
     def _check_loop(self) -> None:
@@ -588,6 +586,17 @@ class AsyncAdvantageClient:
         await self.close()
 
 
+def _stream_channel(target: str, channel_args: dict[str, Any]) -> Any:
+    """A channel of its own for ``ComputeAdvantageStream`` calls: ``channel_args`` with the small retry buffer."""
+    return make_channel(target, **{**channel_args, "retry_buffer_mb": streaming.STREAM_RETRY_BUFFER_MB})
+
+
+def _compute_stream(channel: Any) -> Any:
+    """The ``ComputeAdvantageStream`` callable on ``channel`` (chunks in as bytes, decoded chunks out)."""
+    return channel.stream_stream(streaming.COMPUTE_STREAM, request_serializer=None,
+                                 response_deserializer=codec.decode_chunk)
+
+
 class _Replica:
     """The channels to one replica of a list target (``advantage_client.channel.replica_targets``): where a
     failover resend goes. Retry policy off: a replica not serving answers UNAVAILABLE at once and the resend
@@ -603,10 +612,8 @@ class _Replica:
 
     def stream_callable(self) -> Any:
         if self._stream is None:
-            self._stream_channel = make_channel(
-                self.target, **{**self._args, "retry_buffer_mb": streaming.STREAM_RETRY_BUFFER_MB})
-            self._stream = self._stream_channel.stream_stream(streaming.COMPUTE_STREAM, request_serializer=None,
-                                                              response_deserializer=codec.decode_chunk)
+            self._stream_channel = _stream_channel(self.target, self._args)
+            self._stream = _compute_stream(self._stream_channel)
         return self._stream
 
     async def close(self) -> None:
