@@ -5,9 +5,11 @@ Every server listens on 127.0.0.1 only; every loop is bounded in count and time.
 """
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -16,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.channel import service_config
 from advantage_client.client import build_request
 from reliability_support import (
     CALLS, batch, count_events, report, request_for, slow_env, start_server, stop_server, wait_for,
@@ -47,8 +50,11 @@ def test_sigterm_under_load_drains(tmp_path, capsys):
             wait_for(lambda: statuses == ["SERVING"], 10, "the health watch")
 
             def client():
+                # the client's own retry policy (UNAVAILABLE and a server's CANCELLED retried); health checking
+                # off, so that this client keeps calling this server and meets its refusals
+                policy = json.dumps(service_config(health_check=False))
                 with grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1),
-                                                                 ("grpc.enable_retries", 0)]) as ch:
+                                                                 ("grpc.service_config", policy)]) as ch:
                     call = pb_grpc.AdvantageServiceStub(ch).ComputeAdvantage
                     for _ in range(60):  # bounded; stops at the first refusal after the signal
                         sent = time.monotonic()
@@ -95,6 +101,105 @@ def test_sigterm_under_load_drains(tmp_path, capsys):
     report(capsys, f"drain: SIGTERM with {in_flight_at_signal} computing; {len(ok)} OK (all bitwise equal, "
                    f"{completed_across_signal} in flight at the signal), {refused_after} UNAVAILABLE after it, "
                    f"0 other; health watch {statuses}; exit 0 after {exited - signalled:.1f}s")
+
+
+def test_the_drain_answers_calls_on_their_way_before_grpc_stops(make_server):
+    """A call that arrives just after the drain began is answered by the service (UNAVAILABLE, "shutting down"),
+    not cut by gRPC: gRPC's server drops the calls it has queued but not started when it shuts down (a bare
+    CANCELLED), so the drain refuses calls itself until none came for ``DRAIN_QUIET_S`` before gRPC stops.
+    Before, gRPC stopped at once and this call met a closed server instead."""
+    from advantage_server.server import DRAIN_QUIET_MAX_S, DRAIN_QUIET_S
+    srv = make_server()
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    with grpc.insecure_channel(srv.address, options=[("grpc.enable_retries", 0)]) as channel:
+        stub = pb_grpc.AdvantageServiceStub(channel)
+        stub.ComputeAdvantage(request, timeout=10)  # connected, served
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=srv.stop, kwargs={"grace": 10.0})
+        stopper.start()
+        wait_for(lambda: srv.gate.draining, 5, "the drain")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ComputeAdvantage(request, timeout=10)
+        refused_after = time.monotonic() - t0
+        stopper.join(timeout=10)
+        took = time.monotonic() - t0
+    assert not stopper.is_alive()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    assert "shutting down" in err.value.details(), err.value.details()
+    # the refusal restarted the quiet period: the stop waited DRAIN_QUIET_S after it, and no longer than the cap
+    assert refused_after + DRAIN_QUIET_S <= took < DRAIN_QUIET_MAX_S + 5, (refused_after, took)
+
+
+def test_the_wait_for_quiet_counts_from_the_last_refusal():
+    from advantage_server.limits import Draining, RequestGate
+    gate = RequestGate(4, 2)
+    assert gate.wait_quiet(10.0, 10.0)  # not draining: nothing to wait for
+    gate.start_draining()
+    t0 = time.monotonic()
+    assert gate.wait_quiet(0.2, 5.0)
+    assert 0.2 <= time.monotonic() - t0 < 2  # quiet since the drain began
+    stop = threading.Event()
+
+    def refused_every_50_ms():
+        while not stop.wait(0.05):
+            with pytest.raises(Draining):
+                with gate.admit(limited=True):
+                    pass
+    caller = threading.Thread(target=refused_every_50_ms)
+    caller.start()
+    try:
+        wait_for(lambda: gate._last_refusal is not None, 5, "a first refusal")
+        t0 = time.monotonic()
+        assert not gate.wait_quiet(0.2, 0.6)  # refusals keep coming: not quiet within the bound
+        assert 0.6 <= time.monotonic() - t0 < 2
+    finally:
+        stop.set()
+        caller.join()
+    t0 = time.monotonic()
+    assert gate.wait_quiet(0.2, 5.0) and time.monotonic() - t0 < 2
+
+
+def test_the_client_retries_a_call_the_servers_grpc_cancelled(make_server):
+    """A draining server's gRPC ends the calls it had queued but not started with CANCELLED. The client's retry
+    policy sends such a call again (every compute is idempotent); with ``retry=False`` the CANCELLED is raised.
+    A proxy in front of a real server answers the first ComputeAdvantage with CANCELLED and forwards the rest."""
+    real = make_server()
+    attempts: list[str] = []
+    upstream = grpc.insecure_channel(real.address)
+
+    def handler(details):
+        method = details.method
+        forward = upstream.unary_unary(method)  # bytes in, bytes out
+
+        def call(request: bytes, context):
+            if method.endswith("/ComputeAdvantage"):
+                attempts.append(method)
+                if len(attempts) == 1:
+                    context.abort(grpc.StatusCode.CANCELLED, "dropped by a shutting-down server")
+            return forward(request, timeout=10)
+        return grpc.unary_unary_rpc_method_handler(call) if method.startswith("/advantage.v1.") else None
+
+    proxy = grpc.server(futures.ThreadPoolExecutor(4))
+    proxy.add_generic_rpc_handlers([type("Proxy", (grpc.GenericRpcHandler,), {"service": lambda self, d: handler(d)})()])
+    port = proxy.add_insecure_port("127.0.0.1:0")
+    proxy.start()
+    rewards, mask = [1.0, 0.0, 0.5], [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]
+    try:
+        with AdvantageClient(f"127.0.0.1:{port}", timeout=10, transport="unary") as client:
+            result = client.compute("raw_reward", rewards=rewards, mask=mask, as_numpy=True)
+        assert len(attempts) == 2
+        with AdvantageClient(real.address, timeout=10, transport="unary") as direct:
+            np.testing.assert_array_equal(result.advantages,
+                                          direct.compute("raw_reward", rewards=rewards, mask=mask,
+                                                         as_numpy=True).advantages)
+        attempts.clear()
+        with AdvantageClient(f"127.0.0.1:{port}", timeout=10, transport="unary", retry=False) as client:
+            with pytest.raises(AdvantageServiceError) as err:
+                client.compute("raw_reward", rewards=rewards, mask=mask, as_numpy=True)
+        assert err.value.code == grpc.StatusCode.CANCELLED and len(attempts) == 1
+    finally:
+        proxy.stop(None)
+        upstream.close()
 
 
 # ------------------------------------------------------------------------------ failover

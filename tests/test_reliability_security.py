@@ -147,7 +147,7 @@ def test_channel_targets():
     cfg = service_config()
     assert cfg["loadBalancingConfig"] == [{"round_robin": {}}]
     policy = cfg["methodConfig"][0]["retryPolicy"]
-    assert policy["retryableStatusCodes"] == ["UNAVAILABLE"] and policy["maxAttempts"] >= 3
+    assert policy["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"] and policy["maxAttempts"] >= 3
 
 
 # ------------------------------------------------------------------- the real command line

@@ -6,8 +6,9 @@
   ``TargetError``, a ``ValueError``, not a dial to port 443).
 * :func:`service_config`: ``round_robin`` over the replicas that are up and report SERVING (client-side
   health checking: a draining replica leaves the rotation as soon as it says NOT_SERVING), and a retry
-  policy: a call that fails with UNAVAILABLE (replica killed, restarting, draining) is retried, with
-  exponential backoff, up to 5 attempts in all. The service is stateless and deterministic, so a retry
+  policy: a call that fails with UNAVAILABLE (replica killed, restarting, draining) or CANCELLED by the
+  server (a draining server's gRPC drops the calls it had queued but not started) is retried, with
+  exponential backoff, up to 5 attempts in all; a call the caller cancelled is never retried. The service is stateless and deterministic, so a retry
   gives the same result.
 * :func:`make_channel`: plaintext, or TLS with a CA bundle and, for mutual TLS, a client certificate.
 * :func:`auth_metadata`: ``authorization: Bearer <token>`` sent with every call.
@@ -32,13 +33,15 @@ import grpc
 
 SERVICE_NAME = "advantage.v1.AdvantageService"
 
-#: retried: UNAVAILABLE only (no server answered, or it is shutting down); gRPC caps maxAttempts at 5.
+#: retried: UNAVAILABLE (no server answered, or it is shutting down) and CANCELLED (a status from the server: gRPC
+#: retries only statuses the server sent, never the caller's own cancel; a shutting-down server's gRPC cancels the
+#: calls it had queued, see ``advantage_server.server.BoundServer.stop``); gRPC caps maxAttempts at 5.
 RETRY_POLICY = {
     "maxAttempts": 5,
     "initialBackoff": "0.1s",
     "maxBackoff": "2s",
     "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
+    "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
 }
 
 

@@ -274,6 +274,8 @@ class RequestGate:
         self._light = 0       # calls holding a LIGHT_CALLS place (see light())
         self._reserved: set[int] = set()  # threads holding a reserved place for their next admit (reserve())
         self._draining = False
+        self._last_refusal: float | None = None  # time.monotonic() of the last call refused while draining
+        self._drain_started: float | None = None
         self._slots = threading.BoundedSemaphore(workers)
 
     @property
@@ -331,6 +333,7 @@ class RequestGate:
         """
         with self._cond:
             if self._draining:
+                self._last_refusal = time.monotonic()
                 raise Draining("the server is shutting down and takes no new calls; retry on another replica")
             mine = limited and threading.get_ident() in self._reserved  # a place reserve() held for this call
             if mine:
@@ -390,6 +393,8 @@ class RequestGate:
 
     def start_draining(self) -> None:
         with self._cond:
+            if not self._draining:
+                self._drain_started = time.monotonic()
             self._draining = True
 
     def wait_idle(self, timeout: float | None) -> bool:
@@ -402,6 +407,22 @@ class RequestGate:
                     return False
                 self._cond.wait(left)
             return True
+
+    def wait_quiet(self, quiet: float, timeout: float) -> bool:
+        """After :meth:`start_draining`: wait until ``quiet`` seconds have passed since the drain began and since
+        the last call it refused, at most ``timeout`` seconds. True when quiet. The drain calls it before gRPC
+        stops taking calls, so that clients told NOT_SERVING or UNAVAILABLE have gone elsewhere by then (see
+        ``BoundServer.stop``)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            with self._cond:
+                last = max(filter(None, (self._drain_started, self._last_refusal)), default=None)
+            now = time.monotonic()
+            if last is None or now - last >= quiet:
+                return True
+            if now >= deadline:
+                return False
+            time.sleep(min(quiet - (now - last), deadline - now))
 
 
 class FullReport:

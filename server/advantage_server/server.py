@@ -86,6 +86,9 @@ _KEEPALIVE_OPTIONS = [
 ]
 
 
+#: the drain (BoundServer.stop): refuse calls until none came for DRAIN_QUIET_S (at most DRAIN_QUIET_MAX_S)
+#: before gRPC stops taking calls; DRAIN_SETTLE_S for the last statuses to go out before open streams end
+DRAIN_QUIET_S, DRAIN_QUIET_MAX_S, DRAIN_SETTLE_S = 0.1, 1.0, 0.1
 MAX_VIOLATIONS = 10  # field violations sent per INVALID_ARGUMENT (the message says how many more)
 MAX_TEXT = 2000      # characters of the status message
 
@@ -372,21 +375,35 @@ class BoundServer:
     def stop(self, grace: float | None = 5.0) -> None:
         """Graceful drain, in this order:
 
-        1. health reports NOT_SERVING (watchers, load balancers and probes see it first);
-        2. new service calls are refused with UNAVAILABLE (retryable on another replica);
-        3. gRPC stops accepting calls; every admitted call keeps running;
-        4. wait until the last admitted call finished (at most ``grace`` seconds);
-        5. end what is left (open health watches, reflection streams) and return.
+        1. health reports NOT_SERVING (watchers, load balancers and probes see it first), and the service refuses
+           new calls with UNAVAILABLE (retryable on another replica) while gRPC still takes them, until no call
+           has come for ``DRAIN_QUIET_S`` (at most ``DRAIN_QUIET_MAX_S``, and within ``grace``): a client that
+           watches health drops this replica, and the calls already on their way are answered;
+        2. gRPC stops taking calls (GOAWAY: clients connect elsewhere) and every admitted call keeps running. A
+           call that reached gRPC but not yet the service at that moment is ended by gRPC with CANCELLED
+           without having run (its server drops the calls it has queued when it shuts down); step 1 keeps that
+           to clients that went on sending through it, and the client's retry policy
+           (``advantage_client.channel.RETRY_POLICY``) sends such a call again;
+        3. wait until the last admitted call finished (at most what is left of ``grace``; None: no limit);
+        4. after ``DRAIN_SETTLE_S`` (the last refusals' statuses go out), end what is left (open health
+           watches, reflection streams, calls still running when ``grace`` ran out) and return.
         """
+        end = None if grace is None else time.monotonic() + grace
+
+        def left(cap: float | None = None) -> float | None:
+            rest = None if end is None else max(0.0, end - time.monotonic())
+            return cap if rest is None else rest if cap is None else min(cap, rest)
         self.health.enter_graceful_shutdown()
         self.gate.start_draining()
-        done = self.grpc_server.stop(grace)
+        self.gate.wait_quiet(DRAIN_QUIET_S, left(DRAIN_QUIET_MAX_S))
+        done = self.grpc_server.stop(left())
         in_flight = self.gate.in_flight
         if in_flight:
             log.info("draining: waiting for %d call(s) in progress", in_flight)
-        if grace is not None and not self.gate.wait_idle(grace):
+        if not self.gate.wait_idle(left()):
             log.warning("grace period of %.1fs over with %d call(s) still running; cancelling them", grace,
                         self.gate.in_flight)
+        done.wait(left(DRAIN_SETTLE_S))
         self.grpc_server.stop(0)
         done.wait()
         self.memory.stop()
