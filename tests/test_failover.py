@@ -119,6 +119,12 @@ def test_the_plan_sends_refusals_to_every_replica_in_turn_within_bounds():
     last = _error(grpc.StatusCode.UNAVAILABLE, "not serving")
     assert plan.retry(last) is None
     assert str(plan.error(last, "t")) == REFUSAL
+    # so does one whose replica's gRPC dropped it while shutting down (CANCELLED: the resend's channel has no
+    # retry policy); without a resend in progress a CANCELLED is the call's error
+    plan = Failover(3, 10.0, targets=targets)
+    assert plan.retry(_error(grpc.StatusCode.CANCELLED, "CANCELLED")) is None
+    assert plan.retry(_error(RE, REFUSAL)) > 0
+    assert plan.retry(_error(grpc.StatusCode.CANCELLED, "CANCELLED")) == 0.0
     # a size limit, bad input, or one replica: raised at once
     assert Failover(2, 10.0).retry(_error(RE, "exceeds --max-message-mb")) is None
     assert Failover(2, 10.0).retry(_error(grpc.StatusCode.INVALID_ARGUMENT, "bad")) is None

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
-from advantage_client.channel import service_config
+from advantage_client.channel import SERVICE_NAME as SERVICE, service_config
 from advantage_client.client import build_request
 from reliability_support import (
     CALLS, batch, count_events, report, request_for, slow_env, start_server, stop_server, wait_for,
@@ -204,6 +204,110 @@ def test_the_client_retries_a_call_the_servers_grpc_cancelled(make_server):
     finally:
         proxy.stop(None)
         upstream.close()
+
+
+def test_a_call_during_the_drain_takes_no_place_from_an_upload_in_progress(make_server):
+    """While the drain refuses calls (before gRPC stops), a call that finds the server full is refused UNAVAILABLE
+    and cuts nobody: the uploads already admitted keep their places and finish (before, such a call cut the
+    most stalled upload of a client beyond its share to make room, then was refused anyway)."""
+    from advantage_server import server as server_mod
+    srv = make_server(max_concurrent_requests=2, max_pending_per_connection=1, max_pending_per_peer=100)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    release = threading.Event()
+
+    def stalled():
+        release.wait(20)
+        yield request.SerializeToString()
+    method = f"/{SERVICE}/ComputeAdvantage"
+    own = [("grpc.enable_retries", 0), ("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(srv.address, options=own) as a, grpc.insecure_channel(srv.address, options=own) as b:
+        held = [a.stream_unary(method).future(stalled(), timeout=30) for _ in range(2)]  # beyond a's share of 1
+        wait_for(lambda: srv.gate.full, 10, "two stalled uploads admitted")
+        grpc.channel_ready_future(b).result(timeout=10)
+        original, server_mod.DRAIN_QUIET_S = server_mod.DRAIN_QUIET_S, 2.0  # room for a loaded machine
+        try:
+            stopper = threading.Thread(target=srv.stop, kwargs={"grace": 20.0})
+            stopper.start()
+            wait_for(lambda: srv.gate.draining, 5, "the drain")
+            with pytest.raises(grpc.RpcError) as err:
+                b.unary_unary(method)(request.SerializeToString(), timeout=10)
+            release.set()
+            replies = [f.result(timeout=20) for f in held]  # raises if an upload was cut
+            stopper.join(timeout=30)
+        finally:
+            server_mod.DRAIN_QUIET_S = original
+            release.set()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+    assert len(replies) == 2 and srv.uploads.evictions == 0 and not stopper.is_alive()
+
+
+def test_the_client_policy_resends_calls_grpc_dropped_at_shutdown():
+    """gRPC's own drop, reproduced: replica A's serve thread is held (an interceptor sleeps in it) while calls
+    arrive, so they wait in gRPC's core; then A stops. A plain client without retries gets a bare CANCELLED for
+    (most of) them; with the client's retry policy (round_robin over A and B) the same moment loses no call: each
+    dropped call is sent again and B serves it. Plain gRPC
+    servers: this is about the client's policy and grpcio's server, not about this service's drain."""
+    method = f"/{SERVICE}/ComputeAdvantage"
+
+    class Hold(grpc.ServerInterceptor):  # runs in grpcio's serve thread
+        def __init__(self):
+            self.armed = threading.Event()
+
+        def intercept_service(self, continuation, details):
+            if self.armed.is_set() and ("hold", "1") in tuple(details.invocation_metadata or ()):
+                self.armed.clear()
+                time.sleep(1.0)
+            return continuation(details)
+
+    def replica(name: str, served: list, hold: Hold | None = None):
+        def answer(request: bytes, context) -> bytes:
+            served.append(name)
+            return name.encode()
+        handlers = {"ComputeAdvantage": grpc.unary_unary_rpc_method_handler(answer)}
+        server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[hold] if hold else [])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, port
+
+    outcomes = {}
+    for retry in (False, True):
+        served: list[str] = []
+        hold = Hold()
+        a, port_a = replica("A", served, hold)
+        b, port_b = replica("B", served)
+        try:
+            if retry:
+                target = f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}"
+                options = [("grpc.service_config", json.dumps(service_config(health_check=False)))]
+            else:
+                target, options = f"127.0.0.1:{port_a}", [("grpc.enable_retries", 0)]
+            with grpc.insecure_channel(target, options=options) as channel, \
+                    grpc.insecure_channel(f"127.0.0.1:{port_a}") as to_a:
+                call = channel.unary_unary(method)
+                for _ in range(4):  # both replicas connected
+                    call(b"", timeout=10)
+                to_a.unary_unary(method)(b"", timeout=10)
+                hold.armed.set()
+                holder = to_a.unary_unary(method).future(b"", timeout=20, metadata=(("hold", "1"),))
+                time.sleep(0.3)  # A's serve thread sleeps now
+                calls = [call.future(b"", timeout=20) for _ in range(6)]  # those sent to A wait in its core
+                time.sleep(0.3)
+                a.stop(5)
+                results = []
+                for f in [holder, *calls]:
+                    try:
+                        results.append(f.result().decode())
+                    except grpc.RpcError as err:
+                        results.append(err.code().name)
+            outcomes[retry] = results[1:]
+        finally:
+            a.stop(None)
+            b.stop(None)
+    # without retries: gRPC dropped the calls waiting in A's core (those A's serve thread took first are served)
+    assert "CANCELLED" in outcomes[False] and set(outcomes[False]) <= {"A", "CANCELLED"}, outcomes
+    # with the client's policy, the same moment loses none: each dropped call was sent again, to B
+    assert len(outcomes[True]) == 6 and set(outcomes[True]) <= {"A", "B"} and "B" in outcomes[True], outcomes
 
 
 # ------------------------------------------------------------------------------ failover

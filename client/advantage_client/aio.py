@@ -144,6 +144,7 @@ class AsyncAdvantageClient:
         #: called when a timed-out attempt is sent again (``advantage_client.client.Failover``; the Ray client)
         self._on_timeout: Any = None
         self._replicas: dict[str, _Replica] = {}  # failover resends to one replica of a list target
+        self._closed = False  # close() was called: no new replica channels
         self.coalesce_max_rows = coalesce_max_rows
         self._group_local: dict[str, tuple[list[str], dict[str, str]]] | None = None
         self._group_local_task: asyncio.Future | None = None
@@ -340,7 +341,10 @@ class AsyncAdvantageClient:
             await asyncio.sleep(pause)  # then the next attempt, on plan.via (else round_robin's next replica)
 
     def _replica(self, target: str) -> "_Replica":
-        """The channels to the one replica ``target`` (made on first use, closed by :meth:`close`)."""
+        """The channels to the one replica ``target`` (made on first use, closed by :meth:`close`); after
+        :meth:`close`, :class:`AdvantageServiceError` (CANCELLED): a resend never outlives its client."""
+        if self._closed:
+            raise AdvantageServiceError(grpc.StatusCode.CANCELLED, "the client was closed while the call was in flight")
         if target not in self._replicas:
             self._replicas[target] = _Replica(target, self._channel_args)
         return self._replicas[target]
@@ -563,6 +567,7 @@ class AsyncAdvantageClient:
         """Close the channels (calls in flight are cancelled; calls still waiting to be coalesced fail with
         CANCELLED). :class:`EventLoopError` when awaited from another event loop than the client's."""
         self._check_loop()
+        self._closed = True
         for batch in list(self._batches.values()):
             if batch.timer is not None:
                 batch.timer.cancel()

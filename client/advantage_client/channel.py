@@ -8,8 +8,8 @@
   health checking: a draining replica leaves the rotation as soon as it says NOT_SERVING), and a retry
   policy: a call that fails with UNAVAILABLE (replica killed, restarting, draining) or CANCELLED by the
   server (a draining server's gRPC drops the calls it had queued but not started) is retried, with
-  exponential backoff, up to 5 attempts in all; a call the caller cancelled is never retried. The service is stateless and deterministic, so a retry
-  gives the same result.
+  exponential backoff, up to 5 attempts in all; a call the caller cancelled is never retried. The service is
+  stateless and deterministic, so a retry gives the same result.
 * :func:`make_channel`: plaintext, or TLS with a CA bundle and, for mutual TLS, a client certificate.
 * :func:`auth_metadata`: ``authorization: Bearer <token>`` sent with every call.
 * :func:`replica_count`: how many replicas a target names (a list: its length; a DNS name: the addresses it

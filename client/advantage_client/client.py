@@ -84,10 +84,11 @@ class Failover:
       replicas, the Ray client's) the resends go to the replicas one after another in an order of this call's
       own (a random rotation over all of them: the client does not know which replica refused, so with
       ``replicas`` resends every other replica is tried once); a resend that finds its replica not serving
-      (UNAVAILABLE: full for 2 s, draining, down) moves on to the next at once. Without ``targets`` (a DNS
-      name) the resend goes through the channel's round_robin picker: the next replica in the rotation for a
-      caller alone, but the rotation is shared with the other calls in flight, so under concurrency a resend
-      lands on another replica with probability (replicas - 1) / replicas; a replica full for 2 s leaves the
+      (UNAVAILABLE: full for 2 s, draining, down; or CANCELLED: dropped by its gRPC as it shut down) moves on
+      to the next at once. Without ``targets`` (a DNS name) the resend goes through the channel's round_robin
+      picker: the next replica in the rotation for a caller alone, but the rotation is shared with the other
+      calls in flight, so under concurrency a resend lands on another replica with probability
+      (replicas - 1) / replicas; a replica full for 2 s leaves the
       rotation (its health turns NOT_SERVING);
     * while the resend after a timeout is left, an attempt takes at most ``FAILOVER_DEADLINE_SHARE`` (half) of
       the deadline; one that ends DEADLINE_EXCEEDED (a hung replica, or a computation slower than that share:
@@ -129,7 +130,9 @@ class Failover:
         if self.replicas < 2:
             return None
         left = math.inf if self.end is None else self.end - time.monotonic()
-        steered_away = self.via is not None and error.code == grpc.StatusCode.UNAVAILABLE
+        # a resend goes through a channel to one replica without a retry policy: a replica that is not serving
+        # (UNAVAILABLE), or whose gRPC dropped the call while shutting down (CANCELLED), moves it on to the next
+        steered_away = self.via is not None and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         if admission_refused(error) or steered_away:
             self._refusal = self._refusal or (None if steered_away else error)
             if self.refusals >= min(self.replicas, FAILOVER_MAX_RETRIES) or left < FAILOVER_MIN_ATTEMPT_S:
@@ -165,7 +168,8 @@ class Failover:
         """The error the call raises: ``error``; a DEADLINE_EXCEEDED after a resend names the caller's deadline
         (the attempt's own hint named its share of it); the first admission refusal when the last resend found
         its replica not serving."""
-        if error.code == grpc.StatusCode.UNAVAILABLE and self.via is not None and self._refusal is not None:
+        if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.via is not None \
+                and self._refusal is not None:
             return self._refusal
         if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or not self.timeouts or self.timeout is None:
             return error
@@ -433,8 +437,8 @@ class AdvantageClient:
              ``tls_ca`` uses the system roots. ``tls_cert``/``tls_key``: client certificate (mutual TLS).
              ``tls_server_name``: the name to check the server certificate against, when it is not the target's.
     token / token_file: bearer token sent with every call (``authorization: Bearer <token>``).
-    retry:   retry UNAVAILABLE (default True). ``wait_for_ready``: when no replica is up, wait for one
-             (until the deadline) instead of failing fast.
+    retry:   retry UNAVAILABLE and a server's CANCELLED (default True; ``advantage_client.channel.RETRY_POLICY``).
+             ``wait_for_ready``: when no replica is up, wait for one (until the deadline) instead of failing fast.
     transport: how ``compute`` sends a batch (see ``advantage_client.streaming``): ``"auto"`` (default: the
              fastest that works, see below), ``"unary"``, ``"stream"`` (chunked ComputeAdvantageStream, no 2 GiB
              cap) or ``"shm"`` (shared memory, server on the same host; see :meth:`shared_memory`).

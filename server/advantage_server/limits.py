@@ -772,7 +772,7 @@ def _cancel_with_status(context: Any, exc: ResourceLimit) -> None:
             return
         except Exception:  # noqa: BLE001 - an internal API that moved: fall back to the public one
             pass
-    try:
+    try:  # a bare CANCELLED, which the client's retry policy sends again (the status above is not retried)
         context.cancel()
     except Exception:  # noqa: BLE001 - already over
         pass

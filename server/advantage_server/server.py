@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from concurrent import futures
@@ -238,8 +239,9 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         caller's client is within its pending shares, cut the most stalled upload of a client beyond its share
         (:meth:`UploadWatch.evict_for`) and reserve the place it frees for this call (:meth:`RequestGate.reserve`,
         at most ``EVICTION_WAIT`` seconds); the gate's admit, next in this thread, takes it. Otherwise the gate
-        decides as before (a full server refuses naming ``--max-concurrent-requests``)."""
-        if self.gate.full and self.uploads.evict_for(context):
+        decides as before (a full server refuses naming ``--max-concurrent-requests``). Never while draining: the
+        call is refused anyway, and the uploads in progress keep their places to finish."""
+        if not self.gate.draining and self.gate.full and self.uploads.evict_for(context):
             self.gate.reserve(EVICTION_WAIT)
 
     def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -384,15 +386,18 @@ class BoundServer:
            without having run (its server drops the calls it has queued when it shuts down); step 1 keeps that
            to clients that went on sending through it, and the client's retry policy
            (``advantage_client.channel.RETRY_POLICY``) sends such a call again;
-        3. wait until the last admitted call finished (at most what is left of ``grace``; None: no limit);
+        3. wait until the last admitted call finished (at most what is left of ``grace``);
         4. after ``DRAIN_SETTLE_S`` (the last refusals' statuses go out), end what is left (open health
            watches, reflection streams, calls still running when ``grace`` ran out) and return.
-        """
-        end = None if grace is None else time.monotonic() + grace
 
-        def left(cap: float | None = None) -> float | None:
-            rest = None if end is None else max(0.0, end - time.monotonic())
-            return cap if rest is None else rest if cap is None else min(cap, rest)
+        ``grace`` 0 or None (gRPC's ``Server.stop`` meaning): no drain, every call is cancelled at once.
+        """
+        if grace is None:
+            grace = 0.0
+        end = time.monotonic() + grace
+
+        def left(cap: float = math.inf) -> float:
+            return min(cap, max(0.0, end - time.monotonic()))
         self.health.enter_graceful_shutdown()
         self.gate.start_draining()
         self.gate.wait_quiet(DRAIN_QUIET_S, left(DRAIN_QUIET_MAX_S))
