@@ -151,7 +151,8 @@ def test_the_wait_for_quiet_counts_from_the_last_refusal():
     caller = threading.Thread(target=refused_every_50_ms)
     caller.start()
     try:
-        wait_for(lambda: gate._last_refusal is not None, 5, "a first refusal")
+        first = gate._quiet_since
+        wait_for(lambda: gate._quiet_since != first, 5, "a first refusal")
         t0 = time.monotonic()
         # refusals keep coming (a loaded machine would have to stall the caller 1 s to make it quiet)
         assert not gate.wait_quiet(1.0, 2.0)
@@ -206,11 +207,12 @@ def test_the_client_retries_a_call_the_servers_grpc_cancelled(make_server):
         upstream.close()
 
 
-def test_a_call_during_the_drain_takes_no_place_from_an_upload_in_progress(make_server):
+def test_a_call_during_the_drain_takes_no_place_from_an_upload_in_progress(make_server, monkeypatch):
     """While the drain refuses calls (before gRPC stops), a call that finds the server full is refused UNAVAILABLE
     and cuts nobody: the uploads already admitted keep their places and finish (before, such a call cut the
     most stalled upload of a client beyond its share to make room, then was refused anyway)."""
     from advantage_server import server as server_mod
+    monkeypatch.setattr(server_mod, "DRAIN_QUIET_S", 2.0)  # room for a loaded machine
     srv = make_server(max_concurrent_requests=2, max_pending_per_connection=1, max_pending_per_peer=100)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     release = threading.Event()
@@ -224,7 +226,6 @@ def test_a_call_during_the_drain_takes_no_place_from_an_upload_in_progress(make_
         held = [a.stream_unary(method).future(stalled(), timeout=30) for _ in range(2)]  # beyond a's share of 1
         wait_for(lambda: srv.gate.full, 10, "two stalled uploads admitted")
         grpc.channel_ready_future(b).result(timeout=10)
-        original, server_mod.DRAIN_QUIET_S = server_mod.DRAIN_QUIET_S, 2.0  # room for a loaded machine
         try:
             stopper = threading.Thread(target=srv.stop, kwargs={"grace": 20.0})
             stopper.start()
@@ -235,7 +236,6 @@ def test_a_call_during_the_drain_takes_no_place_from_an_upload_in_progress(make_
             replies = [f.result(timeout=20) for f in held]  # raises if an upload was cut
             stopper.join(timeout=30)
         finally:
-            server_mod.DRAIN_QUIET_S = original
             release.set()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
     assert len(replies) == 2 and srv.uploads.evictions == 0 and not stopper.is_alive()

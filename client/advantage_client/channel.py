@@ -76,10 +76,18 @@ def settings_from_environment(target: Any = None, tls_ca: str | None = None,
     replicas; default ``localhost:50051``), ``$ADVANTAGE_SERVICE_TLS_CA`` (a PEM file turns TLS on) and
     ``$ADVANTAGE_SERVICE_TOKEN_FILE`` (its bearer token is sent); empty values count as unset."""
     if target is None:
-        target = os.environ.get(TARGET_ENV, "").strip() or DEFAULT_TARGET
-        if "," in target:
-            target = [t.strip() for t in target.split(",") if t.strip()]
+        target = replica_list(os.environ.get(TARGET_ENV, "").strip() or DEFAULT_TARGET)
     return target, tls_ca or os.environ.get(TLS_CA_ENV) or None, token_file or os.environ.get(TOKEN_FILE_ENV) or None
+
+
+def replica_list(target: Any) -> Any:
+    """A comma-separated string (``"10.0.0.1:50051,10.0.0.2:50051"``, as an environment variable gives replicas) as
+    the list of its addresses; any other ``target`` as given."""
+    if isinstance(target, str) and "," in target:
+        return [t.strip() for t in target.split(",") if t.strip()]
+    return target
+
+
 #: gRPC target schemes whose addresses carry no port (a socket path, an abstract name) or a port of their own
 #: syntax (``vsock:cid:port``): passed on as given
 _PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:")

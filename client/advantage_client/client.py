@@ -62,6 +62,12 @@ FAILOVER_MIN_ATTEMPT_S = 0.05
 ADMISSION_FLAGS = ("--max-concurrent-requests", "--max-pending-per-connection", "--max-pending-per-peer")
 
 
+#: what a failover resend's replica answers when it did not take the call (the resend's channel to that one replica
+#: has no retry policy): UNAVAILABLE (not serving: full for 2 s, draining, down) or CANCELLED (its gRPC dropped
+#: the call as it shut down); the resend moves on to the next replica
+NOT_TAKEN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
 def admission_refused(error: AdvantageServiceError) -> bool:
     """Whether ``error`` is the server's admission refusal: RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``
     (every place taken: answered before the request is read) or ``--max-pending-per-connection`` /
@@ -88,8 +94,7 @@ class Failover:
       to the next at once. Without ``targets`` (a DNS name) the resend goes through the channel's round_robin
       picker: the next replica in the rotation for a caller alone, but the rotation is shared with the other
       calls in flight, so under concurrency a resend lands on another replica with probability
-      (replicas - 1) / replicas; a replica full for 2 s leaves the
-      rotation (its health turns NOT_SERVING);
+      (replicas - 1) / replicas; a replica full for 2 s leaves the rotation (its health turns NOT_SERVING);
     * while the resend after a timeout is left, an attempt takes at most ``FAILOVER_DEADLINE_SHARE`` (half) of
       the deadline; one that ends DEADLINE_EXCEEDED (a hung replica, or a computation slower than that share:
       the client cannot tell them apart) is sent once more, at once, through the round_robin rotation (the next
@@ -130,9 +135,7 @@ class Failover:
         if self.replicas < 2:
             return None
         left = math.inf if self.end is None else self.end - time.monotonic()
-        # a resend goes through a channel to one replica without a retry policy: a replica that is not serving
-        # (UNAVAILABLE), or whose gRPC dropped the call while shutting down (CANCELLED), moves it on to the next
-        steered_away = self.via is not None and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        steered_away = self.via is not None and error.code in NOT_TAKEN
         if admission_refused(error) or steered_away:
             self._refusal = self._refusal or (None if steered_away else error)
             if self.refusals >= min(self.replicas, FAILOVER_MAX_RETRIES) or left < FAILOVER_MIN_ATTEMPT_S:
@@ -168,8 +171,7 @@ class Failover:
         """The error the call raises: ``error``; a DEADLINE_EXCEEDED after a resend names the caller's deadline
         (the attempt's own hint named its share of it); the first admission refusal when the last resend found
         its replica not serving."""
-        if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and self.via is not None \
-                and self._refusal is not None:
+        if error.code in NOT_TAKEN and self.via is not None and self._refusal is not None:
             return self._refusal
         if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or not self.timeouts or self.timeout is None:
             return error

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from advantage_client.channel import TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV, settings_from_environment
+from advantage_client.channel import TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV, replica_list, settings_from_environment
 from advantage_client.client import AdvantageClient
 
 __all__ = ["RemoteGRPOTrainer", "trl_advantages", "client_from_environment", "SCALE_REWARDS",
@@ -74,9 +74,7 @@ def client_from_environment(target: Any = None, timeout: float | None = 60.0) ->
     them; None: ``$ADVANTAGE_SERVICE_TARGET``, else ``localhost:50051``), with TLS from
     ``$ADVANTAGE_SERVICE_TLS_CA`` and the bearer token from ``$ADVANTAGE_SERVICE_TOKEN_FILE`` when set.
     Raises :class:`~advantage_client.TargetError` (a ``ValueError``) for a target without a port or a URL."""
-    if isinstance(target, str) and "," in target:
-        target = [t.strip() for t in target.split(",") if t.strip()]
-    target, tls_ca, token_file = settings_from_environment(target)
+    target, tls_ca, token_file = settings_from_environment(replica_list(target))
     return AdvantageClient(target, timeout=timeout, tls_ca=tls_ca, token_file=token_file)
 
 

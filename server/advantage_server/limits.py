@@ -274,8 +274,8 @@ class RequestGate:
         self._light = 0       # calls holding a LIGHT_CALLS place (see light())
         self._reserved: set[int] = set()  # threads holding a reserved place for their next admit (reserve())
         self._draining = False
-        self._last_refusal: float | None = None  # time.monotonic() of the last call refused while draining
-        self._drain_started: float | None = None
+        #: while draining, time.monotonic() since which no call was refused (the drain's start, then each refusal)
+        self._quiet_since: float | None = None
         self._slots = threading.BoundedSemaphore(workers)
 
     @property
@@ -333,7 +333,7 @@ class RequestGate:
         """
         with self._cond:
             if self._draining:
-                self._last_refusal = time.monotonic()
+                self._quiet_since = time.monotonic()
                 raise Draining("the server is shutting down and takes no new calls; retry on another replica")
             mine = limited and threading.get_ident() in self._reserved  # a place reserve() held for this call
             if mine:
@@ -394,7 +394,7 @@ class RequestGate:
     def start_draining(self) -> None:
         with self._cond:
             if not self._draining:
-                self._drain_started = time.monotonic()
+                self._quiet_since = time.monotonic()
             self._draining = True
 
     def wait_idle(self, timeout: float | None) -> bool:
@@ -416,7 +416,7 @@ class RequestGate:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             with self._cond:
-                last = max(filter(None, (self._drain_started, self._last_refusal)), default=None)
+                last = self._quiet_since
             now = time.monotonic()
             if last is None or now - last >= quiet:
                 return True
