@@ -43,7 +43,10 @@ Errors (gRPC status codes):
   UNAVAILABLE       the server is draining (shutting down); retry on
                     another replica: requests are stateless.
   DEADLINE_EXCEEDED / CANCELLED  the call's deadline passed or the client
-                    cancelled; the server stops the work.
+                    cancelled; the server stops the work. A CANCELLED the
+                    client did not cause comes from a server that stopped
+                    taking calls as the call arrived (gRPC drops it without
+                    running it): retry it as UNAVAILABLE.
   INTERNAL          a server bug; never expected.
 """
 
