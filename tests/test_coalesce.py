@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from advantage_client import AsyncAdvantageClient, InvalidArgumentError
 from advantage_client.aio import _UNKNOWN, _default, group_local
+from advantage_client.client import PUSHBACK_MAX_RETRIES
 from advantage_server.core import config_from_dict, list_estimators
 from advantage_server.estimators.registry import REGISTRY
 
@@ -382,6 +383,42 @@ def test_a_config_changed_after_the_call_changes_no_result(target):
         assert _same(a, m)
 
 
+def test_tensors_reused_after_the_call_change_no_result(target):
+    """Issue #27 item 6: a caller writes its next batch into the same buffers as soon as ``compute`` has
+    returned (right after creating the call's task, and again once the task has started). Before, a fresh
+    coalescing client copied the tensors only after awaiting the server's estimator listing (and any client
+    read them only once its coroutine ran), so the request carried the new data and the caller silently got
+    its advantages; now the tensors are captured when ``compute`` is called: every result equals the call made
+    alone with the original data, exactly, on a fresh client with coalescing on (and off, and on a client
+    that has coalesced before), numpy and torch buffers alike."""
+    originals = [dict(_group(i), rewards=np.random.default_rng(10 + i).random(8).astype(np.float32))
+                 for i in range(4)]
+
+    async def go(coalesce_ms: float, warm: bool, kind: str):
+        async with AsyncAdvantageClient(target, timeout=30.0) as plain:
+            alone = [await plain.compute("grpo", None, **g) for g in originals]
+        async with AsyncAdvantageClient(target, timeout=30.0, coalesce_ms=coalesce_ms) as client:
+            if warm:
+                await client.compute("grpo", None, **originals[0])
+            buffers = [{k: (torch.from_numpy(v.copy()) if kind == "torch" else v.copy()) for k, v in g.items()}
+                       for g in originals]
+            tasks = [asyncio.ensure_future(client.compute("grpo", None, **b)) for b in buffers]
+            for i, b in enumerate(buffers):  # the next batch, written into the same buffers at once
+                b["rewards"][:] = 100.0 + i
+                b["mask"][:] = 1.0
+            await asyncio.sleep(0)  # every task has started (a fresh client now awaits its listing)
+            for b in buffers:
+                b["rewards"][:] = -7.0
+                b["prompt_ids"][:] = 0
+            got = await asyncio.gather(*tasks)
+        return alone, got
+    for coalesce_ms, warm, kind in [(20.0, False, "numpy"), (20.0, False, "torch"), (0.0, False, "numpy"),
+                                    (20.0, True, "numpy")]:
+        alone, got = run(go(coalesce_ms, warm, kind))
+        for a, g in zip(alone, got):
+            assert torch.equal(g.advantages, a.advantages), (coalesce_ms, warm, kind)
+
+
 def _resource_exhausted_count(srv) -> float:
     """ComputeAdvantage calls the server answered RESOURCE_EXHAUSTED (its metrics, every estimator label)."""
     return sum(s.value for family in srv.metrics.registry.collect() for s in family.samples
@@ -432,6 +469,10 @@ def test_an_admission_refusal_of_a_merged_request_is_shared_not_multiplied(make_
         release.set()
     assert all(getattr(e, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused), refused
     assert all("--max-concurrent-requests=1" in str(e) for e in refused)
-    assert refusals == 1, refusals
-    assert sent == [2, 16 * 8, 16 * 8], sent  # the holding call, the refused merged request, the served one
+    # the merged request is refused, and sent again after each retry pushback as ONE request (issue #27 item 3;
+    # a server without pushback: once)
+    attempts = 1 if refused[0].pushback_s is None else 1 + PUSHBACK_MAX_RETRIES
+    assert refusals == attempts, refusals
+    # the holding call, the refused merged request (each attempt), the served one
+    assert sent == [2, *[16 * 8] * attempts, 16 * 8], sent
     assert all(m.advantages.shape == (8, 16) for m in served)

@@ -672,27 +672,31 @@ def _silent_reflection(channel, release):
 
 
 def test_calls_outside_admission_cannot_take_every_thread(make_server):
-    """Silent reflection streams and other uncounted calls share 8 places: the 9th is refused at once, health
-    checks and compute calls are still served, and a silent reflection stream is cut by --stream-idle-timeout
-    (before: 10 of them held every thread of this server for ever)."""
+    """Silent reflection streams and other uncounted calls share 8 places: of 12 opened at once, exactly 8 are
+    served and 4 refused at once, in whatever order they reach the server (issue #27 item 9: this test expected
+    "the first 8" to be the served ones and failed 3 runs in 10); health checks and compute calls are still
+    served, and a silent reflection stream is cut by --stream-idle-timeout (before: 10 of them held every thread
+    of this server for ever)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from advantage_server.limits import LIGHT_CALLS
-    srv = make_server(max_concurrent_requests=2, workers=1, stream_idle_timeout=2.0)
+    srv = make_server(max_concurrent_requests=2, workers=1, stream_idle_timeout=5.0)
     release = threading.Event()
     try:
         with grpc.insecure_channel(srv.address) as channel:
             streams = [_silent_reflection(channel, release) for _ in range(LIGHT_CALLS + 4)]
-            answered = [next(s, None) for s in streams[:LIGHT_CALLS]]  # the first ones are served
-            assert all(r is not None and r.list_services_response.service for r in answered)
-            refused = 0
-            for s in streams[LIGHT_CALLS:]:
-                with pytest.raises(grpc.RpcError) as err:
-                    list(s)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-                assert "reflection" in err.value.details()
-                refused += 1
-            assert refused == 4
+            served, refusals = [], []
+            for s in streams:  # a served stream answers and then waits; a refused one ends at once
+                try:
+                    reply = next(s)
+                    assert reply.list_services_response.service
+                    served.append(s)
+                except grpc.RpcError as err:
+                    refusals.append(err)
+            assert len(served) == LIGHT_CALLS and len(refusals) == 4, (len(served), len(refusals))
+            for err in refusals:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert "reflection" in err.details()
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:  # ListEstimators shares the places: refused at once
                 pb_grpc.AdvantageServiceStub(channel).ListEstimators(pb.ListEstimatorsRequest(), timeout=5)
@@ -704,11 +708,11 @@ def test_calls_outside_admission_cannot_take_every_thread(make_server):
                 build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=5)
             assert len(reply.advantages.data) == 8
             assert time.monotonic() - t0 < 5
-            for s in streams[:LIGHT_CALLS]:  # the silent streams are cut after --stream-idle-timeout
+            for s in served:  # the silent streams are cut after --stream-idle-timeout
                 with pytest.raises(grpc.RpcError) as err:
                     list(s)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "--stream-idle-timeout=2" in err.value.details()
+                assert "--stream-idle-timeout=5" in err.value.details()
             estimators = pb_grpc.AdvantageServiceStub(channel).ListEstimators(pb.ListEstimatorsRequest(), timeout=5)
             assert estimators.ListFields()  # the places came back
     finally:

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import dataclasses
 import re
 import time
-from typing import Any, Sequence
+from typing import Any, Coroutine, Sequence
 
 import numpy as np
 
@@ -86,9 +87,10 @@ class AsyncAdvantageClient:
 
     target, timeout, max_message_mb, tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file,
     retry, wait_for_ready, stream_threshold_mb, chunk_mb, compact, failover: as
-    :class:`advantage_client.AdvantageClient` (failover: an admission refusal sent again to another replica, an
-    attempt timed out after half the deadline sent once more; ``advantage_client.client.Failover``; a
-    coalesced request fails over as one request).
+    :class:`advantage_client.AdvantageClient` (failover: an admission refusal with the server's retry pushback
+    sent again after it, to another replica when there are several; with several, an attempt whose connection
+    failed, e.g. a hung replica found by the keepalive, sent once more to another; every attempt has the whole
+    deadline left; ``advantage_client.client.Failover``; a coalesced request is sent again as one request).
     channel: a ``grpc.aio.Channel`` to use instead of making one (closed by :meth:`close`).
     channel_options: more gRPC channel arguments, added to the client's own on every channel it makes.
     transport: ``"auto"`` (default), ``"unary"`` or ``"stream"``; ``"shm"`` raises ``ValueError`` (see the
@@ -109,11 +111,12 @@ class AsyncAdvantageClient:
              error about its inputs (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for a size limit or out of memory,
              ..., or an encoding ValueError), each call is sent again alone, so each caller gets its own
              answer or error; UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED, CANCELLED
-             and the server's admission refusal (RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``,
-             answered before the request is read) reach every caller as they are, once: the server saw one
-             request and refused it once (sending N calls into a full server would multiply the load that
-             made it refuse; retry with backoff). The config is read when ``compute`` starts (a later change
-             to the caller's dict changes nothing). A cancelled waiting caller is left out of the request.
+             and the server's admission refusal (RESOURCE_EXHAUSTED with a retry pushback, answered before
+             the request is read; the merged request is first sent again after the pushback, as one request)
+             reach every caller as they are, once: the server saw one request and refused it once (sending N
+             calls into a full server would multiply the load that made it refuse). The config and the
+             tensors are captured when ``compute`` is called (a later change to the caller's dict or buffers
+             changes nothing, see :meth:`compute`). A cancelled waiting caller is left out of the request.
              ``last_transport`` is not set for coalesced calls.
     coalesce_max_rows: a batch is sent at once when it reaches this many rows (default 4096); a call that
              would take it past the cap sends the waiting batch first; a call with more rows goes alone.
@@ -141,7 +144,8 @@ class AsyncAdvantageClient:
             raise ValueError(f"coalesce_max_rows={coalesce_max_rows!r}: give an integer >= 1")
         self.coalesce_ms = float(coalesce_ms)
         self.failover = bool(failover)
-        #: called when a timed-out attempt is sent again (``advantage_client.client.Failover``; the Ray client)
+        #: called when an attempt whose connection failed is sent again (``advantage_client.client.Failover``; the
+        #: Ray client's look-up)
         self._on_timeout: Any = None
         self._replicas: dict[str, _Replica] = {}  # failover resends to one replica of a list target
         self._closed = False  # close() was called: no new replica channels
@@ -190,6 +194,11 @@ class AsyncAdvantageClient:
                                                 response_deserializer=streaming.decode_writable)
         self._stream: Any = None
         self._lengths_ok = True
+
+    @staticmethod
+    def capture(estimator: str, config: Any, cu_seqlens: Any, tensors: dict[str, Any]) -> tuple[Any, Any, dict]:
+        """:func:`capture`: a call's inputs copied now (used by :meth:`compute`, and by the Ray client's)."""
+        return capture(estimator, config, cu_seqlens, tensors)
 
     @classmethod
     async def from_ray(cls, name: str = "advantage", namespace: str = "advantage", *, address: str | None = None,
@@ -253,9 +262,9 @@ class AsyncAdvantageClient:
                                        "Deadline Exceeded", err.debug_error_string()) from None
         return codec.decode_result(memoryview(out.finish()))
 
-    async def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
-                      cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
-                      timeout: Any = CLIENT_TIMEOUT, **tensors: Any) -> AdvantageResult:
+    def compute(self, estimator: str, config: Any = None, *, output_dtype: Any = None, as_numpy: bool = False,
+                cu_seqlens: Any = None, transport: str | None = None, per_sample: bool = False,
+                timeout: Any = CLIENT_TIMEOUT, **tensors: Any) -> Coroutine[Any, Any, AdvantageResult]:
         """``await`` one estimator run: arguments, result and errors as
         :meth:`advantage_client.AdvantageClient.compute` (``rewards`` ``[B]`` or ``[B, T]``, ``mask``
         ``[B, T]``, ...; advantages ``[B, T]`` float32 by default, ``[B]`` with ``per_sample=True`` where the
@@ -275,12 +284,25 @@ class AsyncAdvantageClient:
         :class:`AdvantageServiceError` for every error the server reports (:class:`InvalidArgumentError`,
         also a ``ValueError``, for INVALID_ARGUMENT; UNAVAILABLE after the retries; DEADLINE_EXCEEDED after
         ``timeout``). Cancelling the awaiting task cancels the call.
+
+        The call's inputs are captured when ``compute`` is called, before anything is awaited (:func:`capture`:
+        a copy of each tensor, on the device it is on, and of the config): the caller may write its next batch
+        into the same buffers as soon as ``compute(...)`` has returned its coroutine (``asyncio.create_task``,
+        ``asyncio.gather``), whatever path the call then takes (unary, stream, coalesced, a resend). ``compute``
+        is therefore a plain method returning a coroutine; every error is raised when it is awaited.
         """
+        config, cu_seqlens, tensors = capture(estimator, config, cu_seqlens, tensors)
+        return self._compute_call(estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample,
+                                  timeout, tensors)
+
+    async def _compute_call(self, estimator: str, config: Any, output_dtype: Any, as_numpy: bool, cu_seqlens: Any,
+                            transport: str | None, per_sample: bool, timeout: Any,
+                            tensors: dict[str, Any]) -> AdvantageResult:
+        """:meth:`compute` on its captured inputs."""
         self._check_loop()
         deadline = call_timeout(timeout, self.timeout)
         check_inputs(tensors, self)
         transport = self._checked_transport(transport or self.transport)
-        config = _config_snapshot(estimator, config)  # before any await: a later change to the dict is not sent
         if self.coalesce_ms > 0 and cu_seqlens is None and self._may_coalesce(deadline):
             entry = await self._coalescible(estimator, config, output_dtype, as_numpy, transport, per_sample, tensors)
             if entry is not None:
@@ -322,15 +344,14 @@ class AsyncAdvantageClient:
 
     async def _compute_failover(self, prepared: Any, transport: str, as_numpy: bool, args: tuple,
                                 timeout: float | None) -> AdvantageResult:
-        """The call's attempts: one, or with several replicas those :class:`advantage_client.client.Failover`
-        allows (an admission refusal sent again to another replica, a timed-out attempt once more)."""
-        replicas = 1
-        if self.failover:
-            replicas = cached_replica_count(self.target)
-            if replicas is None:  # a DNS name not resolved lately: resolve it off the event loop
-                replicas = await asyncio.to_thread(replica_count, self.target)
-        if replicas < 2:
+        """The call's attempts: one (``failover=False``), or those :class:`advantage_client.client.Failover`
+        allows (an admission refusal with pushback sent again after it, to another replica when there are
+        several; with several, an attempt whose connection failed once more)."""
+        if not self.failover:
             return await self._compute_prepared(prepared, transport, as_numpy, *args, timeout)
+        replicas = cached_replica_count(self.target)
+        if replicas is None:  # a DNS name not resolved lately: resolve it off the event loop
+            replicas = await asyncio.to_thread(replica_count, self.target)
         plan = Failover(replicas, timeout, self._on_timeout, replica_targets(self.target) if self._steerable else ())
         while True:
             via = None if plan.via is None else self._replica(plan.via)
@@ -429,7 +450,7 @@ class AsyncAdvantageClient:
         for name, value in tensors.items():
             if name == "prompt_ids" or (name == "mask" and small is not None):
                 continue
-            arr = _numpy_copy(value)
+            arr = _numpy_copy(value, copy=False)  # the call's own capture: no second copy
             if arr is None:
                 return None
             arrays[name] = arr
@@ -662,6 +683,32 @@ def _shared_error(error: AdvantageServiceError) -> bool:
     return error.code in _SHARED_ERRORS or admission_refused(error)
 
 
+def capture(estimator: str, config: Any, cu_seqlens: Any, tensors: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """A call's inputs as they are now, owned by the call (``(config, cu_seqlens, tensors)``): the config as a
+    message of its own (:func:`_config_snapshot`) and a copy of every tensor (:func:`_tensor_snapshot`). Taken
+    when :meth:`AsyncAdvantageClient.compute` is called, so the caller may reuse its buffers at once; the
+    coroutine, and every path it takes after its awaits, reads only these copies. Costs one copy of the inputs
+    (on their device); never raises (a value it cannot copy is kept as given, and the call reports it)."""
+    return (_config_snapshot(estimator, config), _tensor_snapshot(cu_seqlens),
+            {name: _tensor_snapshot(value) for name, value in tensors.items()})
+
+
+def _tensor_snapshot(value: Any) -> Any:
+    """A copy of one input nobody else holds: a torch tensor cloned on its own device (detached), a numpy array
+    copied (same dtype, C order), a list or tuple deep-copied; anything else (None, a scalar, a string, an
+    object the encoder refuses) as given."""
+    try:
+        if hasattr(value, "detach") and hasattr(value, "clone"):
+            return value.detach().clone()
+        if isinstance(value, np.ndarray):
+            return np.array(value, copy=True, order="C")
+        if isinstance(value, (list, tuple)):
+            return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - the call encodes the value as given and reports what is wrong with it
+        return value
+    return value
+
+
 def _config_snapshot(estimator: str, config: Any) -> Any:
     """``config`` (a dict, a config message or None) as a config message of its own, built now: the caller may
     change or reuse its dict or message once ``compute`` has started, the request (sent later when coalesced,
@@ -677,12 +724,14 @@ def _config_snapshot(estimator: str, config: Any) -> Any:
     return msg
 
 
-def _numpy_copy(value: Any) -> np.ndarray | None:
-    """A numpy copy of a numpy array, a CPU/GPU torch tensor (not bfloat16) or a list; None for anything else."""
+def _numpy_copy(value: Any, copy: bool = True) -> np.ndarray | None:
+    """A numpy copy of a numpy array, a CPU/GPU torch tensor (not bfloat16) or a list; None for anything else.
+    ``copy=False``: a view where one can be had (for a value nobody else holds, such as a :func:`capture`)."""
     try:
         if hasattr(value, "detach"):
-            return np.array(value.detach().cpu().numpy(), copy=True)
-        arr = np.array(value, copy=True)
+            arr = value.detach().cpu().numpy()
+            return np.array(arr, copy=True) if copy else arr
+        arr = np.array(value, copy=True) if copy else np.asarray(value)
     except (TypeError, ValueError, RuntimeError):
         return None
     return arr if arr.dtype.kind in "biuf" else None

@@ -20,6 +20,7 @@ import inspect
 import math
 import numbers
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -48,13 +49,21 @@ SHM_RETRY_S = 60.0
 DEFAULT_SHM_REGIONS = 8
 
 
-#: failover (a target naming several replicas): an admission refusal is sent again at most this many times (and
-#: at most once per other replica)
+#: failover (a target naming several replicas) for a server that sends no retry pushback (an older one): an
+#: admission refusal recognised by its message is sent again at most this many times (and at most once per other
+#: replica)
 FAILOVER_MAX_RETRIES = 3
-#: seconds before the first resend of a refused call (doubled for each further one, jittered +-50 %)
+#: seconds before the first resend of such a refused call (doubled for each further one, jittered +-50 %)
 FAILOVER_BACKOFF_S = 0.05
-#: the share of the caller's deadline one attempt may take while the resend after a timeout is still left
-FAILOVER_DEADLINE_SHARE = 0.5
+#: an admission refusal carrying a retry pushback (``grpc-retry-pushback-ms``) is sent again at most this many
+#: times, with one replica or several
+PUSHBACK_MAX_RETRIES = 5
+#: the wait before such a resend: the pushback times a factor drawn uniformly from [1, 1 + PUSHBACK_JITTER]
+#: (never sooner than the server asked; callers refused together do not all come back at once)
+PUSHBACK_JITTER = 0.5
+#: an attempt that ended UNAVAILABLE on the round_robin rotation (its connection failed: a replica killed, or
+#: hung and found by the HTTP/2 keepalive, after gRPC's own retries) is sent again at most this many times
+LOST_MAX_RESENDS = 1
 #: a resend needs at least this many seconds of the caller's deadline left
 FAILOVER_MIN_ATTEMPT_S = 0.05
 #: the flags a RESOURCE_EXHAUSTED of the server's admission names (``advantage_server.limits``): every place
@@ -63,54 +72,76 @@ ADMISSION_FLAGS = ("--max-concurrent-requests", "--max-pending-per-connection", 
 
 
 #: what a failover resend's replica answers when it did not take the call (the resend's channel to that one replica
-#: has no retry policy): UNAVAILABLE (not serving: full for 2 s, draining, down) or CANCELLED (its gRPC dropped
-#: the call as it shut down); the resend moves on to the next replica
+#: has no retry policy): UNAVAILABLE (draining, down) or CANCELLED (its gRPC dropped the call as it shut down);
+#: the resend moves on to the next replica
 NOT_TAKEN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 def admission_refused(error: AdvantageServiceError) -> bool:
-    """Whether ``error`` is the server's admission refusal: RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``
-    (every place taken: answered before the request is read) or ``--max-pending-per-connection`` /
-    ``--max-pending-per-peer`` (this client had more calls waiting for their body than its share). It says
-    nothing about the request: another replica (or the same one later) may take it. The other
-    RESOURCE_EXHAUSTED (a size limit such as ``--max-message-mb``, out of memory) is about the request."""
-    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(f in str(error) for f in ADMISSION_FLAGS)
+    """Whether ``error`` is the server's admission refusal, which says nothing about the request: another
+    replica (or the same one later) may take it. RESOURCE_EXHAUSTED with a retry pushback (trailing metadata
+    ``grpc-retry-pushback-ms``, :attr:`AdvantageServiceError.pushback_s`: the server sends it on admission
+    refusals only); or, from a server that sends no pushback (older ones), RESOURCE_EXHAUSTED naming
+    ``--max-concurrent-requests`` (every place taken: answered before the request is read) or
+    ``--max-pending-per-connection`` / ``--max-pending-per-peer`` (more calls waiting for their body than the
+    client's share), unless the message says the upload was cut. Every other RESOURCE_EXHAUSTED (a size limit
+    such as ``--max-message-mb``, out of memory, an upload cut) is about the request and is never sent again."""
+    if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    if getattr(error, "pushback_s", None) is not None:
+        return True
+    text = str(error)
+    return any(f in text for f in ADMISSION_FLAGS) and not _upload_cut(text)
+
+
+_CUT = re.compile(r"\bcut\b", re.IGNORECASE)
+
+
+def _upload_cut(text: str) -> bool:
+    """A RESOURCE_EXHAUSTED message saying the call's upload was cut (its place given to another client, or it
+    stalled): the server read part of the request; the call is not sent again."""
+    return _CUT.search(text) is not None
 
 
 class Failover:
-    """The attempts of one ``compute`` call on a target naming ``replicas`` replicas, within its deadline
-    ``timeout`` (seconds, None: none), shared by the sync and asyncio clients.
+    """The attempts of one ``compute`` call within its deadline ``timeout`` (seconds, None: none), on a target
+    naming ``replicas`` replicas, shared by the sync and asyncio clients. Every attempt gets the whole deadline
+    left (a healthy slow call is never cut short, nor run twice).
 
-    With one replica (``replicas < 2``) there is one attempt under the whole deadline and its error is the
-    call's, as before. With several:
+    * An admission refusal with a retry pushback (RESOURCE_EXHAUSTED carrying ``grpc-retry-pushback-ms``:
+      :func:`admission_refused`) is sent again after the pushback, jittered (``PUSHBACK_JITTER``), at most
+      ``PUSHBACK_MAX_RETRIES`` times and only while the wait and ``FAILOVER_MIN_ATTEMPT_S`` fit in the deadline
+      left; then the refusal is raised. With one replica the resend goes to the same replica; with several,
+      to another (below).
+    * With several replicas, a refusal recognised by its message from a server that sends no pushback (an older
+      one) is sent again after a short jittered backoff (``FAILOVER_BACKOFF_S``, doubled each time), at most
+      ``min(replicas, FAILOVER_MAX_RETRIES)`` times.
+    * Where a refusal's resend goes: with ``targets`` (one gRPC target per replica,
+      :func:`advantage_client.channel.replica_targets`: a list of replicas, the Ray client's) to the replicas one
+      after another in an order of this call's own (a random rotation over all of them: the client does not know
+      which replica refused, so with ``replicas`` resends every other replica is tried once); a resend that finds
+      its replica not serving (UNAVAILABLE: draining, down; or CANCELLED: dropped by its gRPC as it shut down)
+      moves on to the next at once. Without ``targets`` (a DNS name) through the channel's round_robin picker:
+      the next replica in the rotation for a caller alone; under concurrency another replica with probability
+      (replicas - 1) / replicas.
+    * With several replicas, an attempt that ended UNAVAILABLE on the round_robin rotation (after gRPC's own
+      retries: its connection failed, a replica killed, or hung and found dead by the HTTP/2 keepalive PINGs of
+      :func:`advantage_client.channel.make_channel`) is sent once more (``LOST_MAX_RESENDS``) through the
+      rotation, which no longer holds the failed connection, under the deadline left. Every compute call is
+      idempotent, so a resend is safe; a shared-memory call's region is dropped after the lost attempt (the old
+      replica may still write into it) and the resend takes a fresh one.
 
-    * an admission refusal (:func:`admission_refused`) is sent again after a short jittered backoff
-      (``FAILOVER_BACKOFF_S``, doubled each time), at most ``min(replicas, FAILOVER_MAX_RETRIES)`` times. With
-      ``targets`` (one gRPC target per replica, :func:`advantage_client.channel.replica_targets`: a list of
-      replicas, the Ray client's) the resends go to the replicas one after another in an order of this call's
-      own (a random rotation over all of them: the client does not know which replica refused, so with
-      ``replicas`` resends every other replica is tried once); a resend that finds its replica not serving
-      (UNAVAILABLE: full for 2 s, draining, down; or CANCELLED: dropped by its gRPC as it shut down) moves on
-      to the next at once. Without ``targets`` (a DNS name) the resend goes through the channel's round_robin
-      picker: the next replica in the rotation for a caller alone, but the rotation is shared with the other
-      calls in flight, so under concurrency a resend lands on another replica with probability
-      (replicas - 1) / replicas; a replica full for 2 s leaves the rotation (its health turns NOT_SERVING);
-    * while the resend after a timeout is left, an attempt takes at most ``FAILOVER_DEADLINE_SHARE`` (half) of
-      the deadline; one that ends DEADLINE_EXCEEDED (a hung replica, or a computation slower than that share:
-      the client cannot tell them apart) is sent once more, at once, through the round_robin rotation (the next
-      replica), under what is left of the deadline. Every compute call is idempotent, so a resend is safe; a
-      shared-memory call's region is dropped after the timed-out attempt (the old replica may still write into
-      it) and the resend takes a fresh one.
-
-    Any other error, or one past those bounds, is raised (a DEADLINE_EXCEEDED naming the caller's deadline).
-    ``on_timeout``: called (no arguments) when an attempt timed out and is sent again (the Ray client starts
-    its look-up there, which drops a hung replica)."""
+    DEADLINE_EXCEEDED is never sent again (the attempt had the whole deadline). Any other error, or one past
+    those bounds, is raised. ``on_timeout``: called (no arguments) when a lost attempt is sent again (the Ray
+    client starts its look-up there, which drops a dead or hung replica)."""
 
     def __init__(self, replicas: int, timeout: float | None, on_timeout: Any = None, targets: Sequence[str] = ()):
         self.replicas, self.timeout, self.on_timeout = int(replicas), timeout, on_timeout
         self.end = None if timeout is None else time.monotonic() + timeout
-        self.refusals = 0
-        self.timeouts = 0
+        self.refusals = 0  # resends after a refusal, or of a steered resend that found its replica not serving
+        self.pushbacks = 0  # resends after a refusal with pushback
+        self.lost = 0  # resends after an UNAVAILABLE on the rotation
+        self.attempts = 0  # attempt_timeout() calls: attempts made
         self._refusal: AdvantageServiceError | None = None  # the first admission refusal
         start = random.randrange(len(targets)) if targets else 0
         self._order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
@@ -118,39 +149,54 @@ class Failover:
         self.via: str | None = None
 
     def attempt_timeout(self) -> float | None:
-        """The deadline of the next attempt in seconds (None: none)."""
+        """The deadline of the next attempt in seconds (None: none): the caller's deadline, then what is left
+        of it."""
+        self.attempts += 1
         if self.end is None:
             return None
-        if self.replicas < 2:
-            return self.timeout  # one attempt, under the whole deadline as given
+        if self.attempts == 1:
+            return self.timeout  # the whole deadline, as given (errors name it)
         # a resend is made only with FAILOVER_MIN_ATTEMPT_S left: the floor only keeps the value valid
-        left = max(self.end - time.monotonic(), 1e-3)
-        if self.timeouts == 0:
-            left = min(left, self.timeout * FAILOVER_DEADLINE_SHARE)
-        return left
+        return max(self.end - time.monotonic(), 1e-3)
+
+    def _next_replica(self) -> None:
+        """Steer the next attempt: to the next replica of this call's order (None: the rotation)."""
+        self.via = self._order[(self.refusals - 1) % len(self._order)] if self._order else None
 
     def retry(self, error: AdvantageServiceError) -> float | None:
         """After an attempt failed with ``error``: seconds to wait before sending the call again (to
         :attr:`via`), or None when ``error`` is the call's (see the class docstring)."""
+        left = math.inf if self.end is None else self.end - time.monotonic()
+        pushback = getattr(error, "pushback_s", None) if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        if pushback is not None:
+            self._refusal = self._refusal or error
+            if self.pushbacks >= PUSHBACK_MAX_RETRIES:
+                return None
+            pause = pushback * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
+            if pause + FAILOVER_MIN_ATTEMPT_S > left:
+                return None
+            self.pushbacks += 1
+            if self.replicas >= 2:
+                self.refusals += 1
+                self._next_replica()
+            return pause
         if self.replicas < 2:
             return None
-        left = math.inf if self.end is None else self.end - time.monotonic()
         steered_away = self.via is not None and error.code in NOT_TAKEN
         if admission_refused(error) or steered_away:
             self._refusal = self._refusal or (None if steered_away else error)
             if self.refusals >= min(self.replicas, FAILOVER_MAX_RETRIES) or left < FAILOVER_MIN_ATTEMPT_S:
                 return None
             self.refusals += 1
-            self.via = self._order[(self.refusals - 1) % len(self._order)] if self._order else None
+            self._next_replica()
             if steered_away:
                 return 0.0
             pause = FAILOVER_BACKOFF_S * 2 ** (self.refusals - 1) * random.uniform(0.5, 1.5)
             return pause if pause + FAILOVER_MIN_ATTEMPT_S <= left else None
-        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and self.end is not None and self.timeouts == 0:
-            self.timeouts += 1
+        if error.code == grpc.StatusCode.UNAVAILABLE and self.via is None and self.lost < LOST_MAX_RESENDS:
             if left < FAILOVER_MIN_ATTEMPT_S:
                 return None
-            self.via = None
+            self.lost += 1
             if self.on_timeout is not None:
                 self.on_timeout()
             return 0.0
@@ -168,17 +214,17 @@ class Failover:
         return pause
 
     def error(self, error: AdvantageServiceError, target: str) -> AdvantageServiceError:
-        """The error the call raises: ``error``; a DEADLINE_EXCEEDED after a resend names the caller's deadline
-        (the attempt's own hint named its share of it); the first admission refusal when the last resend found
-        its replica not serving."""
+        """The error the call raises: ``error``; the first admission refusal when the last resend found its
+        replica not serving; a DEADLINE_EXCEEDED after a resend names the caller's whole deadline (the
+        attempt's own hint named what was left of it)."""
         if error.code in NOT_TAKEN and self.via is not None and self._refusal is not None:
             return self._refusal
-        if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or not self.timeouts or self.timeout is None:
+        if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or self.attempts < 2 or self.timeout is None:
             return error
         return AdvantageServiceError(error.code, hint(
-            error.code, "Deadline Exceeded", target, self.timeout) + " [failover: the first attempt timed out after "
-            f"{self.timeout * FAILOVER_DEADLINE_SHARE:g} s (half the deadline) and was sent again to another replica "
-            "within the rest]", error.field_violations)
+            error.code, "Deadline Exceeded", target, self.timeout) + f" [{self.attempts} attempts within it: "
+            f"{self.pushbacks + self.refusals} after a refusal, {self.lost} after a lost connection]",
+            error.field_violations)
 
 
 def decode_result(msg: pb.AdvantageResult, as_numpy: bool = False) -> AdvantageResult:
@@ -460,11 +506,12 @@ class AdvantageClient:
              result over the wire (the behaviour of clients before per-sample results; for comparisons).
     channel_options: more gRPC channel arguments (``[("grpc.use_local_subchannel_pool", 1)]``), added to the
              client's own (``advantage_client.channel.make_channel``) on every channel it makes.
-    failover: with a target naming several replicas (a list, a DNS name resolving to several addresses, the
-             Ray client's replicas): resend an admission refusal (a full replica) to another replica, and give
-             each attempt at most half the call's deadline so that one timed out on a hung replica is sent
-             once more to another within it (default True; see :class:`Failover`). False: one attempt per call
-             under the whole deadline, its error raised. With one replica there is nothing to fail over to.
+    failover: resend what another attempt may get through (default True; see :class:`Failover`): an admission
+             refusal of a full server (RESOURCE_EXHAUSTED with a retry pushback) after the pushback, to the
+             same replica when the target names one, else to another; and with several replicas (a list, a DNS
+             name resolving to several addresses, the Ray client's replicas) an attempt whose connection failed
+             (UNAVAILABLE: a replica killed, or hung and found by the HTTP/2 keepalive) once more to another.
+             Every attempt has the whole deadline left. False: one attempt per call, its error raised.
     """
 
     def __init__(self, target: str | Sequence[str], timeout: float | None = 60.0, *, max_message_mb: int = 1024,
@@ -478,7 +525,7 @@ class AdvantageClient:
                  failover: bool = True):
         self.compact = bool(compact)
         self.failover = bool(failover)
-        #: called when a timed-out attempt is sent again (:class:`Failover`; the Ray client's look-up)
+        #: called when an attempt whose connection failed is sent again (:class:`Failover`; the Ray client's look-up)
         self._on_timeout: Any = None
         self.target = channel_target(target)
         self.timeout = check_timeout(timeout)
@@ -577,27 +624,29 @@ class AdvantageClient:
         :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
         (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
 
-        Failover (a target naming several replicas, ``failover=True``: see :class:`Failover`): an admission
-        refusal (RESOURCE_EXHAUSTED naming ``--max-concurrent-requests`` or a ``--max-pending-*`` share) is
-        sent again to another replica after a short backoff, up to once per other replica (at most
-        ``FAILOVER_MAX_RETRIES``); an attempt takes at most half of ``timeout``, and one that timed out is sent
-        once more to another replica under the rest (a shared-memory call on a fresh region). With one replica
-        the first error is raised, as before.
+        Failover (``failover=True``, see :class:`Failover`): an admission refusal (RESOURCE_EXHAUSTED with
+        the server's retry pushback, ``grpc-retry-pushback-ms``) is sent again after the pushback (jittered), at
+        most ``PUSHBACK_MAX_RETRIES`` times within ``timeout``: to the same replica when the target names one,
+        else to another; past those bounds the refusal is raised. A RESOURCE_EXHAUSTED without pushback (a size
+        limit, out of memory, an upload cut) is raised at once. With several replicas, an attempt that ended
+        UNAVAILABLE because its connection failed (a replica killed, or hung: found by the keepalive PINGs
+        within about 4 s) is sent once more to another (a shared-memory call on a fresh region). Every attempt
+        has the whole deadline left: a slow call is never cut short or run twice.
         """
         deadline = call_timeout(timeout, self.timeout)
         check_inputs(tensors, self)
         args = (estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample, tensors)
-        replicas = replica_count(self.target) if self.failover else 1
-        if deadline == self.timeout and replicas < 2:
+        if not self.failover and deadline == self.timeout:
             return self._compute(*args)
         # the shared-memory path (shm.py) makes its RPCs through _call, which reads this thread's deadline
         outer = getattr(self._local, "timeout", CLIENT_TIMEOUT)
-        if replicas < 2:
+        if not self.failover:
             self._local.timeout = deadline
             try:
                 return self._compute(*args)
             finally:
                 self._local.timeout = outer
+        replicas = replica_count(self.target)
         plan = Failover(replicas, deadline, self._on_timeout, replica_targets(self.target) if self._steerable else ())
         try:
             while True:
@@ -809,9 +858,11 @@ class AdvantageClient:
         sends one message). A failed registration is remembered for ``SHM_RETRY_S`` seconds (shared memory is
         off meanwhile, then tried again) unless it was a transient UNAVAILABLE / DEADLINE_EXCEEDED /
         CANCELLED; one that only failed to grow the pool (other regions of it work) pauses the growth alone
-        for as long; a region the server no longer knows (the server
-        restarted, or another replica answered) is registered anew on the next call, up to
-        ``MAX_SHM_FORGOTTEN`` times per client, after which shared memory stays off for it."""
+        for as long; a region the server no longer holds (NOT_FOUND: evicted, or the server restarted) is
+        registered again and the call resent within the call (``SharedMemoryRegion.compute``); when that fails
+        the call goes another way and the next one registers a new region. Only a region the server never knew
+        (another replica answered) counts: after ``MAX_SHM_FORGOTTEN`` of those shared memory stays off for the
+        client; evictions never turn it off."""
         from advantage_client import shm as shm_mod
         need = self._shm_need(kwargs)
         # every region busy: this call does not wait for one; /dev/shm too small for a new region of this
@@ -843,13 +894,16 @@ class AdvantageClient:
         try:
             result = self._compute_shm(estimator, config, region=region, **kwargs)
         except AdvantageServiceError as err:
-            if err.code == grpc.StatusCode.INVALID_ARGUMENT and "no shared-memory region" in str(err):
+            gone = shm_mod.region_gone(err)  # the region could not be registered again (shm.py tried once)
+            if gone is not None:
                 # the server forgot the region (restarted, or another replica answered): register anew on the
-                # next call, but after MAX_SHM_FORGOTTEN such answers (replicas behind one address) stop trying
-                self._shm_forgotten += 1
-                self._shm_works = False if self._shm_forgotten >= MAX_SHM_FORGOTTEN else None
-                if self._shm_works is False:
-                    self._shm_retry_at = math.inf
+                # next call, but after MAX_SHM_FORGOTTEN such answers (replicas behind one address) stop trying;
+                # an evicted region (a full table: ordinary load) never turns shared memory off
+                if gone != shm_mod.REASON_EVICTED:
+                    self._shm_forgotten += 1
+                    self._shm_works = False if self._shm_forgotten >= MAX_SHM_FORGOTTEN else None
+                    if self._shm_works is False:
+                        self._shm_retry_at = math.inf
                 forgotten = True
                 return None
             if err.code == grpc.StatusCode.INVALID_ARGUMENT and any(

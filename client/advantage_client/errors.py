@@ -22,6 +22,10 @@ class AdvantageServiceError(Exception):
     code:             the ``grpc.StatusCode`` (INVALID_ARGUMENT for bad input, UNAVAILABLE when no server
                       answers, DEADLINE_EXCEEDED after ``timeout``, ...).
     field_violations: ``[(field, description), ...]`` from the ``google.rpc.BadRequest`` detail, if any.
+    pushback_s:       seconds the server asked the client to wait before sending the call again (its trailing
+                      metadata ``grpc-retry-pushback-ms``, gRPC's retry pushback: an admission refusal of a full
+                      server); None when it sent none, or a value that is not a whole number >= 0 (gRPC's
+                      meaning: do not retry).
     ``str(error)`` is the server's message.
 
     An error whose code is INVALID_ARGUMENT is created as :class:`InvalidArgumentError`, which is also a
@@ -36,14 +40,16 @@ class AdvantageServiceError(Exception):
             cls = InvalidArgumentError
         return super().__new__(cls, code, *args, **kwargs)
 
-    def __init__(self, code: grpc.StatusCode, message: str, field_violations: list[tuple[str, str]] | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, field_violations: list[tuple[str, str]] | None = None,
+                 pushback_s: float | None = None):
         super().__init__(message)
         self.code = code
         self.field_violations = field_violations or []
+        self.pushback_s = pushback_s
 
     def __reduce__(self) -> tuple:
-        # pickled (e.g. raised in a Ray worker) with its code and violations, and unpickled as the same type
-        return AdvantageServiceError, (self.code, str(self), self.field_violations)
+        # pickled (e.g. raised in a Ray worker) with its code, violations and pushback, unpickled as the same type
+        return AdvantageServiceError, (self.code, str(self), self.field_violations, self.pushback_s)
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError, target: str | None = None,
@@ -62,7 +68,27 @@ class AdvantageServiceError(Exception):
                 bad = error_details_pb2.BadRequest()
                 if detail.Unpack(bad):
                     violations += [(v.field, v.description) for v in bad.field_violations]
-        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations)
+        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations,
+                                     pushback_s(err))
+
+
+#: gRPC's trailing-metadata key for retry pushback (gRFC A6): milliseconds to wait before retrying
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def pushback_s(err: Any) -> float | None:
+    """The retry pushback of a failed call's ``grpc.RpcError`` (sync or ``grpc.aio``) in seconds: its trailing
+    metadata ``grpc-retry-pushback-ms`` as a whole number of milliseconds >= 0; None when absent or not such a
+    number (gRFC A6: a malformed pushback means do not retry)."""
+    try:
+        trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a call object without metadata
+        return None
+    for key, value in trailing or ():
+        if key == PUSHBACK_KEY:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            return int(text) / 1000.0 if text.isdigit() else None
+    return None
 
 
 class InvalidArgumentError(AdvantageServiceError, ValueError):
@@ -102,8 +128,8 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
                     f"address and port and that the server is running and reachable (gRPC: {message})")
         if "unhealthy" in low:  # health checking: the server answers but reports NOT_SERVING
             return (f"{message} (the advantage service at {target} is up but reports NOT_SERVING: it is warming "
-                    "up after start (its log says so; about 30 s with an empty kernel cache), draining, or every "
-                    "place is taken; wait, or pass wait_for_ready=True to the client to wait for it)")
+                    "up after start (its log says so; about 30 s with an empty kernel cache) or draining (a full "
+                    "server stays SERVING and refuses with RESOURCE_EXHAUSTED instead); wait, or pass wait_for_ready=True to the client to wait for it)")
         return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
                 "advantage-server is running there and reachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:

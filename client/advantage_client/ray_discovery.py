@@ -28,14 +28,15 @@ backoff, run out before a restart, 1-2 s), they look again every ``POLL_S`` seco
 call's own deadline (the client's ``timeout``, else ``wait_s``) is spent, then send the call once more.
 
 A replica whose process hangs (SIGSTOPped, or wedged) keeps its TCP connection and its last health status, so
-gRPC keeps sending it a share of the calls, each failing DEADLINE_EXCEEDED. A look-up drops it: once one replica
+gRPC sends it a share of the calls until the client's HTTP/2 keepalive PINGs go unanswered (about 4 s,
+:func:`advantage_client.channel.make_channel`): then its connection fails, the calls on it end UNAVAILABLE and
+the client's failover sends each once more to another replica (``advantage_client.client.Failover``), and gRPC
+cannot connect to it again (its handshake is never answered). A look-up also drops it: once one replica
 answered ``info()``, the others get ``STALL_S`` (1 s) more, and one that has not answered by then is left out of
-the new set (it comes back at a later look-up once it answers). A call that fails DEADLINE_EXCEEDED starts such
-a look-up at once (in the background), as does an attempt the client's failover sends again after it timed out
-(``advantage_client.client.Failover``: with several replicas an attempt takes at most half the call's deadline
-and one that timed out is sent once more to another replica within the rest), so a hung replica is dropped
-within about ``STALL_S`` + 1 s of the first call to it that timed out, and at the latest at the next periodic
-look-up (``refresh_s`` + ``STALL_S``). Calls already sent to it still end at their own deadline.
+the new set (it comes back at a later look-up once it answers). An attempt the client's failover sends again
+after its connection failed starts such a look-up at once (in the background), as does a call that fails
+DEADLINE_EXCEEDED, so a hung replica is dropped within about ``STALL_S`` + 1 s of the first call to it that
+failed, and at the latest at the next periodic look-up (``refresh_s`` + ``STALL_S``).
 
 Token: ``advantage-ray up`` without ``--auth-token-file`` (and without ``--insecure``) has the replicas require a
 token it generated, which each replica actor hands out through Ray (``auth_token()``): when neither ``token`` nor
@@ -262,8 +263,8 @@ class _Slot:
         # refused" for ~1.5 s while the restarted server listened)
         options = (*client_kwargs.get("channel_options", ()), LOCAL_SUBCHANNEL_POOL)
         self.client = factory(self.addresses, **{**client_kwargs, "channel_options": options})
-        # an attempt that timed out and is sent again to another replica (the client's failover) starts the
-        # look-up that drops a hung replica, as a call that failed DEADLINE_EXCEEDED does
+        # an attempt whose connection failed (a hung replica found by the keepalive) and that the client's
+        # failover sends again to another replica starts the look-up that drops it, as DEADLINE_EXCEEDED does
         self.client._on_timeout = on_timeout
         self.users, self.retired = 0, False
 
@@ -319,7 +320,7 @@ class RayClient:
     :class:`~advantage_client.AdvantageClient` on the replicas' current addresses, replaced when they change
     (see the module docstring). ``compute``, ``list_estimators`` and ``wait_ready`` are the client's, with the
     look-up and one more try on UNAVAILABLE, and a look-up started in the background on DEADLINE_EXCEEDED (also
-    on an attempt timed out and sent again by the client's failover; a hung replica is dropped within about
+    on an attempt whose connection failed, sent again by the client's failover; a hung replica is dropped within about
     ``STALL_S`` + 1 s); every other attribute is the
     current client's. Without ``token``/``token_file`` the client uses the token ``advantage-ray up``
     generated, read from a replica (:func:`replica_token`). Thread-safe; use as a context manager or call
@@ -591,9 +592,19 @@ class AsyncRayClient:
         finally:
             await self._release(slot)
 
-    async def compute(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`advantage_client.AsyncAdvantageClient.compute` on the current replicas."""
-        return await self._run("compute", *args, **kwargs)
+    def compute(self, estimator: str, config: Any = None, **kwargs: Any) -> Any:
+        """:meth:`advantage_client.AsyncAdvantageClient.compute` on the current replicas: a coroutine; the
+        call's tensors and config are captured now (``advantage_client.aio.capture``), so the caller may reuse
+        its buffers at once, and a resend on a new set of replicas sends the same values."""
+        names = ("output_dtype", "as_numpy", "transport", "per_sample", "timeout")
+        options = {k: kwargs.pop(k) for k in names if k in kwargs}
+        slot = getattr(self, "_slot", None)
+        capture = getattr(getattr(slot, "client", None), "capture", None)  # the client class's (no import here)
+        cu_seqlens = kwargs.pop("cu_seqlens", None)
+        if capture is not None:
+            config, cu_seqlens, kwargs = capture(estimator, config, cu_seqlens, kwargs)
+        tensors = kwargs
+        return self._run("compute", estimator, config, cu_seqlens=cu_seqlens, **options, **tensors)
 
     async def list_estimators(self) -> Any:
         """:meth:`advantage_client.AsyncAdvantageClient.list_estimators` on the current replicas."""

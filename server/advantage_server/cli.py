@@ -159,12 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "RESOURCE_EXHAUSTED (default "
                         f"{DEFAULT_MAX_SHM_REGIONS_PER_CLIENT}; the server holds 256 in all)")
     p.add_argument("--max-pending-per-peer", type=positive_int, default=None,
-                   help="ComputeAdvantage calls of one client host that keep their place for sure while waiting for "
-                        "their request body (calls that have it do not count); when the server is full, an upload of "
-                        "a host beyond it is cut (RESOURCE_EXHAUSTED) to give its place to a client within its share "
-                        "(default: max(1, --max-concurrent-requests // 4))")
+                   help="the host share of the places held by calls waiting for their request body: when the server "
+                        "is full, a newcomer whose host holds fewer takes a place back from a host holding more "
+                        "(its most stalled upload is cut, RESOURCE_EXHAUSTED); max-min fair between hosts, then "
+                        "connections (default: max(1, --max-concurrent-requests // 4))")
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
-                   help="the same for one client connection (default: --max-pending-per-peer's value)")
+                   help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")

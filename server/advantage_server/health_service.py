@@ -9,10 +9,20 @@ upstream fix is open (grpc/grpc#43403). This subclass keeps the statuses under o
 it, under a send lock the polling thread never takes, so a status change still reaches each watcher in
 order and after its initial status.
 
-It also caps the ``Watch`` streams, which need no token and cost the server memory while they stay open
-(about 17 KiB each, measured: +402 MiB at 23,610 streams before the cap): at most ``max_watches`` in all and
-``max_watches_per_peer`` per client host (:func:`~advantage_server.limits.peer_host`); the next one is
-refused at once with RESOURCE_EXHAUSTED. ``Check`` stays unlimited (it holds nothing once answered).
+Health means alive (RELIABILITY.md, "The admission model"): the service's status is NOT_SERVING while the
+server warms up and from the start of its drain, SERVING in between, and never NOT_SERVING for being full (a
+full server refuses calls with a retry pushback instead: :class:`advantage_server.admission.Overloaded`).
+
+It also bounds the ``Watch`` streams, which need no token and cost the server memory while they stay open
+(about 17 KiB each, measured: +402 MiB at 23,610 streams before any bound): at most ``max_watches`` in all and
+``max_watches_per_peer`` per client host (:func:`~advantage_server.identity.peer_host`,
+:mod:`advantage_server.shares`). A ``Watch`` beyond either is answered **UNIMPLEMENTED**, at once: gRPC's
+health-checking protocol (grpc/doc/health-checking.md) has every client that gets UNIMPLEMENTED from ``Watch``
+disable health checking on that connection and treat it as healthy. So the bound costs a client beyond it only
+the early news of a drain (which the drain's UNAVAILABLE refusals and the retry policy cover), never its calls:
+a flood of tokenless ``Watch`` streams, or a thousand client processes on one host, cannot make a token holder's
+channel unhealthy (RESOURCE_EXHAUSTED, as before, made gRPC mark the connection unhealthy and fail every call
+UNAVAILABLE). ``Check`` stays unlimited (it holds nothing once answered).
 """
 from __future__ import annotations
 
@@ -22,20 +32,18 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from advantage_server.limits import call_peer, peer_host
+from advantage_server.identity import call_peer, peer_host
+from advantage_server.shares import MAX_WATCHES, MAX_WATCHES_PER_HOST
 
-#: health ``Watch`` streams open at once, in all (x ~17 KiB: ~17 MiB at most)
-MAX_WATCHES = 1024
-#: health ``Watch`` streams open at once from one client host (a client with health checking opens one per
-#: connection: 128 trainer processes on one host, each with its own channel, still fit)
-MAX_WATCHES_PER_PEER = 128
+#: the old name of ``MAX_WATCHES_PER_HOST``
+MAX_WATCHES_PER_PEER = MAX_WATCHES_PER_HOST
 
 
 class HealthServicer(health.HealthServicer):
     """Drop-in for ``grpc_health.v1.health.HealthServicer`` (same API) that cannot deadlock on shutdown."""
 
     def __init__(self, experimental_non_blocking: bool = True, experimental_thread_pool=None,
-                 max_watches: int = MAX_WATCHES, max_watches_per_peer: int = MAX_WATCHES_PER_PEER):
+                 max_watches: int = MAX_WATCHES, max_watches_per_peer: int = MAX_WATCHES_PER_HOST):
         super().__init__(experimental_non_blocking, experimental_thread_pool)
         self._send_lock = threading.RLock()  # orders the sends; never taken by gRPC's polling thread
         self.max_watches, self.max_watches_per_peer = max_watches, max_watches_per_peer
@@ -51,12 +59,13 @@ class HealthServicer(health.HealthServicer):
     def _refuse_watch(self, host: str) -> str | None:
         """Why one more ``Watch`` stream from ``host`` is refused (None: count it); under ``_lock``."""
         if self._watchers[host] >= self.max_watches_per_peer:
-            return (f"{self.max_watches_per_peer} health Watch streams from this client's host ({host}) are open "
-                    "already, the most the server allows per host (MAX_WATCHES_PER_PEER); close some, or use "
-                    "Health/Check")
+            return (f"health Watch is not offered to this connection: {self.max_watches_per_peer} Watch streams from "
+                    f"its host ({host}) are open already, the most the server keeps per host (MAX_WATCHES_PER_HOST); "
+                    "treat the server as healthy (gRPC clients do so on UNIMPLEMENTED), or use Health/Check")
         if sum(self._watchers.values()) >= self.max_watches:
-            return (f"{self.max_watches} health Watch streams are open on this server already, the most it allows "
-                    "(MAX_WATCHES); retry later, or use Health/Check")
+            return (f"health Watch is not offered to this connection: {self.max_watches} Watch streams are open on "
+                    "this server already, the most it keeps (MAX_WATCHES); treat the server as healthy (gRPC clients "
+                    "do so on UNIMPLEMENTED), or use Health/Check")
         self._watchers[host] += 1
         return None
 
@@ -67,8 +76,9 @@ class HealthServicer(health.HealthServicer):
                 del self._watchers[host]
 
     def Watch(self, request, context, send_response_callback=None):
-        """The service's status now, then each change, until the client closes the stream. RESOURCE_EXHAUSTED
-        at once beyond ``max_watches`` open streams, or ``max_watches_per_peer`` from the caller's host."""
+        """The service's status now, then each change, until the client closes the stream. UNIMPLEMENTED at once
+        beyond ``max_watches`` open streams, or ``max_watches_per_peer`` from the caller's host (the client then
+        treats the server as healthy: see the module docstring)."""
         if send_response_callback is None:  # a server without non-blocking streams: the blocking watcher
             return super().Watch(request, context, send_response_callback)
         service = request.service
@@ -83,7 +93,7 @@ class HealthServicer(health.HealthServicer):
                     registered = context.add_callback(
                         self._on_close_callback(send_response_callback, service, host))
             if refusal is not None:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, refusal)
             if not registered:  # the call already ended
                 with self._lock:
                     self._send_response_callbacks[service].discard(send_response_callback)

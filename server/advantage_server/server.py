@@ -7,7 +7,7 @@ Every ``AdvantageService`` call goes through one pipeline (:meth:`AdvantageServi
 2. the :class:`~advantage_server.limits.RequestGate`: UNAVAILABLE while draining, RESOURCE_EXHAUSTED
    beyond ``--max-concurrent-requests`` (when every place is taken, a call of a client within its share of
    calls waiting for their body, ``--max-pending-per-connection`` / ``--max-pending-per-peer``, first takes a
-   place back from a client beyond its share: :meth:`AdvantageServicer._make_room`); a call refused by 1 or 2
+   place back by the fair shares: :meth:`AdvantageServicer._make_room`); a call refused by 1 or 2
    is answered before its request body is read (the handlers are request-streaming, so gRPC hands over no
    bytes until asked);
 3. reading the request message (cut after ``--stream-idle-timeout`` if it does not arrive:
@@ -19,6 +19,8 @@ Every ``AdvantageService`` call goes through one pipeline (:meth:`AdvantageServi
    stops.
 
 Status codes (the one place errors become gRPC statuses, see :func:`status_for`):
+    RegionGone            -> NOT_FOUND (a shared-memory region the server does not hold: evicted or unknown),
+                             with a ``google.rpc.ErrorInfo`` detail saying which (``regions.RegionGone``)
     InvalidInput          -> INVALID_ARGUMENT, message names the field and the fix, plus a
                              ``google.rpc.BadRequest`` detail with one field violation per bad field
     ResourceLimit         -> RESOURCE_EXHAUSTED, message names the limit (flag) and its value
@@ -46,25 +48,25 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from grpc_status import rpc_status
 
 from advantage_client.proto import advantage_pb2 as pb
 from advantage_client.proto import advantage_pb2_grpc as pb_grpc
 from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
+from advantage_server.regions import RegionGone
 from advantage_server.health_service import HealthServicer
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
     DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
     DEFAULT_UPLOAD_RATE_WINDOW, EVICTION_WAIT, LIGHT_BODY_BYTES,
-    Draining, FullReport, Limits, MemoryTrimmer, RequestExpired, RequestGate, UploadCut, UploadWatch,
-    check_batch_elements, checkpoints,
-    grpc_liveness, is_out_of_memory,
+    Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
+from advantage_server.admission import Draining, RequestGate, refusal_metadata
+from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
-from advantage_server.transport import tensor_fields
+from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
 from advantage_server.warmup import KernelCollector, warm
 
@@ -76,13 +78,15 @@ SERVICE_NAME = _SERVICE.full_name
 LIMITED_METHODS = frozenset({"ComputeAdvantage", "ComputeAdvantageShm"})
 
 # Keepalive: the server pings a silent connection every 60 s and drops it when no answer comes within
-# 20 s (a client that vanished, or stopped reading, does not hold its resources for hours); clients
-# may ping every 10 s or more (the Python client pings every 30 s while a call is open).
+# 20 s (a client that vanished, or stopped reading, does not hold its resources for hours); clients may
+# ping every 1 s or more, with or without calls open, and are never sent GOAWAY for pinging (the Python
+# client pings every 2 s to find a hung replica within ~4 s: advantage_client.channel.KEEPALIVE_OPTIONS).
 _KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
@@ -90,12 +94,17 @@ _KEEPALIVE_OPTIONS = [
 #: the drain (BoundServer.stop): refuse calls until none came for DRAIN_QUIET_S (at most DRAIN_QUIET_MAX_S)
 #: before gRPC stops taking calls; DRAIN_SETTLE_S for the last statuses to go out before open streams end
 DRAIN_QUIET_S, DRAIN_QUIET_MAX_S, DRAIN_SETTLE_S = 0.1, 1.0, 0.1
+#: the drain cuts an upload that has received no request bytes once it is this old (then checks again as often):
+#: a unary request arrives as one message, so one still arriving counts as silent; a streamed one counts chunks
+DRAIN_SILENT_UPLOAD_S = 0.25
 MAX_VIOLATIONS = 10  # field violations sent per INVALID_ARGUMENT (the message says how many more)
 MAX_TEXT = 2000      # characters of the status message
 
 
 def status_for(exc: BaseException) -> status_pb2.Status:
     """The ``google.rpc.Status`` a call that raised ``exc`` ends with (see the module docstring)."""
+    if isinstance(exc, RegionGone):  # NOT_FOUND with an ErrorInfo: the client registers again and resends
+        return exc.status()
     if isinstance(exc, InvalidInput):
         # The status travels in the trailers, which clients cap (8-16 KiB): keep it well under that.
         shown = exc.violations[:MAX_VIOLATIONS]
@@ -195,11 +204,10 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         # whole body first. Here the body is read (next(requests)) only once the call is admitted.
         def handle(requests: Any, context: grpc.ServicerContext):
             started = time.monotonic()
-            what, status = method.name, None
+            what, status, pushback = method.name, None, ()
             try:
-                if limited:
-                    self._make_room(context)
-                with self.gate.admit(limited, context.add_callback), \
+                with self.gate.admit(limited, context.add_callback,
+                                     (lambda: self._make_room(context)) if limited else None), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
                     data = self._receive(requests, context, counted=limited)
                     if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
@@ -221,7 +229,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
                 # Keep only the status: a live exception (its traceback, its frames) would hold the
                 # request bytes in a reference cycle until the garbage collector happens to run.
-                status = self._status(exc, what)
+                status, pushback = self._status(exc, what), refusal_metadata(exc)
             finally:
                 if limited:
                     self.gate.unreserve()  # a reservation the admission did not take (draining)
@@ -229,27 +237,27 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                     outcome = "OK" if status is None else code_pb2.Code.Name(status.code)
                     log.debug("%s -> %s in %.1f ms (peer %s)", what, outcome, 1e3 * (time.monotonic() - started),
                               context.peer())
-            context.abort_with_status(rpc_status.to_status(status))
+            abort(context, status, pushback)
 
         return grpc.stream_unary_rpc_method_handler(handle, request_deserializer=None,
                                                     response_serializer=transport.response_serializer(response_cls))
 
     def _make_room(self, context: grpc.ServicerContext) -> None:
-        """Before a limited call's admission: when every ``--max-concurrent-requests`` place is taken and the
-        caller's client is within its pending shares, cut the most stalled upload of a client beyond its share
-        (:meth:`UploadWatch.evict_for`) and reserve the place it frees for this call (:meth:`RequestGate.reserve`,
-        at most ``EVICTION_WAIT`` seconds); the gate's admit, next in this thread, takes it. Otherwise the gate
-        decides as before (a full server refuses naming ``--max-concurrent-requests``). Never while draining: the
-        call is refused anyway, and the uploads in progress keep their places to finish."""
-        if not self.gate.draining and self.gate.full and self.uploads.evict_for(context):
+        """A limited call found every ``--max-concurrent-requests`` place taken (:meth:`RequestGate.admit` calls
+        this once, outside its lock): take a place back by the fair shares (:meth:`UploadWatch.evict_for`: the
+        most stalled upload of a host, or a connection of the caller's host, holding more calls waiting for their
+        body than the caller's) and reserve the place it frees for this call (:meth:`RequestGate.reserve`, at most
+        ``EVICTION_WAIT`` seconds); the admission, next in this thread, takes it. Never while draining: the call
+        is refused anyway, and the uploads in progress keep their places to finish."""
+        if not self.gate.draining and self.uploads.evict_for(context):
             self.gate.reserve(EVICTION_WAIT)
 
     def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` (the streaming transport's, which admits the call itself) with :meth:`_make_room` first."""
+        """``handler`` (the streaming transport's, which admits the call itself with :meth:`_make_room`) with the
+        reservation it may leave unused given back."""
         stream = handler.stream_stream
 
         def with_room(request_iterator: Any, context: grpc.ServicerContext) -> Any:
-            self._make_room(context)
             try:
                 yield from stream(request_iterator, context)  # its first step is the admission
             finally:
@@ -325,7 +333,8 @@ class GatedReflection(reflection.ReflectionServicer):
                     touch()  # the idle clock runs while the stream waits for the client's next request
         except UploadCut:  # already ended with RESOURCE_EXHAUSTED by the watch
             return
-        except ResourceLimit as exc:
+        except ResourceLimit as exc:  # no light place: an admission refusal, with its retry pushback
+            context.set_trailing_metadata(refusal_metadata(exc))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except grpc.RpcError:  # the client went away, or the server is stopping
             return
@@ -351,8 +360,6 @@ class BoundServer:
         self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
         self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
-        #: turns the service's health NOT_SERVING while every --max-concurrent-requests place is taken
-        self.full_report: FullReport | None = None
         #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
         self.warmup = False
         self.warmup_report: Any = None  # advantage_server.warmup.WarmupReport once warmed
@@ -370,8 +377,6 @@ class BoundServer:
             log.info("%s", self.warmup_report.line())
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.full_report is not None:
-            self.full_report.start()
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:
@@ -386,7 +391,8 @@ class BoundServer:
            without having run (its server drops the calls it has queued when it shuts down); step 1 keeps that
            to clients that went on sending through it, and the client's retry policy
            (``advantage_client.channel.RETRY_POLICY``) sends such a call again;
-        3. wait until the last admitted call finished (at most what is left of ``grace``);
+        3. wait until the last admitted call finished (at most what is left of ``grace``), cutting with UNAVAILABLE
+           the calls whose request has not begun to arrive after ``DRAIN_SILENT_UPLOAD_S`` (:meth:`_wait_idle`);
         4. after ``DRAIN_SETTLE_S`` (the last refusals' statuses go out), end what is left (open health
            watches, reflection streams, calls still running when ``grace`` ran out) and return.
 
@@ -405,19 +411,30 @@ class BoundServer:
         in_flight = self.gate.in_flight
         if in_flight:
             log.info("draining: waiting for %d call(s) in progress", in_flight)
-        if not self.gate.wait_idle(left()):
+        if not self._wait_idle(left):
             log.warning("grace period of %.1fs over with %d call(s) still running; cancelling them", grace,
                         self.gate.in_flight)
         done.wait(left(DRAIN_SETTLE_S))
         self.grpc_server.stop(0)
         done.wait()
         self.memory.stop()
-        if self.full_report is not None:
-            self.full_report.stop()
         if self.uploads is not None:
             self.uploads.stop()
         for endpoint in self.endpoints:
             endpoint.stop()
+
+    def _wait_idle(self, left: Any) -> bool:
+        """The drain's wait for the admitted calls (``left()``: seconds of grace left), cutting every
+        ``DRAIN_SILENT_UPLOAD_S`` seconds the uploads that have received nothing and began at least that long ago
+        (:meth:`UploadWatch.cut_silent`: UNAVAILABLE, the client retries elsewhere), so that a call whose request
+        never comes does not hold the drain for the whole grace. True when no call is left."""
+        while True:
+            if self.uploads is not None:
+                self.uploads.cut_silent(DRAIN_SILENT_UPLOAD_S)
+            if self.gate.wait_idle(left(DRAIN_SILENT_UPLOAD_S)):
+                return True
+            if left() <= 0:
+                return False
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -462,13 +479,14 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     receiving bytes (then it is cut), ``min_upload_rate_kib`` the KiB/s a streamed upload must average over
     each ``upload_rate_window`` seconds (0: no minimum), ``max_shm_regions_per_client`` the shared-memory
     regions one client connection may hold registered, ``max_pending_per_peer`` / ``max_pending_per_connection``
-    the ComputeAdvantage calls of one client host / connection that keep their place for sure while waiting for
-    their request body (None: a quarter of ``max_concurrent_requests``, at least 1; when the server is full, an
-    upload of a client beyond its share is cut with RESOURCE_EXHAUSTED to give its place to a client within
-    its share) (see RELIABILITY.md, "Admission shares"). While every ``max_concurrent_requests`` place is taken (for
-    ``limits.FULL_REPORT_AFTER`` seconds in a row) the ``advantage.v1.AdvantageService`` health status is
-    NOT_SERVING (the overall ``""`` status stays SERVING: the server is alive); health ``Watch`` streams are
-    capped in total and per client host (``HealthServicer``). Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
+    the shares of the places for calls waiting for their request body (None: a quarter of
+    ``max_concurrent_requests``, at least 1): when the server is full, a caller whose host (connection) holds
+    fewer pending calls than that takes a place back from a host (a connection of its host) holding more, max-min
+    fair (:mod:`advantage_server.shares`; RELIABILITY.md, "The admission model"); a call that gets no place is
+    refused with RESOURCE_EXHAUSTED and ``grpc-retry-pushback-ms``. Health means alive: NOT_SERVING while warming
+    up and draining, SERVING otherwise, full or not; health ``Watch`` streams beyond their bounds in total and per
+    client host are answered UNIMPLEMENTED (``HealthServicer``: the client then treats the server as healthy).
+    Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
     ``tls_client_ca`` adds mutual TLS (client certificates required); ``auth_token`` requires
     ``authorization: Bearer <token>`` on every call but health checks.
 
@@ -512,9 +530,6 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    full_report = FullReport(lambda serving: health_servicer.set(
-        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING))
-    servicer.gate.on_full = full_report
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(GatedReflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         servicer.gate, servicer.uploads), server)
@@ -530,7 +545,6 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                          auth=bool(auth_token), limits=limits)
     result.metrics = metrics
     result.uploads = servicer.uploads
-    result.full_report = full_report
     result.warmup = warmup
     metrics.registry.register(KernelCollector())  # advantage_kernel_signatures: grows if a call compiles
     try:

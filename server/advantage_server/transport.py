@@ -38,6 +38,7 @@ from advantage_client.proto import advantage_pb2 as pb
 from advantage_server import logs
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult
+from advantage_server.admission import refusal_metadata
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
@@ -50,6 +51,29 @@ CHUNK_BYTES = 4 << 20
 #: guards the first use of a servicer's region table (:meth:`TransportMethods.region_table`)
 _TABLE_GUARD = threading.Lock()
 log = logging.getLogger("advantage_server")
+
+
+def abort(context: grpc.ServicerContext, status: Any, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    """End the call with ``status`` (a ``google.rpc.Status``: its details go in ``grpc-status-details-bin``) and
+    ``metadata`` added to the trailing metadata (``advantage_server.admission.refusal_metadata``: the retry pushback of an admission
+    refusal)."""
+    grpc_status = _rpc_status().to_status(status)
+    if metadata:
+        grpc_status = _WithTrailers(grpc_status.code, grpc_status.details,
+                                    tuple(grpc_status.trailing_metadata or ()) + tuple(metadata))
+    context.abort_with_status(grpc_status)
+
+
+class _WithTrailers(grpc.Status):
+    """A ``grpc.Status`` with the given trailing metadata (``rpc_status``'s own carries only the details)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple[tuple[str, Any], ...]):
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def _rpc_status() -> Any:
+    from grpc_status import rpc_status
+    return rpc_status
 
 
 def _label_call(estimator: str | None) -> None:
@@ -215,10 +239,10 @@ class TransportMethods:
         return buf
 
     def _stream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-        what, status, pieces = "ComputeAdvantageStream", None, []
+        what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
         try:
-            with self.gate.admit(True, context.add_callback):
+            with self.gate.admit(True, context.add_callback, lambda: self._make_room(context)):
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
@@ -235,10 +259,9 @@ class TransportMethods:
             log.debug("%s: the client went away during the upload (%s)", what, exc)
             return
         except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
-            status = self._status(exc, what)
+            status, pushback = self._status(exc, what), refusal_metadata(exc)
         if status is not None:
-            from grpc_status import rpc_status
-            context.abort_with_status(rpc_status.to_status(status))
+            abort(context, status, pushback)
         try:  # how long receiving and computing took, for clients that split a call's time (informational)
             context.send_initial_metadata(((TIMING_KEY, f"recv={t1 - t0:.6f};compute={t2 - t1:.6f}"),))
         except Exception:  # noqa: BLE001 - e.g. metadata already sent by an interceptor
@@ -261,16 +284,16 @@ class TransportMethods:
         """Two steps: without ``proof``, a challenge to write at offset 0 of the segment; with it, a region
         id and key. RESOURCE_EXHAUSTED when this client's process or connection (:func:`region_owner`,
         :func:`client_identity`) holds ``--max-shm-regions-per-client`` regions, the segment
-        MAX_REGIONS_PER_SEGMENT, or the server MAX_REGIONS all in use by calls (else the least recently used
-        idle region is evicted: see :class:`~advantage_server.regions.RegionTable`).
+        MAX_REGIONS_PER_SEGMENT, or the server's table all in use by calls (else an idle region of the owner
+        holding the most is evicted: see :class:`~advantage_server.regions.RegionTable`).
         INVALID_ARGUMENT for a name with ``/`` or NUL, or a malformed ``memfd:<pid>:<fd>``, before anything is
         opened; PERMISSION_DENIED, one message, for every second step that fails (no such segment or process,
         not a memfd, cannot be opened, no challenge at offset 0). A memfd sealed against shrinking is mapped
         (:meth:`Region.map_if_sealed`): later calls on it read and write in place."""
         table = self.region_table()
-        table.sweep()
         connection = client_identity(context)
         client = region_owner(connection, request.name)  # memfd regions count against their process too
+        table.sweep(client, connection)  # this caller's dead regions (every region's when the table is full)
         table.check_room(client, connection)
         if not request.name or "/" in request.name or "\x00" in request.name:
             raise InvalidInput("name", "give the segment's name (SharedMemory.name), without '/' or NUL bytes")
@@ -325,7 +348,7 @@ class TransportMethods:
     def UnregisterSharedMemory(self, request: pb.UnregisterSharedMemoryRequest, context: Any):  # noqa: N802
         table = self.region_table()
         table.remove(request.region_id, request.key, "region_id")
-        table.sweep()
+        table.sweep(client_identity(context))
         return pb.UnregisterSharedMemoryResponse()
 
     def ComputeAdvantageShm(self, request: pb.ComputeAdvantageShmRequest, context: Any):  # noqa: N802

@@ -1,0 +1,301 @@
+"""Watching uploads: admitted calls whose request bytes stall, crawl, or never come.
+
+An admitted call holds a ``--max-concurrent-requests`` place, a thread and what it has received of its request
+until its body has arrived. :class:`UploadWatch` bounds that: it cuts an upload idle for ``--stream-idle-timeout``
+or slower than ``--min-upload-rate-kib``, takes places back for newcomers by the fair shares of
+:mod:`advantage_server.shares` when the server is full, and at the drain cuts uploads that never began.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from advantage_server.defaults import DEFAULT_UPLOAD_RATE_WINDOW
+from advantage_server.admission import Draining
+from advantage_server.errors import ResourceLimit
+from advantage_server.identity import call_peer, peer_host
+from advantage_server.shares import PendingShares
+
+log = logging.getLogger("advantage_server")
+
+
+class UploadCut(ResourceLimit):
+    """The call's upload stalled (``--stream-idle-timeout``) or crawled (``--min-upload-rate-kib``) and was cut."""
+
+
+class SilentAtDrain(Draining):
+    """The drain ended a call whose request had not begun to arrive (UNAVAILABLE: retry on another replica)."""
+
+
+class _Upload:
+    """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
+
+    __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples",
+                 "largest", "keys")
+
+    def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
+        self.context, self.idle_deadline = context, idle_deadline
+        self.cut: UploadCut | SilentAtDrain | None = None
+        self.keys: tuple[str, ...] = ()  # (connection, host) while it is pending (a counted upload)
+        self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
+        self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
+        self.largest = 0  # the largest chunk received: bytes count only once a whole chunk has arrived
+
+    def span(self) -> float:
+        """The window the rate is averaged over: ``window``, widened to two chunks' time at the minimum rate
+        for a client that sends large chunks (gRPC hands a message over only when all of it has arrived, so
+        a 128 MiB chunk on a 10 MiB/s link reads as 0 bytes for 12 s). An upload arriving at 1.5x the
+        minimum or faster is then never cut, whatever its chunk size."""
+        return max(self.window, 2.0 * self.largest / self.min_rate) if self.min_rate else self.window
+
+    def rate_below(self, now: float) -> float | None:
+        """Bytes per second received over the last :meth:`span` seconds when below ``min_rate`` (else None);
+        None too before the first chunk has arrived (``--stream-idle-timeout`` bounds that wait), before the
+        upload has lasted a span (the grace: a call's first bytes may wait for a connection, TLS,
+        flow-control windows) or without a minimum rate. Takes a sample of ``received`` (called by the watch
+        thread, a few times per window)."""
+        if not self.min_rate or not self.largest:  # before the first chunk: --stream-idle-timeout bounds it
+            return None
+        self.samples.append((now, self.received))
+        span = self.span()
+        # keep the newest sample at or before now - span (the start of the window) and all after it
+        while len(self.samples) > 1 and self.samples[1][0] <= now - span:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        if t0 > now - span or now <= t0:
+            return None
+        rate = (self.received - n0) / (now - t0)
+        return rate if rate < self.min_rate else None
+
+
+class UploadWatch:
+    """Cuts admitted calls whose request bytes stop arriving (``--stream-idle-timeout``), or arrive slower
+    than a minimum rate (``--min-upload-rate-kib``, for the calls watched with one).
+
+    An admitted call holds a ``--max-concurrent-requests`` place, a thread and the part of its request
+    received so far; a client that opens a call and then sends nothing (or stops half-way) would hold
+    them for ever: keepalive does not help, since a live client answers pings. Each upload is watched
+    from admission until its last byte arrived (:meth:`watch`; a stream calls ``touch(nbytes)`` on each
+    chunk, so the idle limit is on the time *between* chunks; a unary request arrives as one message, so
+    it must arrive in full within the timeout). One daemon thread checks a few times per timeout (and per
+    rate window) and ends an idle or too slow call with RESOURCE_EXHAUSTED naming the flag (the reader
+    blocked on it then raises at once, so the place, the thread and the buffer come back).
+
+    Fair shares (:class:`~advantage_server.shares.PendingShares`: ``per_peer`` is the host share,
+    ``per_connection`` the connection share; 0: no bound): a watched upload (``counted``, the default) is
+    *pending* for its connection and its host (:mod:`advantage_server.identity`) until its block ends, i.e. until
+    its body has arrived (or the call ended). While the server has room, a client may have any number of calls
+    pending (a trainer's burst of uploads); once every place is taken, a newcomer takes a place back
+    (:meth:`evict_for`) from the most over-served group, max-min fair between hosts and then between the
+    connections of one host: the most stalled upload of that group is cut with RESOURCE_EXHAUSTED saying why, and
+    its place is reserved for the newcomer (:meth:`advantage_server.admission.RequestGate.reserve`). So a client
+    that opens calls and sends nothing keeps at most an equal share of the places whenever somebody else needs
+    one, however fast it reopens them and however many connections it opens. Calls that have their body
+    (computing, waiting for a compute slot) are never cut for a newcomer.
+
+    Drain: :meth:`cut_silent` ends every upload that has received no request bytes with UNAVAILABLE (its call
+    has not started; the client sends it to another replica), so a silent upload does not hold the drain for
+    ``--grace``.
+
+    The idle timeout alone lets a client keep its place by trickling one byte per timeout. A watch with
+    ``min_rate`` (bytes per second; the streaming transport passes ``--min-upload-rate-kib``) also cuts
+    an upload whose bytes received over the last ``window`` seconds (a sliding window, sampled by the
+    watch thread) average less than ``min_rate``; the first check comes once the upload has lasted
+    ``window`` seconds (the grace period). Bytes are counted as gRPC hands whole chunk messages to the
+    server, so a chunk should take well under a window to send at the minimum rate (the client's default
+    4 MiB chunk takes 4 s at 1 MiB/s, inside the default 5 s window).
+    """
+
+    def __init__(self, timeout: float, per_peer: int = 0, per_connection: int = 0):
+        self.timeout = timeout
+        self.per_peer, self.per_connection = per_peer, per_connection
+        self._lock = threading.Lock()
+        self._watched: dict[int, _Upload] = {}
+        self.shares = PendingShares(per_host=per_peer, per_connection=per_connection)  # under _lock
+        self.evictions = 0  # calls cut by evict_for
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.cuts = 0       # calls cut, for either reason
+        self.slow_cuts = 0  # of which for their rate
+        self.silent_cuts = 0  # calls cut by cut_silent (drain)
+
+    def evict_for(self, context: Any) -> bool:
+        """The server is full and ``context``'s call is waiting for a place: cut the pending upload the fair
+        shares pick (:meth:`PendingShares.rank`: a group holding more pending calls than the caller's, between
+        hosts first, then between the connections of the caller's host; the most stalled of its uploads), with
+        RESOURCE_EXHAUSTED saying why. True when one was cut (its place frees within moments)."""
+        peer = call_peer(context)
+        newcomer = (peer, peer_host(peer))
+        with self._lock:
+            best: tuple[Any, ...] | None = None
+            for e in self._watched.values():
+                if not e.keys or e.cut is not None:
+                    continue
+                rank = self.shares.rank(e.keys, newcomer)
+                if rank is None or rank[1] < 2:
+                    continue  # one apart, a swap would only trade places between equals
+                if best is None or (rank, -e.idle_deadline) > best[:2]:
+                    best = (rank, -e.idle_deadline, e)
+            if best is None:
+                return False
+            rank, _, victim = best
+            conn_n, host_n = self.shares.pending(*newcomer)
+            conn_v, host_v = self.shares.pending(*victim.keys)
+            if rank[0]:
+                why = (f"this client's host had {host_v} calls waiting for their request body and the caller's host "
+                       f"{host_n} (places are shared fairly between hosts; --max-pending-per-peer={self.per_peer})")
+            else:
+                why = (f"this connection had {conn_v} calls waiting for their request body and the caller's "
+                       f"connection on the same host {conn_n} (places are shared fairly between the connections of "
+                       f"a host; --max-pending-per-connection={self.per_connection})")
+            victim.cut = UploadCut(
+                f"cut to give its place to another client: the server was full and {why}; send each request in "
+                "full as soon as its call starts (a call whose body has arrived is never cut for another)")
+            self._unpend(victim)
+            self.evictions += 1
+        log.warning("server full: cut a stalled call waiting for its body to give its place to another client (%s)",
+                    "between hosts" if rank[0] else "inside a host")
+        _cancel_with_status(victim.context, victim.cut)
+        return True
+
+    def cut_silent(self, min_age: float = 0.0) -> int:
+        """The drain: end every watched upload that has received no request bytes and began at least ``min_age``
+        seconds ago with UNAVAILABLE (its call has not started: the client sends it to another replica). A stream
+        counts its chunks; a unary request arrives as one message, so one still arriving counts as silent. Returns
+        how many were cut."""
+        now = time.monotonic()
+        cut: list[_Upload] = []
+        with self._lock:
+            for e in self._watched.values():
+                if e.cut is None and e.received == 0 and now - e.started >= min_age:
+                    e.cut = SilentAtDrain("the server is shutting down and this call's request had not begun to "
+                                          "arrive; retry on another replica")
+                    self._unpend(e)
+                    cut.append(e)
+            self.silent_cuts += len(cut)
+        for e in cut:
+            _cancel_with_status(e.context, e.cut, "unavailable")
+        if cut:
+            log.info("draining: cut %d call(s) whose request had not begun to arrive", len(cut))
+        return len(cut)
+
+    def _unpend(self, entry: _Upload) -> None:
+        """Stop counting ``entry`` as pending (once); under ``_lock``."""
+        if entry.keys:
+            self.shares.remove(*entry.keys)
+        entry.keys = ()
+
+    def pending(self, peer: str) -> tuple[int, int]:
+        """(calls of connection ``peer``, calls of its host) waiting for their body now; ``peer`` is a peer
+        string (``ipv4:1.2.3.4:5678``)."""
+        with self._lock:
+            return self.shares.pending(peer, peer_host(peer))
+
+    @contextlib.contextmanager
+    def watch(self, context: Any, min_rate: int = 0, window: float = DEFAULT_UPLOAD_RATE_WINDOW,
+              counted: bool = True) -> Iterator[Callable[..., None]]:
+        """Watch ``context``'s upload for the block; yields ``touch(nbytes=0)`` (progress: restart the idle
+        clock, and count ``nbytes`` received towards the rate). ``min_rate``: bytes per second the upload
+        must average over each ``window`` seconds once it has lasted that long (0: no minimum). ``counted``:
+        the call is pending for its client's shares for the block (see the class docstring).
+        Raises :class:`UploadCut` (after the block's own error) when the watch cut the call, or
+        :meth:`evict_for` did."""
+        now = time.monotonic()
+        entry = _Upload(context, now + self.timeout, int(min_rate), float(window), now)
+        key = id(entry)
+        with self._lock:
+            if counted:
+                peer = call_peer(context)
+                entry.keys = (peer, peer_host(peer))
+                self.shares.add(*entry.keys)
+            self._watched[key] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="advantage-upload-watch", daemon=True)
+                self._thread.start()
+
+        def touch(nbytes: int = 0) -> None:
+            entry.idle_deadline = time.monotonic() + self.timeout
+            entry.received += nbytes
+            entry.largest = max(entry.largest, nbytes)
+
+        try:
+            yield touch
+        except Exception:
+            if entry.cut is not None:
+                raise entry.cut from None
+            raise
+        finally:
+            with self._lock:
+                self._watched.pop(key, None)
+                self._unpend(entry)
+        if entry.cut is not None:
+            raise entry.cut
+
+    def error(self) -> UploadCut:
+        return UploadCut(f"no request bytes arrived for {self.timeout:g} s, so the server cut the call: an upload "
+                         f"must not stall for longer than the server's --stream-idle-timeout={self.timeout:g} "
+                         "(a unary request must arrive in full within it); send the request without pauses")
+
+    @staticmethod
+    def slow_error(rate: float, entry: _Upload) -> UploadCut:
+        return UploadCut(f"the upload arrived at {rate / 1024:.1f} KiB/s over the last {entry.span():g} s, below the "
+                         f"server's --min-upload-rate-kib={entry.min_rate // 1024} (KiB per second, averaged over "
+                         f"--upload-rate-window={entry.window:g} s), so the server cut the call; send the request at "
+                         "full speed (or ask the operator to lower the minimum; 0 turns it off)")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _period(self) -> float:
+        with self._lock:
+            windows = [e.window for e in self._watched.values() if e.min_rate]
+        return min(1.0, self.timeout / 4, *(w / 4 for w in windows))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period()):
+            now = time.monotonic()
+            cut: list[_Upload] = []
+            with self._lock:
+                for e in self._watched.values():
+                    if e.cut is not None:
+                        continue
+                    if e.idle_deadline <= now:
+                        e.cut = self.error()
+                    else:
+                        rate = e.rate_below(now)
+                        if rate is None:
+                            continue
+                        e.cut = self.slow_error(rate, e)
+                        self.slow_cuts += 1
+                    cut.append(e)
+            for e in cut:
+                self.cuts += 1
+                why = (f"stalled for {self.timeout:g} s (--stream-idle-timeout)" if e.idle_deadline <= now else
+                       f"arrived slower than --min-upload-rate-kib={e.min_rate // 1024}")
+                log.warning("cut a call whose upload %s", why)
+                _cancel_with_status(e.context, e.cut)
+
+
+def _cancel_with_status(context: Any, exc: Exception, code: str = "resource_exhausted") -> None:
+    """End a call from another thread with ``code`` (a ``cygrpc.StatusCode`` attribute name: RESOURCE_EXHAUSTED
+    by default) and ``exc``'s message. gRPC's public
+    ``ServicerContext.cancel()`` cannot carry a status (the client would see a bare CANCELLED); the core
+    call underneath can, so use it when it is there."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if call is not None:
+        try:
+            from grpc._cython import cygrpc
+            call.cancel(getattr(cygrpc.StatusCode, code), str(exc))
+            return
+        except Exception:  # noqa: BLE001 - an internal API that moved: fall back to the public one
+            pass
+    try:  # a bare CANCELLED, which the client's retry policy sends again (the status above is not retried)
+        context.cancel()
+    except Exception:  # noqa: BLE001 - already over
+        pass
+
+

@@ -1,0 +1,187 @@
+"""Issue #27: health means alive, and what anonymous callers hold cannot take a token holder's calls.
+
+* item 1: with ``--auth-token-file``, a client without the token opens 128 health ``Watch`` streams from this host
+  (the per-host bound). Before: the next client's own health ``Watch`` (gRPC's client-side health checking,
+  ``advantage_client.channel.service_config``'s ``healthCheckConfig``) was refused RESOURCE_EXHAUSTED, gRPC marked
+  the replica unhealthy and a token holder's ``AdvantageClient`` failed 5 of 5 calls UNAVAILABLE. Now a ``Watch``
+  beyond the bound is answered UNIMPLEMENTED, which gRPC takes as "healthy" (grpc/doc/health-checking.md): 5 of 5.
+* gRPC's backstop (``maximum_concurrent_rpcs``, 4x the thread pool: 68 on a server with 1 place and 1 worker)
+  leaves room for every allowed ``Watch`` stream plus the pool's calls: open ``Watch`` streams are not counted
+  against it (the health servicer is non-blocking; gRPC counts a call only while its handler runs on the pool),
+  so 128 of them beside a backstop of 68 leave compute calls served. A guard: this held before the issue too.
+* item 8 (the drain's part): an admitted call whose request never sends a byte is cut at the drain with
+  UNAVAILABLE (the client sends it to another replica) instead of holding the drain for the whole ``--grace``;
+  a call that has its body keeps computing and is answered.
+
+Real servers in-process on loopback; counts, codes and values are asserted, never timings (every wait is bounded).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from advantage_client import AdvantageClient
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.client import AdvantageServiceError, build_request
+from advantage_server.core import AdvantageCore
+from advantage_server.limits import BACKSTOP_FACTOR
+from advantage_server.shares import MAX_WATCHES_PER_HOST
+
+SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
+TOKEN = "t0ken-for-the-health-tests"
+PROMPTS = np.array([0, 0, 1, 1], np.int64)
+REWARDS = np.array([1.0, 0.0, 2.0, 5.0], np.float32)
+MASK = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], np.float32)
+#: the server's own core on this process, before any test patches the registry
+WANT = AdvantageCore("cpu").run("grpo", None, {"prompt_ids": torch.from_numpy(PROMPTS), "rewards": torch.from_numpy(
+    REWARDS), "mask": torch.from_numpy(MASK)}).advantages.numpy()
+
+
+def _wait_for(predicate, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+class WatchFlood:
+    """``n`` health ``Watch`` streams held open from this host without a token, over channels of their own (one
+    connection each, at most 50 streams per connection: under gRPC's per-connection stream limit)."""
+
+    def __init__(self, address: str, n: int):
+        self.channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                         for _ in range((n + 49) // 50)]
+        self.streams = []
+        for i in range(n):
+            stream = health_pb2_grpc.HealthStub(self.channels[i // 50]).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=120)
+            assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+            self.streams.append(stream)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+        for channel in self.channels:
+            channel.close()
+
+
+def test_a_tokenless_watch_flood_does_not_lock_out_a_token_holder(make_server):
+    srv = make_server(auth_token=TOKEN)
+    flood = WatchFlood(srv.address, MAX_WATCHES_PER_HOST)  # every Watch this host may hold
+    try:
+        assert srv.health.watches == MAX_WATCHES_PER_HOST
+        # a token holder's client from the same host: its channel health-checks the service (its Watch is beyond
+        # the bound), and calls
+        codes = []
+        with AdvantageClient(srv.address, timeout=20, token=TOKEN, transport="unary") as client:
+            for _ in range(5):
+                try:
+                    out = client.compute("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS, mask=MASK)
+                    np.testing.assert_allclose(np.asarray(out.advantages), WANT, rtol=1e-5, atol=1e-6)
+                    codes.append("OK")
+                except AdvantageServiceError as exc:
+                    codes.append(exc.code.name)
+        assert codes == ["OK"] * 5, codes  # before: 5 x UNAVAILABLE ("health check call failed")
+        # the flood's next Watch is beyond the bound: UNIMPLEMENTED (gRPC: "no health checking, assume healthy")
+        with pytest.raises(grpc.RpcError) as err:
+            next(health_pb2_grpc.HealthStub(flood.channels[0]).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value
+        assert srv.health.watches == MAX_WATCHES_PER_HOST  # the bound still holds (memory)
+        assert srv.health.watch_refusals >= 2  # the flood's extra one and the client's
+    finally:
+        flood.close()
+
+
+def test_watch_streams_cannot_fill_the_grpc_backstop(make_server):
+    """A server with 1 place and 1 worker (a pool of 17 threads, gRPC's backstop 68 calls): 128 open Watch
+    streams from one host (all it may hold) and the compute calls still go through: open Watch streams hold no
+    thread and no place in gRPC's ``maximum_concurrent_rpcs``."""
+    srv = make_server(max_concurrent_requests=1, workers=1)
+    assert srv.limits.grpc_max_concurrent_rpcs == srv.limits.thread_pool_size * BACKSTOP_FACTOR == 68
+    assert srv.limits.grpc_max_concurrent_rpcs < MAX_WATCHES_PER_HOST
+    flood = WatchFlood(srv.address, MAX_WATCHES_PER_HOST)
+    try:
+        assert srv.health.watches == MAX_WATCHES_PER_HOST
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.AdvantageServiceStub(channel)
+            for _ in range(3):
+                reply = stub.ComputeAdvantage(build_request("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS,
+                                                            mask=MASK), timeout=20)
+                got = np.frombuffer(reply.advantages.data, np.float32).reshape(WANT.shape)
+                np.testing.assert_allclose(got, WANT, rtol=1e-5, atol=1e-6)
+    finally:
+        flood.close()
+
+
+# ------------------------------------------------------------------ the drain cuts uploads that never began
+@pytest.fixture
+def blocked_grpo(monkeypatch):
+    """grpo computations wait until ``release`` is set (``entered`` counts those waiting)."""
+    from advantage_server.estimators.registry import REGISTRY
+    grpo = REGISTRY["grpo"]
+    state = {"release": threading.Event(), "entered": 0}
+
+    def held(cfg, batch):
+        state["entered"] += 1
+        assert state["release"].wait(60), "the test never released the held call"
+        return grpo.fn(cfg, batch)
+    monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(grpo, fn=held))
+    yield state
+    state["release"].set()
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_the_drain_cuts_an_upload_that_never_began(make_server, blocked_grpo, caplog, kind):
+    srv = make_server(max_concurrent_requests=4, workers=2, stream_idle_timeout=60.0)
+    request = build_request("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS, mask=MASK)
+    ended = threading.Event()
+    silent_result: dict = {}
+
+    def silent():  # the request: nothing, until the test ends
+        ended.wait(60)
+        return
+        yield
+
+    def hold_silent() -> None:
+        try:
+            if kind == "unary":
+                channel.stream_unary(f"/{SERVICE}/ComputeAdvantage")(silent(), timeout=60)
+            else:
+                list(channel.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(silent(), timeout=60))
+            silent_result["code"] = "OK"
+        except grpc.RpcError as err:
+            silent_result["code"], silent_result["details"] = err.code(), err.details()
+
+    with grpc.insecure_channel(srv.address) as channel:
+        working = pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage.future(request, timeout=60)
+        _wait_for(lambda: blocked_grpo["entered"] == 1, what="the working call computing")
+        holder = threading.Thread(target=hold_silent, daemon=True)
+        holder.start()
+        _wait_for(lambda: srv.gate.in_flight == 2, what="the silent call admitted")
+        stopper = threading.Thread(target=srv.stop, kwargs={"grace": 30.0}, daemon=True)
+        with caplog.at_level(logging.INFO, logger="advantage_server"):
+            stopper.start()
+            holder.join(20)  # cut at the drain's start (before: held until the grace ran out, 30 s)
+            assert not holder.is_alive(), "the silent call still held the drain"
+            assert silent_result["code"] == grpc.StatusCode.UNAVAILABLE, silent_result
+            assert "had not begun to arrive" in silent_result["details"]
+            assert srv.uploads.silent_cuts == 1
+            assert not working.done()  # the call with its body is not cut: it finishes
+            blocked_grpo["release"].set()
+            reply = working.result(timeout=30)
+            stopper.join(30)
+        assert not stopper.is_alive()
+        ended.set()
+    np.testing.assert_allclose(np.frombuffer(reply.advantages.data, np.float32).reshape(WANT.shape), WANT,
+                               rtol=1e-5, atol=1e-6)
+    assert not any("grace period" in r.getMessage() for r in caplog.records)
