@@ -231,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+        server.stop_warmup.set()  # a SIGTERM during the warm-up ends it at its next call (it can take 30+ s)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
     server.start()
     security = ("mutual TLS" if args.tls_client_ca else "TLS" if server.tls else "plaintext") + \
         (", bearer token" if server.auth else "")
