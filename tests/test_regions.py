@@ -26,7 +26,7 @@ from advantage_client import shm as shm_mod
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_server import regions
-from advantage_server.errors import InvalidInput, ResourceLimit
+from advantage_server.errors import ResourceLimit
 
 from reliability_support import report, start_server, stop_server, wait_for
 
@@ -84,8 +84,9 @@ def test_a_client_registering_its_childrens_memfds_gets_one_connections_share(ma
 # ---------------------------------------------------------------- (2) LRU eviction when the table is full
 def test_a_full_table_evicts_the_least_recently_used_region(make_server, monkeypatch):
     """A table of 3 (MAX_REGIONS patched): regions r0, r1, r2; a call on r0 makes r1 the least recently used;
-    a fourth registration evicts r1 (its next call: INVALID_ARGUMENT, no such region) and r0, r2, r3 answer
-    exactly. Before: the fourth registration was RESOURCE_EXHAUSTED."""
+    a fourth registration evicts r1 (the server answers its next call NOT_FOUND, evicted: the client registers
+    the segment again and resends, so the call answers exactly) and r0, r2, r3 answer exactly. Before: the
+    fourth registration was RESOURCE_EXHAUSTED; then r1's call was INVALID_ARGUMENT."""
     monkeypatch.setattr(regions, "MAX_REGIONS", 3)
     monkeypatch.delenv(shm_mod.MEMFD_ENV, raising=False)
     srv = make_server()
@@ -96,12 +97,17 @@ def test_a_full_table_evicts_the_least_recently_used_region(make_server, monkeyp
         made = [c.shared_memory(1 << 16) for _ in range(3)]
         assert torch.equal(made[0].compute("gae", None, **tensors).advantages, want)
         made.append(c.shared_memory(1 << 16))  # full: r1, the least recently used, goes
-        with pytest.raises(AdvantageServiceError) as err:
-            made[1].compute("gae", None, **tensors)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "no shared-memory region" in str(err.value)
+        evicted = made[1].region_id
+        with pytest.raises(AdvantageServiceError) as err:  # what the server answers: NOT_FOUND, evicted
+            c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=evicted, key=made[1].key),
+                    pb.UnregisterSharedMemoryResponse)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and shm_mod.region_gone(err.value) == shm_mod.REASON_EVICTED
+        assert torch.equal(made[1].compute("gae", None, **tensors).advantages, want)  # r2, now the LRU, goes
+        assert made[1].reregistered == 1 and made[1].region_id != evicted
         for i in (0, 2, 3):
             assert torch.equal(made[i].compute("gae", None, **tensors).advantages, want), i
+        # each registration again evicted the table's least recently used region in turn: r2, then r3
+        assert [r.reregistered for r in made] == [0, 1, 1, 1]
         for region in made:
             region.close()
 
@@ -140,8 +146,12 @@ def test_a_region_in_use_by_a_call_is_never_evicted():
         c = _Fake(2)
         table.add(c, "z", "z")  # a is idle now: evicted although b was registered after it and used since
         assert a.closed and not b.closed and table.evicted == 1
-        with pytest.raises(InvalidInput, match="no shared-memory region"):
+        with pytest.raises(regions.RegionGone, match="was evicted") as gone:
             table.get(ida, "k0", "f")
+        assert gone.value.reason == regions.REASON_EVICTED
+        with pytest.raises(regions.RegionGone, match="no shared-memory region") as gone:
+            table.get(ida, "not-its-key", "f")  # the evicted region's id, another key: unknown
+        assert gone.value.reason == regions.REASON_UNKNOWN
     table.close()
     assert b.closed and c.closed
 

@@ -121,22 +121,51 @@ def test_auto_without_the_token_fails_like_any_call_and_does_not_retry_the_probe
         assert c.last_transport == "shm"
 
 
-def test_auto_registers_again_when_the_server_forgets_the_region_then_gives_up(make_server):
-    """Another replica answered, or the server restarted: the region is unknown there. The call still
-    succeeds (sent again without shared memory), the next call registers a new region, and after
-    MAX_SHM_FORGOTTEN such answers the client stops using shared memory."""
+def test_auto_registers_a_forgotten_region_again_within_the_call(make_server):
+    """The server forgot the region (as after a restart: unregistered behind the client's back): the next call
+    registers the same segment again and is resent over shared memory, with the right values, as many times as
+    it happens (more than MAX_SHM_FORGOTTEN). Before: the call went unary, and after MAX_SHM_FORGOTTEN times
+    shared memory was off for the client's lifetime."""
+    from advantage_client.client import MAX_SHM_FORGOTTEN
+    srv = make_server()
+    tensors = _batch(8, 4096)
+    with AdvantageClient(srv.address, timeout=30.0) as c:
+        ref = c.compute("gae", None, transport="unary", **tensors)
+        c.compute("gae", None, **tensors)
+        assert c.last_transport == "shm"
+        region = c._shm
+        for n in range(1, MAX_SHM_FORGOTTEN + 3):
+            old = region.region_id
+            c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=old, key=region.key),
+                    pb.UnregisterSharedMemoryResponse)
+            got = c.compute("gae", None, **tensors)
+            assert c.last_transport == "shm" and torch.equal(got.advantages, ref.advantages), n
+            assert c._shm is region and region.reregistered == n and region.region_id != old
+            assert c._shm_works is True and c.shm_region_count == 1
+
+
+def test_auto_gives_up_after_regions_that_cannot_be_registered_again(make_server, monkeypatch):
+    """A region the server never knew (another replica behind one address answered) whose registration again
+    also fails: the call is sent again without shared memory (right values), the next call registers a new
+    region, and after MAX_SHM_FORGOTTEN such answers the client stops using shared memory."""
     from advantage_client.client import MAX_SHM_FORGOTTEN
     srv = make_server()
     tensors = _batch(8, 4096)
     with AdvantageClient(srv.address, timeout=30.0) as c:
         ref = c.compute("gae", None, **tensors)
         assert c.last_transport == "shm"
+        original = shm.SharedMemoryRegion._register
+
+        def refused(region):  # the proof reaches another replica: PERMISSION_DENIED
+            raise AdvantageServiceError(grpc.StatusCode.PERMISSION_DENIED, "another replica")
         for n in range(1, MAX_SHM_FORGOTTEN + 1):
-            region = c._shm  # the server forgets it (as after a restart); the client still holds it
+            region = c._shm
             c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=region.region_id,
                                                                                key=region.key),
                     pb.UnregisterSharedMemoryResponse)
+            monkeypatch.setattr(shm.SharedMemoryRegion, "_register", refused)
             got = c.compute("gae", None, **tensors)
+            monkeypatch.setattr(shm.SharedMemoryRegion, "_register", original)
             assert c.last_transport == "unary" and torch.equal(got.advantages, ref.advantages)
             assert c._shm is None
             if n < MAX_SHM_FORGOTTEN:

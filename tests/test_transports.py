@@ -174,7 +174,7 @@ def test_shm_is_bounds_checked_and_keyed(client):
         stale = _shm_request(region)
     with pytest.raises(AdvantageServiceError) as err:  # unregistered on close: its id and key are dead
         client._call("ComputeAdvantageShm", stale, pb.ComputeAdvantageShmResponse)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code == grpc.StatusCode.NOT_FOUND  # a region the server does not hold (issue #27)
 
 
 def test_shm_of_another_client_is_refused(target, client):

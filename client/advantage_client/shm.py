@@ -18,13 +18,21 @@ it (another PID namespace or user, an older server: PERMISSION_DENIED or INVALID
 a POSIX shared-memory segment (``multiprocessing.shared_memory``) instead, and so are the client's later
 regions; the server then copies through the segment's descriptor. ``ADVANTAGE_SHM_MEMFD=0`` in the client's
 environment, or ``SharedMemoryRegion(..., memfd=False)``, always uses POSIX segments.
+
+A server whose region table was full may evict an idle region; it also forgets every region when it restarts.
+A call naming such a region is answered NOT_FOUND with a ``google.rpc.ErrorInfo`` (domain ``advantage.v1``,
+reason ``SHM_REGION_EVICTED`` or ``SHM_REGION_UNKNOWN``; an older server: INVALID_ARGUMENT "no shared-memory
+region"): :meth:`SharedMemoryRegion.compute` then registers the same segment again (a new region id and key;
+the inputs already in it stay where they are) and resends the call once, so the caller never sees it.
 """
 from __future__ import annotations
 
 import math
 import mmap
 import os
+import random
 import sys
+import time
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -52,6 +60,47 @@ MEMFD_ENV = "ADVANTAGE_SHM_MEMFD"
 #: regions are POSIX ones): the server cannot open the memfd (another PID namespace or user) or does not know
 #: the ``memfd:`` names (an older server looks for a /dev/shm segment of that name)
 MEMFD_REFUSED = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT})
+#: the server's ``google.rpc.ErrorInfo`` for a call naming a region it does not hold (``regions.RegionGone``)
+ERROR_DOMAIN = "advantage.v1"
+REASON_EVICTED, REASON_UNKNOWN = "SHM_REGION_EVICTED", "SHM_REGION_UNKNOWN"
+
+
+#: a registration's call refused by admission (RESOURCE_EXHAUSTED with a retry pushback: the server's few places
+#: for registrations were all taken, as when many client processes start at once) is sent again after the
+#: pushback (times a random factor in [1, 1.5]) for as long as the call's timeout lasts (this many seconds
+#: without one); so is a ``ComputeAdvantageShm`` call refused by admission
+REGISTER_PUSHBACK_S = 60.0
+
+
+def _gone_reason(err: grpc.RpcError) -> str | None:
+    """REASON_EVICTED or REASON_UNKNOWN when the failed call ``err`` was answered NOT_FOUND with the server's
+    ErrorInfo for a region it does not hold; None for any other error."""
+    if not hasattr(err, "code") or err.code() != grpc.StatusCode.NOT_FOUND:
+        return None
+    try:
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+        status = rpc_status.from_call(err)
+    except (ImportError, ValueError):
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == ERROR_DOMAIN and info.reason in (REASON_EVICTED, REASON_UNKNOWN):
+            return info.reason
+    return None
+
+
+def region_gone(err: BaseException) -> str | None:
+    """Why the server did not hold the region a shared-memory call named: REASON_EVICTED (its table was full),
+    REASON_UNKNOWN (it never registered it or forgot it: restarted, another replica answered; also an older
+    server's INVALID_ARGUMENT "no shared-memory region"); None when ``err`` is another error."""
+    reason = getattr(err, "region_gone", None)
+    if reason is not None:
+        return reason
+    if (isinstance(err, AdvantageServiceError) and err.code == grpc.StatusCode.INVALID_ARGUMENT
+            and "no shared-memory region" in str(err)):
+        return REASON_UNKNOWN
+    return None
 
 
 def memfd_supported() -> bool:
@@ -171,6 +220,8 @@ class SharedMemoryRegion:
         size = max(int(byte_size), ALIGN)
         #: set when a call was given up (deadline, cancel, lost connection) while the server may still run it
         self.abandoned: str | None = None
+        #: times the segment was registered again after the server answered that it did not hold the region
+        self.reregistered = 0
         try_memfd = memfd if memfd is not None else (memfd_supported()
                                                      and not getattr(client, "_shm_memfd_refused", False))
         if try_memfd:
@@ -217,17 +268,37 @@ class SharedMemoryRegion:
         self._buf = map_segment(shm, self.size)  # the mapping lives as long as views of it
         self._next = 0  # bump allocator for empty()
 
+    def _register_call(self, request: Any) -> Any:
+        """One ``RegisterSharedMemory`` step, sent again after the server's retry pushback when admission
+        refused it, while the call's timeout (``_call_timeout`` of the client, else REGISTER_PUSHBACK_S) lasts;
+        any other error, and the refusal past that, is raised."""
+        timeout = getattr(self._client, "_call_timeout", None)
+        deadline = time.monotonic() + (timeout if timeout is not None else REGISTER_PUSHBACK_S)
+        while True:
+            try:
+                return self._client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+            except AdvantageServiceError as err:
+                pushback = getattr(err, "pushback_s", None)
+                pause = None if pushback is None else pushback * random.uniform(1.0, 1.5)
+                if (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or pause is None
+                        or time.monotonic() + pause >= deadline):
+                    raise
+            time.sleep(pause)
+
     def _register(self) -> Any:
-        client = self._client
         request = pb.RegisterSharedMemoryRequest(name=self.shm.name, byte_size=self.size)
-        reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+        reply = self._register_call(request)
         if reply.challenge:  # show the server this process writes the segment (see the proto)
             n = len(reply.challenge)
             if n > self.size:
                 raise MemoryError(f"the region's {self.size} bytes cannot hold the server's {n}-byte challenge")
+            kept = self._buf[:n].copy()  # what the challenge covers (a registration again: inputs may lie there)
             self._buf[:n] = np.frombuffer(reply.challenge, np.uint8)
             request.proof = reply.challenge
-            reply = client._call("RegisterSharedMemory", request, pb.RegisterSharedMemoryResponse)
+            try:
+                reply = self._register_call(request)
+            finally:
+                self._buf[:n] = kept
         return reply
 
     # ------------------------------------------------------------------ allocation
@@ -272,6 +343,12 @@ class SharedMemoryRegion:
         then write its results into this region's output room later, over whatever the region holds by then.
         The region is therefore marked :attr:`abandoned` and refuses further calls (RuntimeError): close it
         and register a new one (``AdvantageClient`` does that by itself for the region it manages).
+
+        A server that does not hold the region (NOT_FOUND, :func:`region_gone`: its table evicted it, or it
+        restarted) gets the segment registered again (:attr:`region_id` and :attr:`key` change,
+        :attr:`reregistered` counts it) and the call once more, transparently. When that registration fails,
+        the NOT_FOUND is raised with the registration's error in its message (the error keeps its
+        ``region_gone`` reason), and the next call tries again.
         """
         if self.abandoned:
             raise RuntimeError(f"a call on this shared-memory region was abandoned ({self.abandoned}) and the server "
@@ -307,14 +384,16 @@ class SharedMemoryRegion:
         request.output_offset = pos
         request.output_byte_size = self.size - pos
         try:
-            reply = self._client._call("ComputeAdvantageShm", request, pb.ComputeAdvantageShmResponse)
+            reply = self._send(request)
         except AdvantageServiceError as err:
-            if err.code in ABANDONED:
-                self.abandoned = err.code.name
-            raise
-        except BaseException as exc:  # interrupted while waiting: the server may still be computing
-            self.abandoned = type(exc).__name__
-            raise
+            if region_gone(err) is None:
+                raise
+            self._register_again(err)  # the inputs stay in the segment: only the id and key change
+            request.key = self.key
+            request.output_region_id = self.region_id
+            for tensor in request.inputs.values():
+                tensor.region_id = self.region_id
+            reply = self._send(request)
         out = []
         for name in ("advantages", "returns"):
             if not reply.HasField(name):
@@ -331,6 +410,44 @@ class SharedMemoryRegion:
                 arr = arr.view(torch.bfloat16) if t.dtype == pb.DTYPE_BFLOAT16 else arr
             out.append(arr)
         return AdvantageResult(out[0], out[1], dict(reply.metrics))
+
+    def _send(self, request: Any) -> Any:
+        """One ``ComputeAdvantageShm`` call; marks the region :attr:`abandoned` when it ends without the
+        server's answer (it may still write the results). An admission refusal (RESOURCE_EXHAUSTED with a
+        retry pushback: the server did not start the call) is sent again after the pushback (times a random
+        factor in [1, 1.5]) while the call's timeout lasts (REGISTER_PUSHBACK_S without one): a shared-memory
+        call has one replica, the one on this host, and the server's pushback paces the resends."""
+        timeout = getattr(self._client, "_call_timeout", None)
+        deadline = time.monotonic() + (timeout if timeout is not None else REGISTER_PUSHBACK_S)
+        while True:
+            try:
+                return self._client._call("ComputeAdvantageShm", request, pb.ComputeAdvantageShmResponse)
+            except AdvantageServiceError as err:
+                if err.code in ABANDONED:
+                    self.abandoned = err.code.name
+                pushback = getattr(err, "pushback_s", None)
+                pause = None if pushback is None else pushback * random.uniform(1.0, 1.5)
+                if (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or pause is None
+                        or time.monotonic() + pause >= deadline):
+                    raise
+            except BaseException as exc:  # interrupted while waiting: the server may still be computing
+                self.abandoned = type(exc).__name__
+                raise
+            time.sleep(pause)
+
+    def _register_again(self, gone: AdvantageServiceError) -> None:
+        """Register this segment again after the server answered ``gone`` (it does not hold the region): a new
+        :attr:`region_id` and :attr:`key`. Raises ``gone`` (its message extended by why) when the registration
+        fails; the region keeps its old id, so its next call finds it gone again and retries."""
+        try:
+            reply = self._register()
+        except Exception as exc:  # noqa: BLE001 - any failure: the caller sees the NOT_FOUND, with the reason
+            failed = AdvantageServiceError(gone.code, f"{gone}; registering the segment again failed: {exc}",
+                                           gone.field_violations, getattr(exc, "pushback_s", None))
+            failed.region_gone = region_gone(gone)
+            raise failed from exc
+        self.region_id, self.key = reply.region_id, reply.key
+        self.reregistered += 1
 
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
@@ -384,5 +501,16 @@ def room_for(nbytes: int, path: str = "/dev/shm") -> bool:
 
 
 def call(channel: grpc.Channel, method: str, request: Any, response_cls: type, **kwargs: Any) -> Any:
-    return channel.unary_unary(PREFIX + method, request_serializer=type(request).SerializeToString,
-                               response_deserializer=response_cls.FromString)(request, **kwargs)
+    """One call of the service's ``method``. Raises ``grpc.RpcError``, except for a NOT_FOUND answer naming a
+    region the server does not hold (:func:`_gone_reason`): an :class:`AdvantageServiceError` whose
+    ``region_gone`` attribute is the reason (see :func:`region_gone`)."""
+    try:
+        return channel.unary_unary(PREFIX + method, request_serializer=type(request).SerializeToString,
+                                   response_deserializer=response_cls.FromString)(request, **kwargs)
+    except grpc.RpcError as err:
+        reason = _gone_reason(err)
+        if reason is None:
+            raise
+        gone = AdvantageServiceError.from_rpc_error(err)
+        gone.region_gone = reason
+        raise gone from None

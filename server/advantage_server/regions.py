@@ -14,16 +14,23 @@
   at most :data:`MAX_REGIONS` regions, :data:`MAX_REGIONS_PER_SEGMENT` per segment, and
   ``--max-shm-regions-per-client`` per owner (the process of a memfd, the connection of a POSIX segment)
   **and** per connection (so a client that registers the memfds of its forked children is still one
-  share); when the table is full, the least recently used region no call is using is evicted to make
-  room; and a sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
+  share); when the table is full, an idle region (no call is using it) is evicted to make room: the least
+  recently used one of the owner holding the most regions, so a process within its fair share keeps its
+  regions while another holds more; and a sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
   whose owner is gone (a memfd whose process exited or was killed, a POSIX name unlinked), so a killed
   client's memory is released within that bound.
+* :class:`RegionGone`: a call naming a region the table does not hold (evicted, or never registered here: the
+  server restarted, another replica) ends NOT_FOUND with a ``google.rpc.ErrorInfo`` detail (domain
+  :data:`ERROR_DOMAIN`, reason :data:`REASON_EVICTED` or :data:`REASON_UNKNOWN`, metadata ``region_id``) in
+  the status details (trailing metadata ``grpc-status-details-bin``): the client registers its segment again
+  and sends the call once more (``advantage_client.shm``).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import mmap
 import os
@@ -42,8 +49,17 @@ from advantage_server.errors import InvalidInput, ResourceLimit
 #: RegisterSharedMemory's challenge (bytes the client must write at offset 0 of its segment), and how many
 #: unanswered challenges a server keeps (the oldest go first)
 CHALLENGE_BYTES, MAX_CHALLENGES = 32, 1024
-#: regions one server keeps registered at most (when full, the least recently used idle one is evicted)
-MAX_REGIONS = 256
+#: regions one server keeps registered at most (when full, an idle one is evicted: see RegionTable.add). Each
+#: holds one descriptor (and, for a sealed memfd, a mapping of at most region_cap() bytes of address space):
+#: 1,024 is 128 client processes x the client's default pool of 8 regions. Fewer when the descriptor limit
+#: is low (:func:`default_max_regions`).
+MAX_REGIONS = 1024
+#: region ids the table remembers as evicted (with a digest of their key), so a call naming one is answered
+#: REASON_EVICTED rather than REASON_UNKNOWN: this many times the table's size (~100 bytes each)
+GONE_MEMORY = 4
+#: the ``google.rpc.ErrorInfo`` of a NOT_FOUND answer to a call naming a region the table does not hold
+ERROR_DOMAIN = "advantage.v1"
+REASON_EVICTED, REASON_UNKNOWN = "SHM_REGION_EVICTED", "SHM_REGION_UNKNOWN"
 #: per segment (the file, whatever name reaches it): regions registered at once; and unanswered challenges
 #: per client and segment name (a newer one replaces that client's oldest for the name). One client
 #: registering its segment over and over cannot take every region.
@@ -64,6 +80,52 @@ MEMFD_MAP_ENV = "ADVANTAGE_SHM_MEMFD_MAP"
 #: seconds between two sweeps of the regions whose owner is gone (:meth:`RegionTable.sweep`): a killed
 #: client's region is released within about this long (plus one sweep's time)
 SWEEP_PERIOD = 5.0
+
+
+class RegionGone(InvalidInput):
+    """A call named a region this server does not hold: NOT_FOUND (``status()``; the servicer's
+    ``status_for`` maps it), not INVALID_ARGUMENT, since the request was right when the client made it.
+    ``reason``: :data:`REASON_EVICTED` (the table was full and evicted it, key checked against the
+    evicted region's) or :data:`REASON_UNKNOWN` (never registered here, forgotten long ago, or swept: its
+    segment was gone). Either way the client's answer is to register its segment again and resend the call;
+    the status detail says so machine-readably (a ``google.rpc.ErrorInfo``, see the module docstring)."""
+
+    def __init__(self, field: str, region_id: str, reason: str, description: str):
+        super().__init__(field, description)
+        self.region_id, self.reason = region_id, reason
+
+    def status(self) -> Any:
+        """The ``google.rpc.Status`` this error ends a call with: NOT_FOUND, the message, an ErrorInfo."""
+        from google.protobuf import any_pb2
+        from google.rpc import code_pb2, error_details_pb2, status_pb2
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN,
+                                                metadata={"region_id": self.region_id[:64]}))
+        return status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(self)[:2000], details=[detail])
+
+
+def default_max_regions() -> int:
+    """The table's size when none is given: :data:`MAX_REGIONS`, or fewer when the process may not open that
+    many more descriptors (one per region). The soft ``RLIMIT_NOFILE`` is first raised towards the hard limit
+    (to at most 65,536), as servers do; then at most half of what is left above 256 descriptors (for the
+    connections, the listening sockets, the libraries' files) holds regions, and at least 16."""
+    want = MAX_REGIONS
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = 2 * want + 256
+        if soft != resource.RLIM_INFINITY and soft < need:
+            target = need if hard == resource.RLIM_INFINITY else min(hard, max(need, min(hard, 65536)))
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError):
+                pass
+        if soft != resource.RLIM_INFINITY:
+            want = min(want, max(16, (soft - 256) // 2))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - no resource module (not Linux)
+        pass
+    return want
 
 
 def parse_memfd_name(name: str) -> tuple[int, int] | None:
@@ -346,8 +408,8 @@ class Region:
 
 def region_cap(limits: Any) -> int:
     """The most bytes one registered shared-memory region may span: 4 x ``--max-stream-mb`` (a call's inputs
-    are bounded by it, its outputs by a few times that). With at most 256 regions, the server's mappings stay
-    far below the address space (256 x 32 GiB = 8 TiB at the defaults)."""
+    are bounded by it, its outputs by a few times that). With at most 1,024 regions, the server's mappings stay
+    well below the address space (1,024 x 32 GiB = 32 TiB of 128 TiB at the defaults)."""
     return 4 * limits.max_stream_bytes
 
 
@@ -401,13 +463,21 @@ class RegionTable:
     registration challenges it issued, with every bound on them (see the module docstring). Thread-safe.
 
     ``quota``: ``--max-shm-regions-per-client``, charged to a region's owner and to its connection alike.
-    ``max_regions``: the table's size (default :data:`MAX_REGIONS`); ``sweep_period``: seconds between
-    the background sweeps (:data:`SWEEP_PERIOD`), which run only while the table holds regions.
+    ``max_regions``: the table's size (default :func:`default_max_regions`, :data:`MAX_REGIONS` where the
+    descriptor limit allows); ``sweep_period``: seconds between the background sweeps (:data:`SWEEP_PERIOD`),
+    which run only while the table holds regions.
+
+    Memory: each region holds one descriptor and, for a sealed memfd, one shared mapping of at most
+    :func:`region_cap` bytes (the client's pages: address space, not server memory; a POSIX region is read
+    per call into memory the call's own bound covers); the table adds ~200 bytes per region and the evicted
+    ids it remembers (:data:`GONE_MEMORY` x ``max_regions``, ~100 bytes each). So regions cost the server at
+    most ``max_regions`` descriptors, ``max_regions x region_cap`` bytes of address space and
+    ``max_regions x ~600`` bytes of memory.
     """
 
     def __init__(self, quota: int, max_regions: int | None = None, sweep_period: float | None = None):
         self.quota = quota
-        self.max_regions = MAX_REGIONS if max_regions is None else max_regions
+        self.max_regions = default_max_regions() if max_regions is None else max_regions
         self.sweep_period = SWEEP_PERIOD if sweep_period is None else sweep_period
         self._regions: collections.OrderedDict[str, Region] = collections.OrderedDict()
         #: challenge -> (client, segment name), insertion ordered (oldest first)
@@ -417,6 +487,8 @@ class RegionTable:
         self._stop = threading.Event()
         #: regions evicted to make room, and forgotten by a sweep (their owner gone)
         self.evicted = self.swept = 0
+        #: evicted region id -> sha256 of its key, the newest last (at most GONE_MEMORY x max_regions)
+        self._gone: collections.OrderedDict[str, bytes] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -477,8 +549,9 @@ class RegionTable:
     def add(self, region: Region, owner: str, connection: str) -> str:
         """Register ``region`` for ``owner`` on ``connection``; returns its new region id. RESOURCE_EXHAUSTED
         (``region`` closed) beyond a quota, beyond MAX_REGIONS_PER_SEGMENT regions of its segment, or when
-        the table is full and every region is in use; a full table otherwise evicts its least recently used
-        idle region (closed: a later call naming it gets INVALID_ARGUMENT, and the client registers anew)."""
+        the table is full and every region is in use; a full table otherwise evicts an idle region
+        (:meth:`_victim`; closed: a later call naming it gets NOT_FOUND with REASON_EVICTED, and the client
+        registers its segment anew and resends the call)."""
         region.owner, region.connection = owner, connection
         evicted = None
         with self._lock:
@@ -487,12 +560,15 @@ class RegionTable:
                 err = ResourceLimit(f"segment {region.name!r} is registered {MAX_REGIONS_PER_SEGMENT} times already "
                                     "(the most per segment); unregister a region of it, or use another segment")
             if err is None and len(self._regions) >= self.max_regions:
-                idle = next((rid for rid, r in self._regions.items() if not r.in_use), None)
+                idle = self._victim()
                 if idle is None:
                     err = self._full_error()
                 else:
                     evicted = self._regions.pop(idle)
                     self.evicted += 1
+                    self._gone[idle] = _digest(evicted.key)
+                    while len(self._gone) > GONE_MEMORY * max(self.max_regions, 1):
+                        self._gone.popitem(last=False)
             if err is None:
                 region_id = secrets.token_hex(8)
                 self._regions[region_id] = region
@@ -504,15 +580,40 @@ class RegionTable:
             raise err
         return region_id
 
+    def _victim(self) -> str | None:
+        """The region a full table evicts (under the lock): an idle one (no call holds it) of the owner holding
+        the most regions, its least recently used; None when every region is in use. Among owners holding as
+        many, the one whose idle region was used least recently. A process within its fair share
+        (``max_regions`` / processes) so keeps its regions while another holds more than it."""
+        held = collections.Counter(r.owner for r in self._regions.values())
+        best, most = None, -1
+        for rid, r in self._regions.items():  # least recently used first
+            if not r.in_use and held[r.owner] > most:
+                best, most = rid, held[r.owner]
+        return best
+
     # ------------------------------------------------------------------ lookups
     def get(self, region_id: str, key: str, field: str, check: bool = True) -> Region:
-        """The region ``region_id`` when ``key`` is its key (INVALID_ARGUMENT naming ``field`` otherwise), made
-        the most recently used; ``check``: its segment must still have its registered size."""
+        """The region ``region_id`` when ``key`` is its key, made the most recently used; ``check``: its
+        segment must still have its registered size. :class:`RegionGone` (NOT_FOUND) when the table holds no
+        such region (REASON_EVICTED when it evicted it and ``key`` was its key); INVALID_ARGUMENT naming
+        ``field`` for a region held under another key."""
         with self._lock:
             region = self._regions.get(region_id)
             if region is not None:
                 self._regions.move_to_end(region_id)
-        if region is None or not hmac.compare_digest(region.key.encode(), key.encode()):
+            gone = self._gone.get(region_id) if region is None else None
+        if region is None:
+            if gone is not None and hmac.compare_digest(gone, _digest(key)):
+                raise RegionGone(field, region_id, REASON_EVICTED, (
+                    f"shared-memory region {region_id!r} was evicted: the server's table of {self.max_regions} "
+                    "regions was full and this one was idle; register the segment again with "
+                    "RegisterSharedMemory and resend the call (AdvantageClient does both by itself)"))
+            raise RegionGone(field, region_id, REASON_UNKNOWN, (
+                f"no shared-memory region {region_id!r} is registered on this server (it restarted, another "
+                "replica registered it, or its segment was gone); register the segment again with "
+                "RegisterSharedMemory and resend the call (AdvantageClient does both by itself)"))
+        if not hmac.compare_digest(region.key.encode(), key.encode()):
             raise InvalidInput(field, f"no shared-memory region {region_id!r} is registered for this key; "
                                       "register it with RegisterSharedMemory and send the key it returned")
         if check:
@@ -540,12 +641,17 @@ class RegionTable:
         region.close()
 
     # ------------------------------------------------------------------ sweeps
-    def sweep(self) -> int:
+    def sweep(self, *whose: str) -> int:
         """Forget the regions whose owner is gone (:meth:`Region.stale`: a memfd whose process closed it,
-        exited or was killed; a POSIX segment its client unlinked); returns how many. Run at each
-        (un)registration and every ``sweep_period`` seconds while regions are registered."""
+        exited or was killed; a POSIX segment its client unlinked); returns how many. ``whose``: only the
+        regions of these owners or connections (a registration sweeps its caller's own: a few checks, not one
+        per region of the table), unless the table is full (then every region, before one is evicted). Run
+        at each (un)registration and, over every region, every ``sweep_period`` seconds while regions are
+        registered."""
         with self._lock:
-            gone = [rid for rid, r in self._regions.items() if r.stale()]
+            every = not whose or len(self._regions) >= self.max_regions
+            gone = [rid for rid, r in self._regions.items()
+                    if (every or r.owner in whose or r.connection in whose) and r.stale()]
             dropped = [self._regions.pop(rid) for rid in gone]
             self.swept += len(dropped)
         for region in dropped:
@@ -576,6 +682,10 @@ class RegionTable:
             self._regions.clear()
         for region in items:
             region.close()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 def _sweep_loop(table_ref: "weakref.ref[RegionTable]", stop: threading.Event, period: float) -> None:

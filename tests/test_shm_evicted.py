@@ -1,0 +1,180 @@
+"""An evicted shared-memory region is registered again, transparently (issue #27, item 5).
+
+The server's region table evicts an idle region when it is full. A call naming it is answered NOT_FOUND with a
+``google.rpc.ErrorInfo`` (domain ``advantage.v1``, reason ``SHM_REGION_EVICTED``; ``SHM_REGION_UNKNOWN`` for a
+region it never held), and the client registers the same segment again and resends the call once, on
+``transport="shm"`` and ``"auto"`` alike; an eviction never turns shared memory off for the client. Before: every
+later ``"shm"`` call of that client was INVALID_ARGUMENT, and ``"auto"`` gave shared memory up after 3.
+A full table evicts from the process holding the most regions, and its default size holds 64 client processes'
+default pools (8 regions each).
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client import shm as shm_mod
+from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+from advantage_client.client import DEFAULT_SHM_REGIONS, MAX_SHM_FORGOTTEN
+from advantage_server import regions
+
+
+def _gae(seed: int, B: int = 8, T: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"rewards": torch.randn(B, generator=g), "mask": (torch.rand(B, T, generator=g) < 0.8).float(),
+            "values": torch.randn(B, T, generator=g)}
+
+
+def _evict_all(c: AdvantageClient, n: int) -> None:
+    """Register ``n`` regions on ``c`` (in a table of ``n``, every older idle region goes), then close them."""
+    made = [c.shared_memory(1 << 16) for _ in range(n)]
+    for region in made:
+        region.close()
+
+
+@pytest.fixture
+def small_table(monkeypatch):
+    monkeypatch.setattr(regions, "MAX_REGIONS", 2)
+    monkeypatch.delenv(shm_mod.MEMFD_ENV, raising=False)
+
+
+def test_an_evicted_region_is_registered_again_and_the_call_resent(make_server, small_table):
+    """transport="shm": the client's pooled region is evicted by another client's registrations; its next call
+    answers exactly (registered again, resent), and so does a region of its own whose inputs were placed at
+    offset 0 (the registration's challenge is written there: the inputs are put back). Before: both calls
+    raised INVALID_ARGUMENT "no shared-memory region"."""
+    srv = make_server()
+    with AdvantageClient(srv.address, timeout=30.0) as a, AdvantageClient(srv.address, timeout=30.0) as b:
+        want = [a.compute("gae", None, transport="unary", **_gae(s)).advantages for s in range(3)]
+        assert torch.equal(a.compute("gae", None, transport="shm", **_gae(0)).advantages, want[0])
+        pooled, old = a._shm, a._shm.region_id
+        _evict_all(b, 2)
+        got = a.compute("gae", None, transport="shm", **_gae(1))
+        assert a.last_transport == "shm" and torch.equal(got.advantages, want[1])
+        assert a._shm is pooled and pooled.reregistered == 1 and pooled.region_id != old
+
+        with a.shared_memory(1 << 20) as own:
+            placed = {}
+            for name, value in _gae(2).items():  # the first at offset 0, where the challenge goes
+                placed[name] = own.empty(tuple(value.shape), value.dtype)
+                placed[name].copy_(value)
+            assert own._offset_of(placed["rewards"].numpy()) == 0
+            _evict_all(b, 2)
+            got = own.compute("gae", None, **placed)
+            assert own.reregistered == 1 and torch.equal(got.advantages, want[2])
+            assert torch.equal(placed["rewards"], _gae(2)["rewards"])
+
+
+def test_auto_keeps_shared_memory_however_often_its_region_is_evicted(make_server, small_table):
+    """transport="auto": evicted more than MAX_SHM_FORGOTTEN times, every call still goes over shared memory
+    with the right values. Before: each went unary and after the third shared memory was off for good."""
+    srv = make_server()
+    with AdvantageClient(srv.address, timeout=30.0, shm_min_mb=0) as a, AdvantageClient(srv.address, timeout=30.0) as b:
+        want = a.compute("gae", None, transport="unary", **_gae(5)).advantages
+        a.compute("gae", None, **_gae(5))
+        assert a.last_transport == "shm"
+        for n in range(1, MAX_SHM_FORGOTTEN + 3):
+            _evict_all(b, 2)
+            got = a.compute("gae", None, **_gae(5))
+            assert a.last_transport == "shm" and torch.equal(got.advantages, want), n
+            assert a._shm.reregistered == n and a._shm_works is True
+
+
+def test_an_eviction_whose_registration_fails_never_turns_shared_memory_off(make_server, small_table, monkeypatch):
+    """transport="auto": the region was evicted and registering it again fails too (the table is full of calls,
+    say): the call goes unary with the right values, and shared memory is tried again on the next call, however
+    often it happens. With transport="shm" the caller sees NOT_FOUND saying both. Before: shared memory was
+    off for the client's lifetime after MAX_SHM_FORGOTTEN evictions."""
+    srv = make_server()
+    original = shm_mod.SharedMemoryRegion._register
+
+    def full(region):
+        raise AdvantageServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "2 shared-memory regions are in use")
+    with AdvantageClient(srv.address, timeout=30.0, shm_min_mb=0) as a, AdvantageClient(srv.address, timeout=30.0) as b:
+        want = a.compute("gae", None, transport="unary", **_gae(6)).advantages
+        for n in range(MAX_SHM_FORGOTTEN + 2):
+            assert torch.equal(a.compute("gae", None, **_gae(6)).advantages, want)
+            assert a.last_transport == "shm", n
+            _evict_all(b, 2)
+            monkeypatch.setattr(shm_mod.SharedMemoryRegion, "_register", full)
+            got = a.compute("gae", None, **_gae(6))
+            monkeypatch.setattr(shm_mod.SharedMemoryRegion, "_register", original)
+            assert a.last_transport == "unary" and torch.equal(got.advantages, want)
+            assert a._shm_works is not False and a._shm_forgotten == 0
+        a.compute("gae", None, transport="shm", **_gae(6))
+        _evict_all(b, 2)
+        monkeypatch.setattr(shm_mod.SharedMemoryRegion, "_register", full)
+        with pytest.raises(AdvantageServiceError) as err:
+            a.compute("gae", None, transport="shm", **_gae(6))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert "was evicted" in str(err.value) and "registering the segment again failed" in str(err.value)
+        assert shm_mod.region_gone(err.value) == shm_mod.REASON_EVICTED
+        monkeypatch.setattr(shm_mod.SharedMemoryRegion, "_register", original)
+        assert torch.equal(a.compute("gae", None, transport="shm", **_gae(6)).advantages, want)  # tried again
+
+
+def test_the_server_tells_evicted_from_unknown_from_a_wrong_key(make_server, small_table):
+    """NOT_FOUND with ErrorInfo SHM_REGION_EVICTED for an evicted region named with its key, SHM_REGION_UNKNOWN
+    for an id it never issued (or an evicted one with another key); INVALID_ARGUMENT for a held region named
+    with another key. Before: INVALID_ARGUMENT for all three."""
+    srv = make_server()
+
+    def unregister(c, region_id, key):
+        with pytest.raises(AdvantageServiceError) as err:
+            c._call("UnregisterSharedMemory", pb.UnregisterSharedMemoryRequest(region_id=region_id, key=key),
+                    pb.UnregisterSharedMemoryResponse)
+        return err.value
+    with AdvantageClient(srv.address, timeout=30.0) as a, AdvantageClient(srv.address, timeout=30.0) as b:
+        region = a.shared_memory(1 << 16)
+        err = unregister(a, region.region_id, "another key")
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "for this key" in str(err)
+        _evict_all(b, 2)
+        err = unregister(a, region.region_id, region.key)
+        assert err.code == grpc.StatusCode.NOT_FOUND and shm_mod.region_gone(err) == shm_mod.REASON_EVICTED
+        assert "was evicted" in str(err)
+        err = unregister(a, region.region_id, "another key")
+        assert err.code == grpc.StatusCode.NOT_FOUND and shm_mod.region_gone(err) == shm_mod.REASON_UNKNOWN
+        err = unregister(a, "0123456789abcdef", "k")
+        assert err.code == grpc.StatusCode.NOT_FOUND and shm_mod.region_gone(err) == shm_mod.REASON_UNKNOWN
+        region._buf = None
+        shm_mod.close_mapping(region.shm)
+
+
+class _Fake:
+    def __init__(self, n: int):
+        self.key, self.name, self.inode, self.size = f"k{n}", f"seg{n}", (0, n), 4096
+        self.owner = self.connection = ""
+        self.in_use, self.closed = 0, False
+
+    def check_size(self, field: str) -> None:
+        pass
+
+    def stale(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_full_table_evicts_from_the_process_holding_the_most():
+    """Table of 4: process x registers one region first (the least recently used of all), process y three.
+    A fifth registration evicts y's least recently used, never x's only one. Before: x's (global LRU)."""
+    table = regions.RegionTable(quota=64, max_regions=4, sweep_period=3600)
+    fakes = [_Fake(i) for i in range(6)]
+    ids = [table.add(fakes[0], "pid:x", "cx")] + [table.add(f, "pid:y", "cy") for f in fakes[1:4]]
+    table.add(fakes[4], "pid:z", "cz")
+    assert not fakes[0].closed and fakes[1].closed and table.evicted == 1
+    table.add(fakes[5], "pid:z", "cz")  # x, y and z hold 1, 2, 1 (z's newest): y's next least recently used
+    assert not fakes[0].closed and fakes[2].closed
+    assert table.get(ids[0], "k0", "f") is fakes[0]
+    table.close()
+
+
+def test_the_default_table_holds_64_processes_default_pools():
+    """The table's default size (descriptor limit allowing) holds 64 processes x DEFAULT_SHM_REGIONS regions,
+    so 64 shared-memory client processes on one host do not evict each other. Before: 256 (33 processes)."""
+    table = regions.RegionTable(quota=64, sweep_period=3600)
+    assert table.max_regions >= 64 * DEFAULT_SHM_REGIONS, table.max_regions
+    table.close()
