@@ -9,7 +9,7 @@
   trailing metadata ``grpc-retry-pushback-ms`` (:func:`refusal_metadata`), gRPC's standard way for a server to
   say "retry after this many milliseconds"; there is no unbounded queue. Before that, a caller within its fair
   share may take a place back from a client holding more places with stalled uploads
-  (:meth:`advantage_server.uploads.UploadWatch.evict_for`, :meth:`RequestGate.reserve`).
+  (:meth:`advantage_server.uploads.UploadWatch.evict_for`, :meth:`RequestGate.lend`).
 * **compute slots**: at most ``workers`` calls compute at once; an admitted call waits for a slot only while
   its client is still there and its deadline has not passed.
 * **light calls**: the methods outside ``--max-concurrent-requests`` (ListEstimators, the shared-memory
@@ -81,12 +81,13 @@ class RequestGate:
         self._in_flight = 0   # every admitted call of the service (ComputeAdvantage and the rest)
         self._limited = 0     # admitted ComputeAdvantage calls
         self._light = 0       # calls holding a LIGHT_CALLS place (see light())
-        self._reserved: set[int] = set()  # threads holding a reserved place for their next admit (reserve())
+        self._reserved: set[int] = set()  # threads holding a lent place for their next admit (lend())
         self._draining = False
         #: while draining, time.monotonic() since which no call was refused (the drain's start, then each refusal)
         self._quiet_since: float | None = None
         self._slots = threading.BoundedSemaphore(workers)
         self.refusals = 0  # limited calls refused for want of a place (Overloaded)
+        self._owed = 0  # places lent to newcomers by cut calls that are still unwinding (lend/repay)
 
     @property
     def in_flight(self) -> int:
@@ -99,27 +100,24 @@ class RequestGate:
     @property
     def full(self) -> bool:
         """Every ``max_concurrent_requests`` place is taken or reserved (the next ComputeAdvantage call is refused)."""
-        return self._limited + len(self._reserved) >= self.max_concurrent_requests
+        return self._limited + len(self._reserved) >= self.max_concurrent_requests + self._owed
 
-    def reserve(self, timeout: float) -> bool:
-        """Reserve the next ``max_concurrent_requests`` place that frees for this thread's next :meth:`admit`
-        (a call that made room with :meth:`UploadWatch.evict_for`): other calls see the server full meanwhile,
-        so a client reopening its cut call cannot take the place first. Waits at most ``timeout`` seconds for
-        the place; True when this thread holds it (its next limited admit takes it), False (nothing held) when
-        no place freed in time or the server is draining. :meth:`unreserve` gives back a reservation unused."""
-        me = threading.get_ident()
-        deadline = time.monotonic() + timeout
+    def lend(self) -> None:
+        """Hand this thread the place of a call :meth:`UploadWatch.evict_for` has just cut, at once: its next
+        limited :meth:`admit` takes it, while the cut call is still unwinding (it gives the place back through
+        :meth:`repay` when its upload block ends). So a newcomer that takes a place back from a stalled client
+        does not wait for that client's thread to leave (under load, several GIL switches: tens of milliseconds),
+        and no other call can take the place meanwhile. For a moment the places in use may exceed
+        ``max_concurrent_requests`` by the cut calls still unwinding, whose partial bodies are being freed."""
         with self._cond:
-            self._reserved.add(me)
-            while self._limited + len(self._reserved) > self.max_concurrent_requests and not self._draining:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            if self._limited + len(self._reserved) > self.max_concurrent_requests or self._draining:
-                self._reserved.discard(me)
-                return False
-            return True
+            self._owed += 1
+            self._reserved.add(threading.get_ident())
+
+    def repay(self) -> None:
+        """A call cut for another (:meth:`lend`) has left its upload: the place it lent is back in the count."""
+        with self._cond:
+            self._owed -= 1
+            self._cond.notify_all()
 
     def unreserve(self) -> None:
         """Give back this thread's reservation if :meth:`admit` did not take it (a no-op otherwise)."""
@@ -136,7 +134,7 @@ class RequestGate:
         """Hold one place for a call; ``limited`` calls count against ``max_concurrent_requests``.
 
         Raises :class:`Draining` after :meth:`start_draining`, :class:`Overloaded` when the limit is reached.
-        ``make_room`` (the servicer's: take a place back by the fair shares and :meth:`reserve` it): called once,
+        ``make_room`` (the servicer's: take a place back by the fair shares and :meth:`lend` it): called once,
         outside the gate's lock, when a limited call finds every place taken; the call then tries once more (a
         place that freed between the two is taken too). The concurrency place is given back when the block
         ends (a client that is slow to read its response does not hold it); the call stays *in flight* for the
@@ -149,11 +147,11 @@ class RequestGate:
                 if self._draining:
                     self._quiet_since = time.monotonic()
                     raise Draining("the server is shutting down and takes no new calls; retry on another replica")
-                mine = limited and threading.get_ident() in self._reserved  # a place reserve() held for this call
+                mine = limited and threading.get_ident() in self._reserved  # a place lend() handed this call
                 if mine:
                     self._reserved.discard(threading.get_ident())
                     break
-                if not (limited and self._limited + len(self._reserved) >= self.max_concurrent_requests):
+                if not (limited and self._limited + len(self._reserved) >= self.max_concurrent_requests + self._owed):
                     break
                 if tried:
                     self.refusals += 1
@@ -177,7 +175,7 @@ class RequestGate:
             with self._cond:
                 self._limited -= limited
                 if limited:
-                    self._cond.notify_all()  # a reserve() waiting for this place
+                    self._cond.notify_all()  # wait_idle
             if on_termination is None or not on_termination(leave):
                 leave()
 

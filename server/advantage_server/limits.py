@@ -51,9 +51,6 @@ BACKSTOP_FACTOR = 4
 #: RFC 9113 recommends no fewer than 100); more when ``--max-concurrent-requests`` is larger (see
 #: :attr:`Limits.max_streams_per_connection`). A client beyond it waits (its gRPC queues the call), it is not refused.
 MIN_STREAMS_PER_CONNECTION = 100
-#: seconds a call that cut another client's stalled upload (:meth:`UploadWatch.evict_for`) waits for the place
-#: that call frees (it frees within moments: the cut ends the wait for its body at once)
-EVICTION_WAIT = 2.0
 
 # the flag defaults live in a module without imports (advantage-server parses its flags without torch)
 from advantage_server.defaults import (  # noqa: E402,F401 - re-exported

@@ -61,7 +61,7 @@ from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
     DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
-    DEFAULT_UPLOAD_RATE_WINDOW, EVICTION_WAIT, LIGHT_BODY_BYTES,
+    DEFAULT_UPLOAD_RATE_WINDOW, LIGHT_BODY_BYTES,
     Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
 from advantage_server.admission import Draining, RequestGate, refusal_metadata
@@ -173,6 +173,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         self.gate = RequestGate(self.limits.max_concurrent_requests, self.limits.workers)
         self.uploads = UploadWatch(self.limits.stream_idle_timeout, per_peer=self.limits.pending_per_peer,
                                    per_connection=self.limits.pending_per_connection)
+        self.uploads.on_lent_exit = self.gate.repay
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
@@ -249,11 +250,11 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """A limited call found every ``--max-concurrent-requests`` place taken (:meth:`RequestGate.admit` calls
         this once, outside its lock): take a place back by the fair shares (:meth:`UploadWatch.evict_for`: the
         most stalled upload of a host, or a connection of the caller's host, holding more calls waiting for their
-        body than the caller's) and reserve the place it frees for this call (:meth:`RequestGate.reserve`, at most
-        ``EVICTION_WAIT`` seconds); the admission, next in this thread, takes it. Never while draining: the call
+        body than the caller's) and take over its place at once (:meth:`RequestGate.lend`: the cut call gives it
+        back, :meth:`RequestGate.repay`, as its upload block ends); the admission, next in this thread, takes it. Never while draining: the call
         is refused anyway, and the uploads in progress keep their places to finish."""
         if not self.gate.draining and self.uploads.evict_for(context):
-            self.gate.reserve(EVICTION_WAIT)
+            self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
     def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` (the streaming transport's, which admits the call itself with :meth:`_make_room`) with the
@@ -428,7 +429,8 @@ class BoundServer:
         done.wait()
         # the handlers of cancelled calls unwind at their next checkpoint: let them, so that none is still running
         # (and submitting kernel work) when the interpreter shuts down after this returns (with --grace 0 one
-        # logged "internal error ... cannot schedule new futures after interpreter shutdown" in ~1/3 of stops)
+        # logged "internal error ... cannot schedule new futures after shutdown" in ~1/3 of stops: the
+        # interpreter's exit woke the kernel pool's idle workers, which mark their pool shut down)
         if not self.gate.wait_idle(STOP_UNWIND_S):
             log.warning("%d cancelled call(s) still running %.0f s after the stop", self.gate.in_flight, STOP_UNWIND_S)
         self.memory.stop()

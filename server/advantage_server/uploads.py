@@ -35,12 +35,13 @@ class _Upload:
     """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
 
     __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples",
-                 "largest", "keys")
+                 "largest", "keys", "lent")
 
     def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
         self.context, self.idle_deadline = context, idle_deadline
         self.cut: UploadCut | SilentAtDrain | None = None
         self.keys: tuple[str, ...] = ()  # (connection, host) while it is pending (a counted upload)
+        self.lent = False  # cut by evict_for: its place went to a newcomer at once (RequestGate.lend)
         self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
         self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
         self.largest = 0  # the largest chunk received: bytes count only once a whole chunk has arrived
@@ -92,7 +93,7 @@ class UploadWatch:
     pending (a trainer's burst of uploads); once every place is taken, a newcomer takes a place back
     (:meth:`evict_for`) from the most over-served group, max-min fair between hosts and then between the
     connections of one host: the most stalled upload of that group is cut with RESOURCE_EXHAUSTED saying why, and
-    its place is reserved for the newcomer (:meth:`advantage_server.admission.RequestGate.reserve`). So a client
+    its place goes to the newcomer at once (:meth:`advantage_server.admission.RequestGate.lend`). So a client
     that opens calls and sends nothing keeps at most an equal share of the places whenever somebody else needs
     one, however fast it reopens them and however many connections it opens. Calls that have their body
     (computing, waiting for a compute slot) are never cut for a newcomer.
@@ -122,6 +123,9 @@ class UploadWatch:
         self.cuts = 0       # calls cut, for either reason
         self.slow_cuts = 0  # of which for their rate
         self.silent_cuts = 0  # calls cut by cut_silent (drain)
+        #: called in a call's thread when an upload cut by :meth:`evict_for` leaves its block (the servicer wires
+        #: :meth:`advantage_server.admission.RequestGate.repay`: the place it lent to the newcomer is accounted)
+        self.on_lent_exit: Callable[[], None] | None = None
 
     def evict_for(self, context: Any) -> bool:
         """The server is full and ``context``'s call is waiting for a place: cut the pending upload the fair
@@ -152,6 +156,7 @@ class UploadWatch:
                 why = (f"this connection had {conn_v} calls waiting for their request body and the caller's "
                        f"connection on the same host {conn_n} (places are shared fairly between the connections of "
                        f"a host; --max-pending-per-connection={self.per_connection})")
+            victim.lent = True
             victim.cut = UploadCut(
                 f"cut to give its place to another client: the server was full and {why}; send each request in "
                 "full as soon as its call starts (a call whose body has arrived is never cut for another)")
@@ -232,6 +237,8 @@ class UploadWatch:
             with self._lock:
                 self._watched.pop(key, None)
                 self._unpend(entry)
+            if entry.lent and self.on_lent_exit is not None:
+                self.on_lent_exit()  # the place this cut call lent to a newcomer is no longer also held here
         if entry.cut is not None:
             raise entry.cut
 
