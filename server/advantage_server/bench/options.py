@@ -13,9 +13,10 @@ DEFAULT_GROUP_SIZES = "65536x1x8,65536x64x8,65536x256x8"
 QUICK_SIZES = "64x256x8,256x1024x8"
 QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
-SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start")
-#: sections run only when named in --sections (cold-start: three server starts, one compiling for ~20 s)
-OPT_IN_SECTIONS = ("cold-start",)
+SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start", "adversarial")
+#: sections run only when named in --sections (cold-start: three server starts, one compiling for ~20 s;
+#: adversarial: a server, attackers and a network namespace, ~1 min)
+OPT_IN_SECTIONS = ("cold-start", "adversarial")
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
 CONFIGS: dict[str, dict] = {
     "gae": {"gae_gamma": 1.0, "gae_lambda": 0.95},
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-seconds", type=float, default=None,
                     help="groups section: about this many seconds of calls per row and caller count "
                          "(default 1; quick 0.25)")
+    ap.add_argument("--adversarial-clients", type=int, default=4,
+                    help="adversarial section: legitimate AdvantageClient objects per place (default 4)")
+    ap.add_argument("--adversarial-seconds", type=float, default=None,
+                    help="adversarial section: seconds per window, each attack one window without and one with "
+                         "(default 4; quick 2)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")

@@ -67,6 +67,7 @@ class Report:
     peak_rss_mib: float = 0.0
     seconds: float = 0.0
     rows: list[Row] = field(default_factory=list)
+    adversarial: dict[str, Any] | None = None  # the adversarial section's figures (bench/adversarial.py)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)
@@ -513,7 +514,7 @@ def render(report: Report) -> str:
               "note"]
     table = [[r.section, r.estimator, r.size, r.impl, fmt(r.ms, ".3f"), fmt(r.vs_ours, ".2f"), fmt(r.vs_floor, ".2f"),
               fmt(r.gbps, ".2f"), fmt(r.extra_mib, ".1f"), fmt(r.err, ".1e"), r.note] for r in report.rows
-             if r.section != "groups"]
+             if r.section not in ("groups", "adversarial")]
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
     numeric = {4, 5, 6, 7, 8, 9}
 
@@ -524,6 +525,9 @@ def render(report: Report) -> str:
     lines.append("-+-".join("-" * w for w in widths))
     lines.extend(line(r) for r in table)
     lines.extend(groups.render([r for r in report.rows if r.section == "groups"]))
+    if report.adversarial is not None:
+        from advantage_server.bench.adversarial import render as render_adversarial
+        lines.extend(render_adversarial(report.adversarial))
     return "\n".join(lines)
 
 
@@ -645,6 +649,11 @@ def main(argv: list[str] | None = None) -> Report:
     if "cold-start" in sections:  # fresh servers: time to SERVING and first calls, empty and filled cache
         from advantage_server.bench.coldstart import cold_start_section
         cold_start_section(report, Row)
+
+    if "adversarial" in sections:  # legitimate goodput under attack, same host and another (netns) host
+        from advantage_server.bench.adversarial import adversarial_section
+        report.adversarial = adversarial_section(report, Row, args.adversarial_clients,
+                                                 args.adversarial_seconds or (2.0 if args.quick else 4.0))
 
     report.load_after = measure.loadavg()
     report.peak_rss_mib = measure.peak_bytes() / MiB

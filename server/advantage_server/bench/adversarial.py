@@ -1,0 +1,461 @@
+"""The benchmark's ``adversarial`` section: legitimate goodput under attack (issue #27).
+
+For each attack the same legitimate clients run twice, once alone and once beside the attacker, and the row
+reports their goodput (completed calls per second) under attack as a fraction of their goodput alone (the
+mean of the windows alone just before and just after the attack's window: the windows alternate, so the
+machine's other load drifts less into the fraction):
+
+* ``same host``: ``--legit-clients`` :class:`advantage_client.AdvantageClient` objects (the project's client,
+  its health checking and retry policy, default transport ``"auto"``, the token) in one process on the
+  attacker's own host (the neighbour);
+* ``other host``: as many clients in one process inside a network namespace (``ip netns``) joined to this one
+  by a veth pair: a real second host on this machine (10.201.0.2/30 there, 10.201.0.1/30 here, where the
+  server listens). The bench creates the namespace and removes it afterwards; it needs root and ``ip``, else
+  those rows say why they were skipped (and the server listens on 127.0.0.1).
+
+The server is a real ``advantage-server`` process (``--auth-token-file``, ``--max-concurrent-requests 16``,
+``--stream-idle-timeout 2``, no warm-up); the legitimate clients create their :class:`AdvantageClient` at the
+start of each window (so a flood that locks *new* clients out shows) and call GRPO on a 16x32 batch one call
+after the other for ``seconds`` seconds each. The attacks (each in its own process on this host):
+
+* ``slow-loris``: 8 connections, 24 loops of calls that never send their body (unary) or trickle it (a stream
+  that declares 1 MiB and sends 64 bytes a second), reopened as soon as the server ends them; token holders
+  (a tokenless caller is refused before admission);
+* ``stalled-uploader``: one connection with 16 stream uploads that send their first chunk and then stall;
+* ``watch-flood``: no token, 300 health ``Watch`` streams over 10 connections, reopened when refused;
+* ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
+  unregistering another one in a loop.
+
+Only 127.0.0.1 and the namespace's 10.201.0.0/30 are ever targets. Figures vary with the machine's load:
+compare the fractions, and see BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+ATTACKS = ("slow-loris", "stalled-uploader", "watch-flood", "shm-churn")
+TARGET_FRACTION = 0.90
+HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
+#: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
+#: places holds one place per connection, the fair share of a connection, and leaves a neighbour connection none)
+SERVER_FLAGS = ("--max-concurrent-requests", "16", "--stream-idle-timeout", "2")
+SERVICE = "advantage.v1.AdvantageService"
+
+
+# ----------------------------------------------------------------------------------- network namespace
+class NetNs:
+    """A network namespace joined to this one by a veth pair: ``HOST_ADDR`` here, ``NS_ADDR`` there (a /30).
+    ``available`` False with ``reason`` when it cannot be made (not root, no ``ip``, the kernel refuses).
+    :meth:`close` removes the namespace (which removes the veth pair)."""
+
+    def __init__(self, tag: str | None = None):
+        tag = tag or f"{os.getpid() % 100000}"
+        self.name, self.host_if, self.ns_if = f"advb-{tag}", f"advbh{tag}", f"advbn{tag}"
+        self.available, self.reason = False, ""
+        if os.geteuid() != 0:
+            self.reason = "skipped: not root (ip netns needs CAP_SYS_ADMIN)"
+            return
+        if shutil.which("ip") is None:
+            self.reason = "skipped: the ip command (iproute2) is missing"
+            return
+        steps = [["ip", "netns", "add", self.name],
+                 ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+                 ["ip", "link", "set", self.ns_if, "netns", self.name],
+                 ["ip", "addr", "add", f"{HOST_ADDR}/30", "dev", self.host_if],
+                 ["ip", "link", "set", self.host_if, "up"],
+                 ["ip", "netns", "exec", self.name, "ip", "addr", "add", f"{NS_ADDR}/30", "dev", self.ns_if],
+                 ["ip", "netns", "exec", self.name, "ip", "link", "set", self.ns_if, "up"],
+                 ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"]]
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if done.returncode:
+                self.reason = f"skipped: `{' '.join(step)}` failed: {done.stderr.strip()[:200]}"
+                self.close()
+                return
+        self.available = True
+
+    def prefix(self) -> list[str]:
+        """The command prefix that runs a command inside the namespace."""
+        return ["ip", "netns", "exec", self.name]
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+        self.available = False
+
+    def __enter__(self) -> "NetNs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------- worker processes
+def _token_metadata(token_file: str | None) -> list[tuple[str, str]]:
+    if not token_file:
+        return []
+    with open(token_file) as f:
+        return [("authorization", f"Bearer {f.read().strip()}")]
+
+
+def _batch(seed: int):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((16, 32)) < 0.85).astype(np.float32)
+    mask[:, 0] = 1
+    return {"prompt_ids": np.repeat(np.arange(4, dtype=np.int64), 4),
+            "rewards": rng.standard_normal(16).astype(np.float32), "mask": mask}
+
+
+def legit_window(target: str, token_file: str | None, clients: int, seconds: float,
+                 transport: str = "auto", timeout: float = 10.0) -> dict[str, Any]:
+    """``clients`` new :class:`AdvantageClient` objects, each in its own thread calling GRPO (16x32) one call
+    after the other for ``seconds``: ``{"ok", "seconds", "errors": {code: n}}`` (calls that ended OK within
+    the window; the clients are created inside it)."""
+    from advantage_client import AdvantageClient
+
+    end = time.monotonic() + seconds
+    ok, errors, lock = [0], {}, threading.Lock()
+    data = _batch(0)
+
+    def run() -> None:
+        try:
+            client = AdvantageClient(target, token_file=token_file, timeout=timeout, transport=transport)
+        except Exception as err:  # noqa: BLE001 - counted, not raised
+            with lock:
+                errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+            return
+        try:
+            while time.monotonic() < end:
+                try:
+                    out = client.compute("grpo", None, **data)
+                    assert out.advantages.shape == (16, 32)
+                    if time.monotonic() <= end:
+                        with lock:
+                            ok[0] += 1
+                except Exception as err:  # noqa: BLE001
+                    name = getattr(getattr(err, "code", None), "name", None) or type(err).__name__
+                    with lock:
+                        errors[name] = errors.get(name, 0) + 1
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + timeout + 30)
+    return {"ok": ok[0], "seconds": seconds, "errors": errors}
+
+
+def _legit_main(argv: list[str]) -> None:
+    """``legit TARGET TOKEN_FILE CLIENTS``: reads ``run SECONDS`` lines and answers one JSON line each."""
+    target, token_file, clients = argv[0], argv[1] or None, int(argv[2])
+    import advantage_client  # noqa: F401 - imported before the first window
+    print("ready", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] != "run":
+            break
+        print(json.dumps(legit_window(target, token_file, clients, float(words[1]))), flush=True)
+
+
+def _channel(target: str, i: int):
+    import grpc
+    # a channel of its own connection (no subchannel shared with the other channels of this process)
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1), ("advb.conn", i)])
+
+
+def _loop(stop: threading.Event, body: Callable[[], None], pause: float) -> None:
+    import grpc
+    while not stop.is_set():
+        try:
+            body()
+        except grpc.RpcError:
+            pass
+        except Exception:  # noqa: BLE001 - an attacker never stops on its own
+            pass
+        stop.wait(pause)
+
+
+def attack(kind: str, target: str, token_file: str | None, stop: threading.Event, connections: int | None = None,
+           loops: int | None = None) -> list[threading.Thread]:
+    """Start attack ``kind`` against ``target`` in threads of this process (until ``stop``); returns them.
+    ``connections`` / ``loops``: the slow-loris's or stalled uploader's connections and concurrent calls
+    (defaults 8 / 24 and 1 / 16)."""
+    from advantage_client.proto import advantage_pb2 as pb
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    md = _token_metadata(token_file)
+    threads: list[threading.Thread] = []
+
+    def start(fn: Callable[[], None], pause: float) -> None:
+        t = threading.Thread(target=_loop, args=(stop, fn, pause), daemon=True)
+        t.start()
+        threads.append(t)
+
+    kind, _, only = kind.partition(":")  # "slow-loris:silent" / "slow-loris:trickle": one kind of loop only
+    if kind in ("slow-loris", "stalled-uploader"):
+        channels = [_channel(target, i) for i in range(connections or (8 if kind == "slow-loris" else 1))]
+        for i in range(loops or (24 if kind == "slow-loris" else 16)):
+            ch = channels[i % len(channels)]
+            mode = (only or ("silent" if i % 2 == 0 else "trickle")) if kind == "slow-loris" else "stall"
+
+            def body(ch=ch, mode=mode) -> None:
+                def chunks():
+                    if mode == "silent":
+                        stop.wait(60)
+                        return
+                    yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * 64).SerializeToString()
+                    while not stop.wait(1.0 if mode == "trickle" else 60):
+                        yield pb.ComputeAdvantageChunk(data=b"\0" * 64).SerializeToString()
+                if mode == "silent":
+                    ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
+                else:
+                    list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
+            start(body, 0.005)
+    elif kind == "watch-flood":
+        channels = [_channel(target, i) for i in range(10)]
+        for i in range(300):
+            stub = health_pb2_grpc.HealthStub(channels[i % 10])
+
+            def body(stub=stub) -> None:
+                for _ in stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=3600):
+                    if stop.is_set():
+                        return
+            start(body, 2.0)  # a refused Watch is asked again every 2 s (the flood's own CPU stays small)
+    elif kind == "shm-churn-one":
+        from advantage_client import AdvantageClient
+        client = AdvantageClient(target, token_file=token_file, timeout=10)
+        held = []
+        for _ in range(8):
+            try:
+                held.append(client.shared_memory(1 << 16))
+            except Exception:  # noqa: BLE001 - the table or the quota is full: hold what we have
+                break
+
+        def body() -> None:
+            region = client.shared_memory(1 << 16)
+            region.close()
+        start(body, 0.01)
+        threads.append(threading.Thread(target=lambda: (stop.wait(), [r.close() for r in held], client.close()),
+                                        daemon=True))
+        threads[-1].start()
+    else:
+        raise ValueError(f"unknown attack {kind!r}")
+    return threads
+
+
+def _attack_main(argv: list[str]) -> None:
+    """``attack KIND TARGET TOKEN_FILE``: attacks until stdin closes; prints ``ready`` once started."""
+    kind, target, token_file = argv[0], argv[1], argv[2] or None
+    stop = threading.Event()
+    children = []
+    if kind == "shm-churn":  # 4 processes: regions are charged to each process
+        children = [subprocess.Popen([sys.executable, "-m", __name__, "attack", "shm-churn-one", target,
+                                      token_file or ""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    for _ in range(4)]
+        for c in children:
+            c.stdout.readline()
+    else:
+        attack(kind, target, token_file, stop)
+    time.sleep(1.0)  # the attack's calls and streams are open
+    print("ready", flush=True)
+    sys.stdin.read()
+    stop.set()
+    for c in children:
+        c.stdin.close()
+        try:
+            c.wait(10)
+        except subprocess.TimeoutExpired:
+            c.kill()
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------------- the section
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    """A worker process that answers lines on stdout."""
+
+    def __init__(self, args: list[str], prefix: list[str] | None = None):
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", __name__, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"worker {args[:2]} did not start (said {line!r})")
+
+    def ask(self, line: str) -> dict[str, Any]:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _server(host: str, token_file: str, log) -> tuple[subprocess.Popen, str]:
+    port = _free_port(host)
+    proc = subprocess.Popen([sys.executable, "-m", "advantage_server.cli", "--host", host, "--port", str(port),
+                             "--device", "cpu", "--auth-token-file", token_file, *SERVER_FLAGS],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "ADVANTAGE_WARMUP": "0"})
+    address = f"{host}:{port}"
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.monotonic() + 120
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"advantage-server exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return proc, address
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("advantage-server not SERVING after 120 s")
+
+
+def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, seconds: float = 4.0,
+                    netns: bool = True) -> dict[str, Any]:
+    """Measure every attack; returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
+    "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "errors", "note"}]}``
+    (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the end}``.
+    ``base_calls_s``: the mean of the windows alone before and after the attack's window."""
+    ns = NetNs() if netns else None
+    other_reason = "" if ns and ns.available else (ns.reason if ns else "skipped: --no-netns")
+    host = HOST_ADDR if ns and ns.available else "127.0.0.1"
+    out: dict[str, Any] = {"rows": [], "other_host": f"{NS_ADDR} (network namespace)" if not other_reason
+                           else other_reason}
+    tmp = tempfile.mkdtemp(prefix="advantage-bench-adv-")
+    token_file = os.path.join(tmp, "token")
+    with open(token_file, "w") as f:
+        f.write(secrets.token_hex(16))
+    log = open(os.path.join(tmp, "server.log"), "wb")
+    server = None
+    workers: dict[str, _Proc] = {}
+    try:
+        server, address = _server(host, token_file, log)
+        out["server"] = address
+        workers["same host"] = _Proc(["legit", address, token_file, str(clients)])
+        if not other_reason:
+            workers["other host"] = _Proc(["legit", address, token_file, str(clients)], prefix=ns.prefix())
+
+        def window() -> dict[str, dict[str, Any]]:
+            # both places' clients run at the same time, as they would beside each other
+            results: dict[str, dict[str, Any]] = {}
+            ts = [threading.Thread(target=lambda w=w: results.__setitem__(w, workers[w].ask(f"run {seconds}")))
+                  for w in workers]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            return results
+
+        # windows alternate: alone, attack 1, alone, attack 2, ..., alone; each attack is compared with the mean
+        # of the windows alone just before and just after it (the machine's other load drifts between windows)
+        before = window()
+        for kind in attacks:
+            attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file])
+            try:
+                hit = window()
+            finally:
+                attacker.close()
+            after = window()
+            for where in ("same host", "other host"):
+                if where not in workers:
+                    out["rows"].append({"attack": kind, "where": where, "base_calls_s": None, "attack_calls_s": None,
+                                        "fraction": None, "meets": None, "errors": {}, "note": other_reason})
+                    continue
+                b = (before[where]["ok"] + after[where]["ok"]) / (2 * seconds)
+                a = hit[where]["ok"] / seconds
+                frac = a / b if b else None
+                out["rows"].append({"attack": kind, "where": where, "base_calls_s": b, "attack_calls_s": a,
+                                    "fraction": frac, "meets": None if frac is None else frac >= TARGET_FRACTION,
+                                    "errors": hit[where]["errors"],
+                                    "note": f"{clients} clients, {seconds:g} s windows"})
+            before = after
+        out["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    finally:
+        for w in workers.values():
+            w.close()
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        log.close()
+        if ns is not None:
+            ns.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    lines = ["", f"adversarial: legitimate goodput under attack / without (target >= {TARGET_FRACTION:.0%}); "
+             f"server {result.get('server', '?')} ({' '.join(SERVER_FLAGS)}, --auth-token-file); "
+             f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"]
+    header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", ">= 90%", "errors / note"]
+    table = []
+    for r in result["rows"]:
+        f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+        errs = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items()))
+        table.append([r["attack"], r["where"], f(r["base_calls_s"]), f(r["attack_calls_s"]),
+                      "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
+                      "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
+                      "; ".join(filter(None, [errs, r["note"]]))])
+    widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
+    lines.append(" | ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    lines.append("-+-".join("-" * w for w in widths))
+    lines.extend(" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+    return lines
+
+
+def adversarial_section(report: Any, row: Callable[..., Any], clients: int = 4, seconds: float = 4.0,
+                        attacks: tuple[str, ...] = ATTACKS) -> dict[str, Any]:
+    """Run :func:`run_adversarial` and add one ``Row("adversarial", attack, where, ...)`` per figure
+    (``vs_ours`` = the goodput fraction, ``calls_s`` = calls per second under attack). Returns the dict."""
+    result = run_adversarial(attacks, clients, seconds)
+    for r in result["rows"]:
+        report.add(row("adversarial", r["attack"], r["where"], "AdvantageClient goodput",
+                       vs_ours=r["fraction"], calls_s=r["attack_calls_s"],
+                       note=r["note"] if r["fraction"] is None else
+                       f"{r['base_calls_s']:.1f} calls/s alone; {'meets' if r['meets'] else 'BELOW'} 90%"))
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "legit":
+        _legit_main(sys.argv[2:])
+    elif sys.argv[1] == "attack":
+        _attack_main(sys.argv[2:])
+    else:
+        raise SystemExit(f"usage: python -m {__name__} legit|attack ...")
