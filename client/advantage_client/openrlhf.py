@@ -1,0 +1,282 @@
+"""OpenRLHF drop-in: OpenRLHF 0.11.2's ``RemoteExperienceMaker.compute_advantages_and_returns`` with the advantages
+and returns computed by the service.
+
+Adoption, one line in the process that runs the experience maker, before the trainer is built::
+
+    import advantage_client.openrlhf; advantage_client.openrlhf.install()   # server: $ADVANTAGE_SERVICE_TARGET
+
+OpenRLHF 0.11.2's ``train_ppo_ray.py`` builds ``PPOTrainer`` as a Ray actor (``PPOTrainer.remote``), so the line must
+run in Ray's worker processes: give Ray the function as its worker setup hook, one config value of the runtime
+environment: ``ray.init(runtime_env={"worker_process_setup_hook": "advantage_client.openrlhf.install", "env_vars":
+{"ADVANTAGE_SERVICE_TARGET": "host:50051", ...}})`` before calling OpenRLHF's ``train(args)`` (which then skips its
+own ``ray.init``; keep its ``env_vars``). Ray runs the hook in every worker of the job (vLLM's too), and ``install()``
+imports OpenRLHF's ``experience_maker`` (with its Ray launcher) there. That Ray path is not exercised by
+tests/test_openrlhf_dropin.py, which runs the method in-process.
+
+``install(target=None)`` replaces ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker
+.compute_advantages_and_returns`` by :func:`compute_advantages_and_returns` (``uninstall()`` puts OpenRLHF's back).
+Every OpenRLHF option keeps its meaning: ``--algo.advantage.estimator`` (all seven of 0.11.2: ``gae``,
+``reinforce``, ``rloo``, ``reinforce_baseline``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``),
+``--algo.advantage.gamma`` / ``lambd`` / ``no_std_norm``, ``--rollout.n_samples_per_prompt``, ``--reward.clip_range``,
+the length penalties (``--reward.overlong_buffer_len`` etc.) and the KL in the reward (``--algo.kl.init_coef`` with a
+reference model and without ``--algo.kl.use_loss``; the maker's ``kl_ctl.value`` is read at each call, so the
+adaptive controller works). The server: ``target`` (``"host:port"``, a list of replica addresses, or an
+``AdvantageClient``), else ``$ADVANTAGE_SERVICE_TARGET`` (TLS/token: ``$ADVANTAGE_SERVICE_TLS_CA``,
+``$ADVANTAGE_SERVICE_TOKEN_FILE``), as the other drop-ins read them.
+
+Inputs (OpenRLHF's own, source: ``openrlhf/trainer/ppo_utils/experience_maker.py``): a list of ``Experience``
+micro-batches, each with ``rewards`` ``[B_i]``, ``action_mask`` ``[B_i, A_i]`` (bool; the widths ``A_i`` may differ
+between micro-batches, as ``Experience.concat_experiences`` pads each one), ``kl`` ``[B_i, A_i]`` (``make_experience``'s
+``compute_approx_kl``, or zeros), ``values`` ``[B_i, A_i]`` (``gae``), ``index`` (each sample's position in the
+rollout: OpenRLHF's prompt groups are contiguous blocks of ``n_samples_per_prompt`` of it; the micro-batches may
+hold them in any order, as the dynamic-batching ``get_seqlen_balanced_partitions`` split does; OpenRLHF's
+``--ds.packing_samples`` packs inside the model forward only, the experiences stay padded ``[B_i, A_i]``).
+
+What it writes, as OpenRLHF 0.11.2 does: ``rewards`` (promoted to at least float32, length penalties applied, by
+OpenRLHF's own ``apply_length_penalties``), ``info["group_reward_std"]`` ``[B_i]`` (n > 1), ``advantages`` and
+``returns`` ``[B_i, A_i]``, ``info["return"]`` ``[B_i]`` (the row's shaped token rewards summed), ``kl = None``; and
+``args.algo.advantage.gamma = 1.0`` for the group estimators (OpenRLHF's warning included). Dtypes as OpenRLHF's:
+advantages and returns in ``kl``'s dtype (``gae``: promoted with ``values``' dtype; OpenRLHF's whitening computes its
+mean and scale in float32 but writes into the advantages' own dtype).
+
+What the service computes (one batch for the whole list, so group baselines and the batch whitening see every
+experience; ``semantics = "openrlhf"``): ``reinforce`` -> ``reinforce_plus_plus`` (with ``gamma``),
+``rloo`` -> ``rloo``, ``reinforce_baseline`` -> ``reinforce_plus_plus_baseline``, ``group_norm`` / ``dr_grpo`` ->
+``grpo`` with ``normalize_rewards`` true / false, ``flash_reinforce`` -> ``grpo`` (false) with the whole batch as one
+group (OpenRLHF's rollout-batch mean). KL in the reward: the experience's per-token ``kl`` is sent as ``logprobs`` with
+``reference_logprobs`` 0 and ``reference_policy_kl_type = "k1"`` (k1 of that pair is the KL itself; the clamps are
+opened so nothing is clipped twice), ``reference_policy_kl_penalty`` = ``kl_ctl.value``.
+
+Composed, where the service has no OpenRLHF-semantics estimator (a second request, or a final step here):
+    * ``group_norm`` / ``dr_grpo`` / ``flash_reinforce`` with KL in the reward: the service's ``grpo`` (openrlhf)
+      does not fold KL in; the KL part is a second request, ``rloo`` (openrlhf) on zero rewards with the KL, whose
+      returns are exactly the reverse cumulative sum of ``-coef * kl`` over the mask; the two are added.
+    * ``gae``: the service's ``gae`` with ``semantics = "skyrl"`` (the unmasked recursion OpenRLHF's
+      ``get_advantages_and_returns`` runs, on values and rewards multiplied by the mask here, as OpenRLHF does),
+      ``normalize_advantages = false``, the reward clipped here to ``--reward.clip_range`` (gae has no baseline, so
+      this is OpenRLHF's clip); OpenRLHF's batch whitening of the GAE advantages (biased variance floored at 1e-8,
+      applied at every position) is done HERE in float64, because the service's gae has no ``openrlhf`` semantics
+      (its verl/skyrl whitening uses the unbiased variance plus 1e-8). Missing in the service: ``gae`` with
+      ``semantics = "openrlhf"``.
+    * ``--algo.advantage.no_std_norm`` with ``reinforce`` / ``reinforce_baseline``: the service's openrlhf
+      ``reinforce_plus_plus(_baseline)`` always divides by the std; the returns come from the service and the
+      mean-only normalisation ``returns - mean`` is done HERE in float64. Missing in the service: a
+      ``no_std_norm`` option for those two under ``semantics = "openrlhf"``.
+Logging fields computed here (not advantages): ``info["group_reward_std"]`` (OpenRLHF's ``std`` of each group) and
+``info["return"]``: from the service's returns at the row's first valid token (gamma 1) plus the KL of the masked
+positions, or, for ``reinforce`` / ``gae`` (no baseline), ``clip(r) - coef * sum(kl)``. A row with no action token
+under a baseline estimator gets ``info["return"]`` NaN (the service's answer carries no shaped reward for it;
+OpenRLHF's generation always gives at least one token).
+
+Raises ``ValueError`` for an unknown estimator (OpenRLHF raises ``Exception``) or a ``--reward.clip_range`` other
+than the default (-10, 10) for the estimators with a baseline (the service applies OpenRLHF's default clip after the
+baseline); ``TypeError`` for ``gae`` without ``values``; the client's errors (``AdvantageServiceError`` subclasses)
+when the service fails. Tested by tests/test_openrlhf_dropin.py against OpenRLHF 0.11.2's own method.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+from typing import Any, List
+
+from advantage_client.verl import _client_for
+
+# torch is imported where it is used: every advantage_client module imports without it (tests/test_client_only.py)
+
+__all__ = ["ESTIMATORS", "install", "uninstall", "installed", "compute_advantages_and_returns"]
+
+logger = logging.getLogger(__name__)
+
+#: OpenRLHF 0.11.2 ``--algo.advantage.estimator`` -> (service estimator, fixed config)
+ESTIMATORS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gae": ("gae", {"semantics": "skyrl", "normalize_advantages": False}),
+    "reinforce": ("reinforce_plus_plus", {"semantics": "openrlhf"}),
+    "rloo": ("rloo", {"semantics": "openrlhf"}),
+    "reinforce_baseline": ("reinforce_plus_plus_baseline", {"semantics": "openrlhf"}),
+    "group_norm": ("grpo", {"semantics": "openrlhf", "normalize_rewards": True}),
+    "dr_grpo": ("grpo", {"semantics": "openrlhf", "normalize_rewards": False}),
+    "flash_reinforce": ("grpo", {"semantics": "openrlhf", "normalize_rewards": False}),
+}
+#: estimators OpenRLHF whitens over the batch
+WHITENED = ("gae", "reinforce", "reinforce_baseline")
+#: estimators whose service answer folds the KL in itself
+KL_IN_SERVICE = ("gae", "reinforce", "rloo", "reinforce_baseline")
+_OPEN_CLAMP = 1e300
+_original: Any = None
+_target: Any = None
+
+
+def _experience_maker_class() -> Any:
+    return importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker").RemoteExperienceMaker
+
+
+def install(target: Any = None, maker_class: Any = None) -> None:
+    """Make ``RemoteExperienceMaker.compute_advantages_and_returns`` (of ``maker_class``, default the installed
+    OpenRLHF's) compute through the service at ``target`` (see the module docstring). Idempotent."""
+    global _original, _target
+    cls = maker_class if maker_class is not None else _experience_maker_class()
+    current = cls.__dict__["compute_advantages_and_returns"]
+    if not getattr(current, "advantage_service", False):
+        _original = (cls, current)
+    _target = target
+
+    def remote_compute_advantages_and_returns(self, experiences):
+        return compute_advantages_and_returns(self, experiences, target=_target)
+
+    remote_compute_advantages_and_returns.advantage_service = True  # type: ignore[attr-defined]
+    remote_compute_advantages_and_returns.__doc__ = compute_advantages_and_returns.__doc__
+    cls.compute_advantages_and_returns = remote_compute_advantages_and_returns
+
+
+def uninstall() -> None:
+    """Put OpenRLHF's own method back (no-op where :func:`install` was not called)."""
+    global _original
+    if _original is not None:
+        cls, original = _original
+        cls.compute_advantages_and_returns = original
+        _original = None
+
+
+def installed(maker_class: Any = None) -> bool:
+    """Whether the class's method is this drop-in's."""
+    cls = maker_class if maker_class is not None else _experience_maker_class()
+    return bool(getattr(cls.__dict__.get("compute_advantages_and_returns"), "advantage_service", False))
+
+
+def _pad(t: Any, width: int, dtype: Any) -> Any:
+    import torch
+    t = t.to(dtype)
+    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
+
+
+def _whiten(x: Any, mask: Any, no_std_norm: bool) -> Any:
+    """OpenRLHF 0.11.2's batch whitening (end of ``compute_advantages_and_returns``) in float64, ``[B, T]``: mean and
+    biased variance over the mask = 1 positions, ``(x - mean) * rsqrt(max(var, 1e-8))`` at every position, or
+    ``x - mean`` with ``--algo.advantage.no_std_norm``."""
+    import torch
+    m = mask.to(torch.float64)
+    count = m.sum()
+    mean = (x * m).sum() / count
+    if no_std_norm:
+        return x - mean
+    var = ((x - mean).pow(2) * m).sum() / count
+    return (x - mean) * var.clamp(min=1e-8).rsqrt()
+
+
+def compute_advantages_and_returns(maker: Any, experiences: List[Any], target: Any = None) -> List[Any]:
+    """OpenRLHF 0.11.2 ``RemoteExperienceMaker.compute_advantages_and_returns(experiences)`` through the service.
+
+    maker: the ``RemoteExperienceMaker`` (its ``strategy.args``, ``advantage_estimator`` and ``kl_ctl`` are read);
+    experiences: OpenRLHF ``Experience`` micro-batches (module docstring: ``rewards`` ``[B_i]``, ``action_mask``,
+    ``kl``, ``values`` ``[B_i, A_i]``, ``index``). Writes the fields OpenRLHF writes, in its dtypes, and returns the
+    same list. Raises ``ValueError`` / ``TypeError`` as the module docstring says, and the client's errors.
+    """
+    import torch
+    with torch.no_grad():  # as OpenRLHF's @torch.no_grad()
+        return _compute(maker, experiences, target)
+
+
+def _compute(maker: Any, experiences: List[Any], target: Any) -> List[Any]:
+    import torch
+    from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
+
+    args = maker.strategy.args
+    estimator = args.algo.advantage.estimator
+    if estimator not in ESTIMATORS or maker.advantage_estimator not in ESTIMATORS:
+        raise ValueError(f"Unkown advantage_estimator {estimator}: OpenRLHF 0.11.2's are {', '.join(ESTIMATORS)}")
+    for experience in experiences:
+        experience.rewards = experience.rewards.to(torch.promote_types(experience.rewards.dtype, torch.float32))
+    apply_length_penalties(experiences, args)
+
+    n = args.rollout.n_samples_per_prompt
+    exp_len = [len(e.index) for e in experiences]
+    order = list(itertools.chain.from_iterable(e.index for e in experiences))
+    indices = torch.tensor(order)
+    raw = torch.cat([e.rewards for e in experiences], dim=0)
+    if n > 1:  # logging, as OpenRLHF
+        by_prompt = torch.empty_like(raw)
+        by_prompt[indices] = raw
+        stds = by_prompt.reshape(-1, n).std(-1, keepdim=True).repeat(1, n).reshape(-1)[indices].split(exp_len)
+        for experience, s in zip(experiences, stds):
+            experience.info["group_reward_std"] = s
+    if estimator not in ("gae", "reinforce") and args.algo.advantage.gamma != 1.0:
+        logger.warning(f"gamma is set to 1.0 for {estimator}")
+        args.algo.advantage.gamma = 1.0
+    gamma = float(args.algo.advantage.gamma)
+    clip = args.reward.clip_range
+    if estimator not in ("gae", "reinforce") and clip and tuple(float(c) for c in clip) != (-10.0, 10.0):
+        raise ValueError(f"--reward.clip_range {tuple(clip)}: the service applies OpenRLHF's default (-10, 10) after "
+                         f"the {estimator} baseline; other ranges are not offered")
+
+    width = max(e.action_mask.shape[1] for e in experiences)
+    mask = torch.cat([_pad(e.action_mask, width, torch.int64) for e in experiences])
+    kl_dtypes = [e.kl.dtype if e.kl is not None else e.rewards.dtype for e in experiences]
+    kl = torch.cat([_pad(e.kl if e.kl is not None else torch.zeros(e.action_mask.shape, dtype=e.rewards.dtype),
+                         width, torch.float64) for e in experiences])
+    coef = float(maker.kl_ctl.value)
+    coef = coef if coef > 0.0 else 0.0
+    use_kl = coef > 0.0 and bool(kl.any())
+    rewards = raw.to(torch.float64)
+    if estimator in ("gae", "reinforce") and clip:
+        rewards = rewards.clamp(float(clip[0]), float(clip[1]))
+    clipped = rewards.clone()
+
+    client = _client_for(target)
+    service, fixed = ESTIMATORS[estimator]
+    cfg: dict[str, Any] = dict(fixed)
+    tensors: dict[str, Any] = {"rewards": rewards, "mask": mask}
+    kl_cfg = dict(use_kl_in_reward=True, reference_policy_kl_penalty=coef, reference_policy_kl_type="k1",
+                  kl_input_clamp_value=_OPEN_CLAMP, kl_output_clamp_value=_OPEN_CLAMP)
+    kl_tensors = dict(logprobs=kl, reference_logprobs=torch.zeros_like(kl))
+    if estimator == "reinforce":
+        cfg["gamma"] = gamma
+    if estimator == "gae":
+        if any(e.values is None for e in experiences):
+            raise TypeError("gae needs each experience's `values` [B, A] (OpenRLHF's critic)")
+        values = torch.cat([_pad(e.values, width, torch.float64) for e in experiences]) * mask
+        cfg.update(gae_gamma=gamma, gae_lambda=float(args.algo.advantage.lambd))
+        tensors["values"] = values
+    if estimator == "flash_reinforce":
+        tensors["prompt_ids"] = torch.zeros(len(order), dtype=torch.int64).numpy()
+    elif estimator not in ("gae", "reinforce"):
+        tensors["prompt_ids"] = (indices // n).numpy()
+    if use_kl and estimator in KL_IN_SERVICE:
+        cfg.update(kl_cfg)
+        tensors.update(kl_tensors)
+    out = client.compute(service, cfg, output_dtype="float64", **tensors)
+    advantages = torch.as_tensor(out.advantages, dtype=torch.float64)
+    returns = advantages.clone() if out.returns is None else torch.as_tensor(out.returns, dtype=torch.float64)
+    if use_kl and estimator not in KL_IN_SERVICE:  # the KL part: rloo on zero rewards (module docstring)
+        part = client.compute("rloo", {"semantics": "openrlhf", **kl_cfg}, output_dtype="float64",
+                              rewards=torch.zeros_like(rewards), mask=mask,
+                              prompt_ids=(indices // n).numpy(), **kl_tensors)
+        returns = returns + torch.as_tensor(part.returns, dtype=torch.float64)
+        advantages = returns.clone()
+    no_std_norm = bool(args.algo.advantage.no_std_norm)
+    if estimator == "gae" or (no_std_norm and estimator in WHITENED):
+        # OpenRLHF's batch whitening, here in float64 (module docstring: not in the service for these)
+        advantages = _whiten(advantages if estimator == "gae" else returns, mask, no_std_norm)
+
+    # info["return"]: the row's shaped token rewards summed over every position (OpenRLHF's reward.sum(-1))
+    valid = mask.bool()
+    kl_all = coef * kl.sum(-1)
+    if estimator in ("gae", "reinforce"):
+        total = clipped - kl_all
+    else:
+        first = valid.int().argmax(1)
+        at_first = returns.gather(1, first[:, None])[:, 0]
+        kl_masked_out = coef * (kl * (~valid)).sum(-1)
+        total = torch.where(valid.any(1), at_first - kl_masked_out, torch.full_like(at_first, float("nan")))
+
+    start = 0
+    for experience, size, kl_dtype in zip(experiences, exp_len, kl_dtypes):
+        rows = slice(start, start + size)
+        start += size
+        a_i = experience.action_mask.shape[1]
+        ret_dtype = kl_dtype if estimator != "gae" else torch.promote_types(kl_dtype, experience.values.dtype)
+        experience.returns = returns[rows, :a_i].to(ret_dtype)
+        experience.advantages = advantages[rows, :a_i].to(ret_dtype)
+        experience.info["return"] = total[rows].to(kl_dtype)
+        experience.kl = None
+    return experiences
