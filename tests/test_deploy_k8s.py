@@ -22,7 +22,11 @@ from test_server_cli import ServerProcess, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-MANIFESTS = sorted(K8S.glob("*.yaml"))
+# prometheusrule.yaml is a Prometheus Operator custom resource (monitoring.coreos.com/v1 PrometheusRule): the
+# Kubernetes schemas kubernetes-validate ships do not describe CRD kinds, so --strict would reject it as unknown.
+# tests/test_alerts.py checks it instead (its structure, and promtool on its rule groups).
+CUSTOM_RESOURCES = {"prometheusrule.yaml"}
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name not in CUSTOM_RESOURCES)
 # The oldest Kubernetes minor still commonly run with native gRPC probes (GA in 1.27), and the newest schemas
 # kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
