@@ -21,6 +21,8 @@ from advantage_server.identity import call_peer, peer_host
 from advantage_server.shares import PendingShares
 
 log = logging.getLogger("advantage_server")
+#: seconds between two WARNING lines about calls cut for another client (the count in between is in the line)
+CUT_WARN_INTERVAL = 10.0
 
 
 class UploadCut(ResourceLimit):
@@ -123,6 +125,7 @@ class UploadWatch:
         self.cuts = 0       # calls cut, for either reason
         self.slow_cuts = 0  # of which for their rate
         self.silent_cuts = 0  # calls cut by cut_silent (drain)
+        self._cuts_unlogged, self._next_cut_warning = 0, 0.0  # _warn_cut's rate limit
         #: called in a call's thread when an upload cut by :meth:`evict_for` leaves its block (the servicer wires
         #: :meth:`advantage_server.admission.RequestGate.repay`: the place it lent to the newcomer is accounted)
         self.on_lent_exit: Callable[[], None] | None = None
@@ -162,10 +165,22 @@ class UploadWatch:
                 "full as soon as its call starts (a call whose body has arrived is never cut for another)")
             self._unpend(victim)
             self.evictions += 1
-        log.warning("server full: cut a stalled call waiting for its body to give its place to another client (%s)",
-                    "between hosts" if rank[0] else "inside a host")
+        self._warn_cut("between hosts" if rank[0] else "inside a host")
         _cancel_with_status(victim.context, victim.cut)
         return True
+
+    def _warn_cut(self, where: str) -> None:
+        """One WARNING per ``CUT_WARN_INTERVAL`` seconds for the cuts of :meth:`evict_for`, saying how many there
+        were since the last one: under a slow-loris every legitimate call cuts one, and a line per cut (hundreds a
+        second) would cost the server the CPU the attack is after."""
+        now = time.monotonic()
+        with self._lock:
+            self._cuts_unlogged += 1
+            if now < self._next_cut_warning:
+                return
+            count, self._cuts_unlogged, self._next_cut_warning = self._cuts_unlogged, 0, now + CUT_WARN_INTERVAL
+        log.warning("server full: cut %d stalled call(s) waiting for their body to give their places to other clients "
+                    "(fair shares, the last one %s) since the last such warning", count, where)
 
     def cut_silent(self, min_age: float = 0.0) -> int:
         """The drain: end every watched upload that has received no request bytes and began at least ``min_age``
