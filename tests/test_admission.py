@@ -252,6 +252,32 @@ def test_peer_host_and_the_share_flags():
         == "ipv6:[2001:db8:1:2::]/64"
     assert peer_host("ipv6:[2001:db8:1:3::7]:5678") == "ipv6:[2001:db8:1:3::]/64"  # the next /64: another host
     assert peer_host("ipv6:[::ffff:127.0.0.5]:1") == "ipv4:127.0.0.1"
+    # as grpcio writes them: percent-encoded brackets
+    assert peer_host("ipv6:%5B2001:db8:1:2::7%5D:5678") == "ipv6:[2001:db8:1:2::]/64"
+    assert peer_host("ipv6:%5B::ffff:10.1.2.3%5D:5678") == "ipv4:10.1.2.3"
+
+
+@needs_ipv6
+def test_a_real_ipv6_peer_is_parsed():
+    """The peer a real IPv6 connection has, as grpcio names it (percent-encoded), parses to its host: one review
+    found every IPv6 client its own host because the brackets arrive as %5B / %5D."""
+    from advantage_server.identity import call_peer
+    seen = []
+    srv = create_server("::1", 0, device="cpu")
+    original = srv.uploads.watch
+
+    def watch(context, *args, **kwargs):
+        seen.append(call_peer(context))
+        return original(context, *args, **kwargs)
+    srv.uploads.watch = watch
+    srv.start()
+    try:
+        with grpc.insecure_channel(f"[::1]:{srv.port}") as channel:
+            pb_grpc.AdvantageServiceStub(channel).ComputeAdvantage(_request(), timeout=30)
+    finally:
+        srv.stop(grace=1.0)
+    assert seen and seen[0].startswith("ipv6:"), seen
+    assert peer_host(seen[0]) == "ipv6:[::1]", (seen[0], peer_host(seen[0]))
     assert Limits(max_concurrent_requests=32).pending_per_peer == 8
     assert Limits(max_concurrent_requests=3).pending_per_peer == 1
     assert Limits(max_pending_per_peer=5, max_pending_per_connection=2).pending_per_connection == 2

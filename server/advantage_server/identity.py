@@ -24,6 +24,7 @@ regions) and *whether the replica is alive* (:mod:`advantage_server.health_servi
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 from typing import Any
 
 #: the host every IPv4 loopback client counts as
@@ -48,10 +49,12 @@ def peer_host(peer: str) -> str:
     * ``ipv4:1.2.3.4:5678`` -> ``ipv4:1.2.3.4``; ``ipv4:127.0.0.9:5678`` -> ``ipv4:127.0.0.1``;
     * ``ipv6:[2001:db8:1:2:aa::7]:5678`` -> ``ipv6:[2001:db8:1:2::]/64``; ``ipv6:[::1]:5678`` -> ``ipv6:[::1]``;
     * ``ipv6:[::ffff:1.2.3.4]:5678`` -> ``ipv4:1.2.3.4``;
+    * the same percent-encoded, as grpcio writes IPv6 peers (``ipv6:%5B::1%5D:5678``);
     * anything else (``unix:...``, ``unknown``, a string that does not parse) unchanged.
     """
     if not peer.startswith(("ipv4:", "ipv6:")):
         return peer
+    peer = urllib.parse.unquote(peer)  # grpcio writes IPv6 peers percent-encoded: ipv6:%5B::1%5D:45828
     host, sep, port = peer.rpartition(":")
     if not sep or not port.isdigit():
         return peer
