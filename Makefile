@@ -14,7 +14,7 @@ DEMO_STAMP := $(VENV)/.demo-installed-$(shell cat pyproject.toml constraints.txt
 NODE_EXAMPLE := examples/node
 NODE_STAMP := $(if $(shell command -v npm 2>/dev/null),$(NODE_EXAMPLE)/node_modules/.installed)
 
-.PHONY: demo demo-cartpole test lint proto setup clean
+.PHONY: demo demo-cartpole test test-frameworks lint proto setup clean
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -51,6 +51,23 @@ demo-cartpole: $(DEMO_STAMP)
 test: $(STAMP) $(NODE_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
+# `make test-frameworks` (issue #28): the frameworks as their users install them, each in its own venv built from
+# tests/installed/requirements-*.txt with the framework's declared dependencies (cached by a stamp like .venv).
+# SkyRL 0.4.0 needs Python 3.12 (PYTHON312; pyenv's 3.12 where it exists). The server runs from .venv.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+SKYRL_VENV := .venv-skyrl
+SKYRL_STAMP := $(SKYRL_VENV)/.installed-$(shell cat tests/installed/requirements-skyrl.txt client/pyproject.toml | cksum | cut -d' ' -f1)
+
+$(SKYRL_STAMP): tests/installed/requirements-skyrl.txt client/pyproject.toml
+	@echo "make: installing skyrl==0.4.0 with its dependencies and Ray into $(SKYRL_VENV) (Python 3.12; PyPI's torch bundles CUDA: several GB)"
+	$(PYTHON312) -m venv $(SKYRL_VENV)
+	$(SKYRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r tests/installed/requirements-skyrl.txt
+	rm -f $(SKYRL_VENV)/.installed-*
+	touch $@
+
+test-frameworks: $(STAMP) $(SKYRL_STAMP)
+	$(SKYRL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_skyrl_installed.py
+
 lint: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests/test_deploy_docker.py tests/test_deploy_k8s.py tests/test_deploy_proto.py
 
@@ -58,4 +75,4 @@ proto: $(STAMP)
 	$(VENV)/bin/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache $(NODE_EXAMPLE)/node_modules
+	rm -rf $(VENV) $(SKYRL_VENV) .pytest_cache $(NODE_EXAMPLE)/node_modules
