@@ -143,10 +143,12 @@ def test_flag_defaults_and_create_server_warms_before_serving(monkeypatch):
     seen = []
 
     class Report:
+        stopped = False
+
         def line(self):
             return "warmed 0 kernel signatures in 0.0 s (test)"
 
-    def fake_warm(core):
+    def fake_warm(core, stop=None):
         statuses = {name: srv.health._server_status.get(name) for name in ("", server_module.SERVICE_NAME)}
         seen.append(statuses)
         return Report()
