@@ -529,6 +529,9 @@ def test_a_stalled_connection_leaves_its_neighbour_on_the_same_host_its_calls():
         with grpc.insecure_channel(srv.address, options=opts) as staller:
             with SlowLoris([staller], threads=8, kind="unary") as loris:
                 _wait_for(lambda: srv.gate.full, what="the staller filling every place")
+                # its calls count as stalled once they have sent nothing for STALL_S (0.1 s): before that they
+                # could be bodies on their way, and only a stalled upload is ever cut for another caller
+                _wait_for(lambda: sum(srv.uploads.stalled()[1].values()) >= 4, what="the staller's calls stalled")
                 codes = []
                 with grpc.insecure_channel(srv.address, options=opts) as neighbour:
                     stub = pb_grpc.AdvantageServiceStub(neighbour)

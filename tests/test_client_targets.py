@@ -162,8 +162,16 @@ def test_other_target_schemes_pass_as_given():
         client = AdvantageClient(good, timeout=5.0, retry=False)
         assert client.target == good
         client.close()
-    # a port that is not a number stays gRPC's to refuse, with the hint tests/test_newcomer.py checks
-    AdvantageClient("localhost:abc").close()
+    # a port that is a TCP service name passes as gRPC takes it (getaddrinfo: http is port 80); one that is not
+    # a number nor such a name is refused at construction (tests/test_error_messages_ops.py)
+    try:
+        socket.getservbyname("http", "tcp")
+    except OSError:  # no /etc/services (netbase) on this machine: gRPC could not resolve it either
+        pass
+    else:
+        AdvantageClient("localhost:http").close()
+    with pytest.raises(TargetError, match="port 'abc' is not a number"):
+        AdvantageClient("localhost:abc")
 
 
 # ------------------------------------------------------------------------------------------ per-call deadlines
@@ -357,6 +365,6 @@ def test_run_until_complete_on_the_current_loop_still_works(target):
 
 
 def test_readme_states_the_rule():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "python-client.md").read_text()  # the README's "Using it" until issue #29
     assert "EventLoopError" in text and "inside the event loop that awaits it" in text
     assert "timeout=" in text and "has no port" in text

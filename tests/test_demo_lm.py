@@ -144,7 +144,8 @@ def test_cli_csv_compare_plot_and_dispatcher(tmp_path, capsys, target):
 
 def test_cli_rejects_bad_options(capsys):
     assert demo.main(["lm", "--estimator", "ppo", "--max-steps", "1", "--quiet"]) == 2
-    assert "choose one of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--estimator 'ppo' is not an estimator this demo runs. Choose one of grpo, rloo" in err, err
     assert demo.main(["lm", "--estimator", "grpo", "--kl-coef", "0.1", "--kl-in", "reward", "--max-steps", "1",
                       "--quiet"]) == 2
     assert "--kl-in reward needs" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 non-root user, and the image's own CMD and HEALTHCHECK work against a real server (no Docker engine needed)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -114,7 +115,10 @@ def test_gpu_target_uses_an_official_cuda_pytorch_base():
 
 def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
     """Start the server with the cpu image's CMD (its ports swapped for free ones, loopback only), then run the
-    image's HEALTHCHECK command: SERVING (exit 0) while up, exit 1 once stopped."""
+    image's HEALTHCHECK command: SERVING (exit 0) while up, exit 1 once stopped. In between, the probes
+    ``make image-check`` runs against the image (scripts/image_check.py) run against this server, so that they
+    stay true to the server without a container engine: the golden calls, the /metrics count of exactly those
+    calls (one call fewer fails it), and SIGTERM with a call in flight (it comes back equal, exit 0)."""
     stage = STAGES["cpu"]
     cmd = exec_form(last(stage, "CMD"))
     healthcheck = last(stage, "HEALTHCHECK")
@@ -135,12 +139,53 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
         assert host_check[addr] == f"127.0.0.1:{ports['50052']}"
         ok = subprocess.run(host_check, capture_output=True, text=True, timeout=60)
         assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stdout + ok.stderr
+        image_check = load_image_check()
+        detail, figures = image_check.golden_check(srv.address)
+        assert figures["golden_cases"] == len(list((ROOT / "tests" / "golden" / "nemo-rl").glob("*.json"))) >= 29
+        metrics_url = f"http://127.0.0.1:{ports['9090']}/metrics"
+        image_check.metrics_check(metrics_url, figures["golden_cases"])
+        with pytest.raises(AssertionError, match="advantage_requests_total"):
+            image_check.metrics_check(metrics_url, figures["golden_cases"] - 1)
+        detail, _ = image_check.drain_check(srv.address, metrics_url, srv.proc.terminate, srv.wait,
+                                            lambda: srv.stderr, min_call_s=1.5)
+        assert "in flight at SIGTERM: came back OK" in detail and "exit 0" in detail, detail
     finally:
-        srv.proc.terminate()
+        if srv.proc.poll() is None:
+            srv.proc.terminate()
         assert srv.wait(timeout=30) == 0, srv.stderr
         srv.close()
     down = subprocess.run(host_check, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "unhealthy" in down.stderr, down.stdout + down.stderr
+
+
+def load_image_check():
+    """scripts/image_check.py as a module (``make image-check``)."""
+    spec = importlib.util.spec_from_file_location("image_check", ROOT / "scripts" / "image_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_image_check_build_args_reach_pip():
+    """``make image-check TORCH=cpu`` passes build args that the stage running pip declares (an undeclared
+    ``--build-arg`` is ignored with a warning, and the image would silently get PyPI's 5.44 GB torch); the
+    default build passes none of them (the cpu target as a user's ``docker build --target cpu`` builds it)."""
+    image_check = load_image_check()
+    declared = {args.split("=")[0] for ins, args in STAGES["cpu-venv"] if ins == "ARG"}
+    wheels = pathlib.Path("/wheels-example")
+    for engine, found in (("podman", wheels / "torch.whl"), ("podman", None), ("docker", None)):
+        default = image_check.build_command(engine, "img", "pypi", None)
+        cpu = image_check.build_command(engine, "img", "cpu", found)
+        assert default[default.index("--target") + 1] == cpu[cpu.index("--target") + 1] == "cpu"
+        passed = {cpu[i + 1].split("=")[0] for i, a in enumerate(cpu) if a == "--build-arg"}
+        passed -= {"PYTHON_IMAGE"}  # the base (podman's stand-in), declared before the first FROM
+        assert passed and passed <= declared, (passed, declared)
+        assert not any(a.startswith("PIP_") for a in default), default
+        if found is not None:
+            assert f"{wheels}:/wheels-host:ro" in cpu and "PIP_FIND_LINKS=/wheels-host" in cpu, cpu
+        else:
+            assert f"PIP_EXTRA_INDEX_URL={image_check.PYTORCH_CPU_INDEX}" in cpu, cpu
+    assert "ARG PYTHON_IMAGE=" in DOCKERFILE.read_text().split("FROM", 1)[0]
 
 
 def numba_cache_dir(stage: list[tuple[str, str]]) -> str:

@@ -17,6 +17,7 @@ Real servers in-process on loopback; counts, codes and values are asserted, neve
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -53,6 +54,21 @@ def _wait_for(predicate, timeout: float = 30.0, what: str = "") -> None:
         time.sleep(0.02)
 
 
+def token_holder_calls(address: str, timeout: float, n: int = 5) -> list[str]:
+    """``n`` GRPO calls of a token holder's new ``AdvantageClient`` (unary, its channel health-checking the
+    service): "OK" for each answer equal to ``WANT``, else the error's status code name."""
+    codes = []
+    with AdvantageClient(address, timeout=timeout, token=TOKEN, transport="unary") as client:
+        for _ in range(n):
+            try:
+                out = client.compute("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS, mask=MASK)
+                np.testing.assert_allclose(np.asarray(out.advantages), WANT, rtol=1e-5, atol=1e-6)
+                codes.append("OK")
+            except AdvantageServiceError as exc:
+                codes.append(exc.code.name)
+    return codes
+
+
 class WatchFlood:
     """``n`` health ``Watch`` streams held open from this host without a token, over channels of their own (one
     connection each, at most 50 streams per connection: under gRPC's per-connection stream limit)."""
@@ -81,15 +97,7 @@ def test_a_tokenless_watch_flood_does_not_lock_out_a_token_holder(make_server):
         assert srv.health.watches == MAX_WATCHES_PER_HOST
         # a token holder's client from the same host: its channel health-checks the service (its Watch is beyond
         # the bound), and calls
-        codes = []
-        with AdvantageClient(srv.address, timeout=20, token=TOKEN, transport="unary") as client:
-            for _ in range(5):
-                try:
-                    out = client.compute("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS, mask=MASK)
-                    np.testing.assert_allclose(np.asarray(out.advantages), WANT, rtol=1e-5, atol=1e-6)
-                    codes.append("OK")
-                except AdvantageServiceError as exc:
-                    codes.append(exc.code.name)
+        codes = token_holder_calls(srv.address, timeout=20)
         assert codes == ["OK"] * 5, codes  # before: 5 x UNAVAILABLE ("health check call failed")
         # the flood's next Watch is beyond the bound: UNIMPLEMENTED (gRPC: "no health checking, assume healthy")
         with pytest.raises(grpc.RpcError) as err:
@@ -103,11 +111,12 @@ def test_a_tokenless_watch_flood_does_not_lock_out_a_token_holder(make_server):
 
 
 def test_watch_streams_cannot_fill_the_grpc_backstop(make_server):
-    """A server with 1 place and 1 worker (a pool of 17 threads, gRPC's backstop 68 calls): 128 open Watch
+    """A server with 1 place and 1 worker (a pool of 19 threads, two of them for the waiting room; gRPC's backstop
+    76 calls): 128 open Watch
     streams from one host (all it may hold) and the compute calls still go through: open Watch streams hold no
     thread and no place in gRPC's ``maximum_concurrent_rpcs``."""
     srv = make_server(max_concurrent_requests=1, workers=1)
-    assert srv.limits.grpc_max_concurrent_rpcs == srv.limits.thread_pool_size * BACKSTOP_FACTOR == 68
+    assert srv.limits.grpc_max_concurrent_rpcs == srv.limits.thread_pool_size * BACKSTOP_FACTOR == 76
     assert srv.limits.grpc_max_concurrent_rpcs < MAX_WATCHES_PER_HOST
     flood = WatchFlood(srv.address, MAX_WATCHES_PER_HOST)
     try:
@@ -185,3 +194,73 @@ def test_the_drain_cuts_an_upload_that_never_began(make_server, blocked_grpo, ca
     np.testing.assert_allclose(np.frombuffer(reply.advantages.data, np.float32).reshape(WANT.shape), WANT,
                                rtol=1e-5, atol=1e-6)
     assert not any("grace period" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ silent health calls hold no service thread
+class SilentHealth:
+    """``n`` health calls (``Check`` or ``Watch``) that send their headers and never their request message, held
+    open ``hold`` seconds: what grpcio took a pool thread for and waited on without a time limit."""
+
+    def __init__(self, address: str, n: int, method: str = "Check", hold: float = 30.0):
+        self.release = threading.Event()
+        self.channel = grpc.insecure_channel(address)
+        self.codes: list[grpc.StatusCode] = []
+
+        def silent():
+            self.release.wait(hold)
+            return
+            yield  # never reached: a request stream with no message
+        call = (self.channel.stream_unary if method == "Check" else self.channel.stream_stream)(
+            f"/grpc.health.v1.Health/{method}", request_serializer=None, response_deserializer=None)
+        self.futures = [call.future(silent(), timeout=hold) if method == "Check" else call(silent(), timeout=hold)
+                        for _ in range(n)]
+
+    def ended(self) -> int:
+        """How many of the calls have ended (and their codes, in ``codes``)."""
+        done = 0
+        for f in self.futures:
+            if isinstance(f, grpc.Future):
+                done += f.done()
+            else:
+                done += f.code() is not None if f.done() else 0
+        return done
+
+    def close(self) -> None:
+        self.release.set()
+        for f in self.futures:
+            f.cancel()
+        self.channel.close()
+
+
+@pytest.mark.parametrize("method", ["Check", "Watch"])
+def test_silent_health_calls_hold_no_service_thread(make_server, method):
+    """RELIABILITY.md's H1: 40 tokenless health calls whose request message never comes (more than the server's
+    whole pool of 22 threads at 2 places). Before: each held a pool thread until its own 30 s deadline, and a token
+    holder's call timed out. Now health runs on its own 4-thread pool, a host has at most 2 health calls waiting for
+    their request for ``HEALTH_REQUEST_S`` (then CANCELLED), its others for ``HEALTH_BUSY_REQUEST_S`` (then
+    UNIMPLEMENTED): the token holder's calls and a same-host ``Watch`` are served meanwhile, and a health ``Check``
+    is answered SERVING once the silent calls have ended."""
+    srv = make_server(auth_token=TOKEN, max_concurrent_requests=2, workers=1)
+    assert srv.limits.thread_pool_size < 40
+    silent = SilentHealth(srv.address, 40, method)
+    try:
+        codes = token_holder_calls(srv.address, timeout=10)
+        assert codes == ["OK"] * 5, codes  # before: DEADLINE_EXCEEDED
+        # an ordinary Watch from the same host is served beside them (its message comes with its headers)
+        with grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE),
+                                                              timeout=20)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        # every silent call ends long before its own 30 s deadline: at most 2 of the host's at a time wait
+        # HEALTH_REQUEST_S (CANCELLED), the others HEALTH_BUSY_REQUEST_S (UNIMPLEMENTED)
+        _wait_for(lambda: silent.ended() == 40, timeout=15, what="the silent health calls ended by the server")
+        got = collections.Counter(f.code() for f in silent.futures)
+        assert set(got) <= {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED}, got
+        assert got[grpc.StatusCode.CANCELLED] >= 2 and got[grpc.StatusCode.UNIMPLEMENTED] >= 20, got
+        with grpc.insecure_channel(srv.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                                              timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        silent.close()

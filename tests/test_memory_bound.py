@@ -1,11 +1,13 @@
 """Peak server memory under a hostile mix stays within what the flags allow (RELIABILITY.md, "Memory bound").
 
 The bound, for a server started with ``--max-concurrent-requests C --workers W --max-message-mb M
---max-stream-mb S --max-batch-elements E``::
+--max-stream-mb S --max-batch-elements E --stream-window-mb F``::
 
     peak RSS growth <= 3 x C x max(M, S) MiB        (admitted request bodies, each at most its size limit,
                                                       held by gRPC's core, as Python bytes, and parsed)
                      + W x WORKING_SET_BYTES x E    (calls computing at once, each at most E elements a tensor)
+                     + 2 x C x F                     (calls waiting for a place: gRPC's core receives up to the
+                                                      fixed stream window F = --stream-window-mb of each body)
                      + SLACK_MIB                     (gRPC's flow-control windows, allocator arenas, stacks)
 
 One real server process (``--device cpu``) gets, at once and for several rounds: more maximum-size GAE
@@ -29,6 +31,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from test_hardening import SERVICE, _PeakRss
 
 C, W, M, S = 4, 2, 32, 32          # --max-concurrent-requests, --workers, --max-message-mb, --max-stream-mb
+F = 4                              # --stream-window-mb (the default)
 E = 1 << 21                        # --max-batch-elements: a [256, 8192] GAE batch is the largest allowed
 #: bytes per element of the largest tensor a computing call may hold: the decoded float32 inputs (values,
 #: the one-byte mask widened to the compute dtype), float64 temporaries of the kernel and whitening, the
@@ -39,7 +42,7 @@ SLACK_MIB = 96
 
 
 def bound_mib() -> float:
-    return 3 * C * max(M, S) + W * WORKING_SET_BYTES * E / 2**20 + SLACK_MIB
+    return 3 * C * max(M, S) + W * WORKING_SET_BYTES * E / 2**20 + 2 * C * F + SLACK_MIB
 
 
 @pytest.mark.slow
@@ -47,7 +50,7 @@ def test_peak_memory_under_a_hostile_mix_is_within_the_flags_bound(tmp_path, cap
     from reliability_support import report, start_server, stop_server
     srv = start_server(tmp_path, "membound", "--max-concurrent-requests", str(C), "--workers", str(W),
                        "--max-message-mb", str(M), "--max-stream-mb", str(S), "--max-batch-elements", str(E),
-                       "--stream-idle-timeout", "2")
+                       "--stream-idle-timeout", "2", "--stream-window-mb", str(F))
     B, T = 256, E // 256
     rng = np.random.default_rng(0)
     tensors = dict(rewards=rng.standard_normal(B).astype(np.float32),

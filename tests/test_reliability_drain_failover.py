@@ -129,8 +129,9 @@ def test_the_drain_answers_calls_on_their_way_before_grpc_stops(make_server, mon
     assert not stopper.is_alive()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
     assert "shutting down" in err.value.details(), err.value.details()
-    # the refusal restarted the quiet period: the stop waited 2 s after it, and no longer than the cap
-    assert refused_after + 2.0 <= took < 8.0 + 5, (refused_after, took)
+    # the refusal restarted the quiet period: the stop waited 2 s after it, and no longer than the cap (the server
+    # refused a little before this client saw it: 50 ms of slack for that, against a 2 s period)
+    assert refused_after + 2.0 - 0.05 <= took < 8.0 + 5, (refused_after, took)
 
 
 def test_the_wait_for_quiet_counts_from_the_last_refusal():

@@ -393,13 +393,18 @@ class AsyncAdvantageClient:
         try:
             reply = await self._send(transport, data, timeout, via)
         except grpc.RpcError as err:
-            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout)
+            if transport == "stream":
+                channel = self._stream_channel if via is None else via._stream_channel
+            else:
+                channel = self._channel if via is None else via.channel
+            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout, channel)
             if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             try:
                 reply = await self._send("unary", data, timeout, via)
             except grpc.RpcError as err2:
-                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
+                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout,
+                                                           self._channel if via is None else via.channel) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
 
     # ------------------------------------------------------------------------------------------ coalescing
@@ -568,7 +573,7 @@ class AsyncAdvantageClient:
             return await self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout,
                                                    metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout, self._channel) from None
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait until the channel is connected; raises :class:`AdvantageServiceError` (UNAVAILABLE) after

@@ -54,11 +54,19 @@ Errors: the service's INVALID_ARGUMENT (e.g. ``config.adv_norm.eps`` <= 0, a ``d
 AReaL for ``prox_logp`` None under ``recompute_logprob`` and for ``overlong_reward_penalty`` without
 ``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed.
 
+Installing beside AReaL 1.0.4: one ``pip install areal==1.0.4 advantage-client`` fails (ResolutionImpossible):
+AReaL pins ``swanlab[dashboard]==0.6.12``, which declares ``protobuf<7``, and this client's generated stubs need
+``protobuf>=7.35.1``. Install AReaL first, then the client in a second call (pip upgrades protobuf and reports
+swanlab's requirement unmet; swanlab, AReaL's experiment logger, still imports with protobuf 7 and computes no
+advantage). The README's swap on
+a real ``FSDPPPOActor`` in such an environment: ``tests/installed/test_areal_installed.py``.
+
 This module imports without AReaL and without torch: AReaL's ``PPOActor`` is imported, and the subclass made, when
 ``RemotePPOActor`` is first looked up; :func:`remote_actor_class` makes it from a given ``PPOActor`` class.
 """
 from __future__ import annotations
 
+import importlib.util
 import threading
 from typing import Any, Callable
 
@@ -280,6 +288,29 @@ def _installed_ppo_actor() -> type:
     try:
         from areal.trainer.ppo.actor import PPOActor
     except ImportError as exc:
-        raise ImportError(f"advantage_client.areal.RemotePPOActor needs AReaL (pip install areal==1.0.4): {exc}") \
-            from exc
+        raise _areal_import_error(exc) from exc
     return PPOActor
+
+
+def _areal_import_error(exc: ImportError) -> ImportError:
+    """The ``ImportError`` of ``RemotePPOActor`` when ``areal.trainer.ppo.actor`` does not import, naming what
+    is missing: AReaL itself, a module of AReaL 1.0.4 the installed AReaL lacks, or a module one of AReaL's own
+    dependencies should provide (``ModuleNotFoundError.name``: the module Python could not find)."""
+    what = "advantage_client.areal.RemotePPOActor subclasses AReaL's PPOActor (areal.trainer.ppo.actor)"
+    name = getattr(exc, "name", None) or ""
+    if not isinstance(exc, ModuleNotFoundError) or not name:  # "cannot import name ...", an error inside AReaL
+        return ImportError(f"{what}; AReaL is installed, but importing it failed: {exc}. The usual cause is "
+                           "another AReaL than 1.0.4, or one of its dependencies at another version than AReaL "
+                           "declares: pip install areal==1.0.4")
+    if name == "areal" or name.startswith("areal.") and importlib.util.find_spec("areal") is None:
+        return ImportError(f"{what}, and AReaL is not installed here: pip install areal==1.0.4 ({exc})")
+    if name.startswith("areal."):
+        return ImportError(f"{what}, and the installed AReaL has no module {name!r}: this module follows AReaL "
+                           f"1.0.4; pip install areal==1.0.4 ({exc})")
+    top = name.partition(".")[0]
+    if top != name and importlib.util.find_spec(top) is not None:
+        return ImportError(f"{what}; AReaL is installed, but its dependency {top!r} has no module {name!r}: "
+                           f"install the version of {top!r} that AReaL 1.0.4 declares ({exc})")
+    return ImportError(f"{what}; AReaL is installed, but a module it imports is not: no module named {name!r}. "
+                       f"Install the package that provides {top!r} (pip install areal==1.0.4 installs every "
+                       f"dependency AReaL declares) ({exc})")

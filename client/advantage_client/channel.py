@@ -3,7 +3,9 @@
 * ``channel_target(["10.0.0.1:50051", "10.0.0.2:50051"])`` -> ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``: gRPC
   connects to every replica; a DNS name (``"dns:///advantage.svc:50051"``) whose name resolves to several
   addresses does the same. A target must name its port (:func:`check_target`: ``"localhost"`` is a
-  ``TargetError``, a ``ValueError``, not a dial to port 443).
+  ``TargetError``, a ``ValueError``, not a dial to port 443), and one gRPC can dial: ``"localhost:50051/"``,
+  ``"localhost:abc"`` and ``"localhost:99999"`` are ``TargetError`` when the client is made, not a failed
+  first call.
 * :func:`service_config`: ``round_robin`` over the replicas that are up and report SERVING (client-side
   health checking: a draining replica leaves the rotation as soon as it says NOT_SERVING; a server says so only
   while warming up or draining, never for being full; one that keeps no more health ``Watch`` streams answers
@@ -153,14 +155,35 @@ def _no_port(address: str, example: str) -> TargetError:
                        f"{DEFAULT_PORT}), e.g. {example!r}")
 
 
+def _check_port(port: str, host: str, whole: str, prefix: str) -> None:
+    """``TargetError`` for a port gRPC cannot dial: one followed by a path (``localhost:50051/``, gRPC's
+    "Failed to parse port" at the first call), one beyond 65535 (gRPC dials it modulo 65536: 99999 -> 34463),
+    or a name that is not a TCP service of this host (``/etc/services``; ``localhost:http`` is port 80)."""
+    if "/" in port:
+        number = port.partition("/")[0]
+        fix = f"'{prefix}{host}:{number}'" if number else f"'{prefix}{host}:{DEFAULT_PORT}'"
+        raise TargetError(f"target {_named(whole)} has a path after the port: a gRPC target is host:port and "
+                          f"nothing after it; give {fix}")
+    if port.strip().isdigit():  # gRPC strips the blanks
+        if not 0 < int(port) < 65536:
+            raise TargetError(f"target {_named(whole)}: port {port} is not a TCP port (1-65535); give the port "
+                              f"advantage-server listens on, e.g. '{prefix}{host}:{DEFAULT_PORT}'")
+        return
+    try:
+        socket.getservbyname(port, "tcp")
+    except OSError:
+        raise TargetError(f"target {_named(whole)}: port {port!r} is not a number; give host:port with the port "
+                          f"advantage-server listens on, e.g. '{prefix}{host}:{DEFAULT_PORT}'") from None
+
+
 def _host_port(address: str, whole: str, prefix: str = "") -> None:
     """``TargetError`` when ``address`` (``host:port``, ``[v6]:port``; ``whole`` is the target it is part of,
-    ``prefix`` what precedes it there) names no port. A port that is not a number is left to gRPC, whose
-    "failed to parse" answer the client turns into a hint (``errors.hint``)."""
+    ``prefix`` what precedes it there) names no port, or one gRPC cannot dial (:func:`_check_port`)."""
     if address.startswith("["):
         host, _, rest = address.partition("]")
         if not rest.startswith(":") or not rest[1:]:
             raise _no_port(whole, f"{prefix}{host}]:{DEFAULT_PORT}")
+        _check_port(rest[1:], host + "]", whole, prefix)
         return
     if address.count(":") > 1:  # a bare IPv6 literal: gRPC reads all of it as the host
         raise TargetError(f"target {_named(whole)} has no port: an IPv6 address takes brackets before the port, "
@@ -168,6 +191,7 @@ def _host_port(address: str, whole: str, prefix: str = "") -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not port:
         raise _no_port(whole, f"{prefix}{host if sep else address}:{DEFAULT_PORT}")
+    _check_port(port, host, whole, prefix)
 
 
 def check_target(target: str) -> str:
@@ -177,7 +201,9 @@ def check_target(target: str) -> str:
     ``dns:name:port``), ``ipv4:a:p,b:p`` / ``ipv6:[a]:p,[b]:p``, and, as given, ``unix:``/``unix-abstract:``
     (no port) and ``vsock:`` targets and any other resolver's URI (``scheme:/...``). Refused: a target without
     a port (``"localhost"``, ``"dns:///localhost"``, ``"ipv4:127.0.0.1"``, a bare ``"::1"``: gRPC would dial
-    port 443), an empty one, and a URL (``http://host:port``, see :func:`_no_url_scheme`)."""
+    port 443), one gRPC cannot dial (a path after it, ``"localhost:50051/"``; beyond 65535; a name that is no
+    TCP service of this host: :func:`_check_port`), an empty one, and a URL (``http://host:port``, see
+    :func:`_no_url_scheme`)."""
     address = _no_url_scheme(target).strip()
     if not address:
         raise TargetError(f"target {target!r} is empty: give host:port, e.g. 'localhost:{DEFAULT_PORT}'")

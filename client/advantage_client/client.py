@@ -443,7 +443,7 @@ def build_request(estimator: str, config: Any = None, output_dtype: Any = None, 
     cfg = wire.config_message(estimator, config)
     getattr(request, field_name).CopyFrom(cfg)
     if output_dtype is not None:
-        request.output_dtype = wire.dtype_code(output_dtype)
+        request.output_dtype = wire.output_dtype_code(output_dtype)
     for name, value in tensors.items():
         if value is None:
             continue
@@ -597,7 +597,8 @@ class AdvantageClient:
                 (``advantage_client.GAEConfig(...)``).
         tensors: the estimator's inputs by name (see :meth:`list_estimators`); GDPO components as
                 ``**{"reward/correctness": ..., "reward/format": ...}``. ``None`` values are skipped.
-        output_dtype: "float32" (default), "float64", "bfloat16" or "float16".
+        output_dtype: "float32" (default), "float64", "bfloat16" or "float16" (or the torch/NumPy dtype);
+                any other is a ``WireError`` (a ``ValueError``) naming these four, raised before sending.
         prompt_ids: ``[B]`` integer group ids, ``[B]`` labels (NumPy str/object array or list of strings,
                 equal labels = one group), or ``[B, L]`` prompt token rows.
         cu_seqlens: packed (ragged) layout: ``[B + 1]`` int row offsets; every token-level input is then
@@ -722,7 +723,7 @@ class AdvantageClient:
         try:
             reply = call(data, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout)
+            error = AdvantageServiceError.from_rpc_error(err, self.target, timeout, calls.channel_of(transport))
             if not (auto and transport == "stream" and stream_refused(error, data.nbytes, self.max_message_bytes)):
                 raise error from None
             # the server takes smaller streams than this; one message may still be within its limit
@@ -730,7 +731,8 @@ class AdvantageClient:
             try:
                 reply = calls.unary(data, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as err2:
-                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout) from None
+                raise AdvantageServiceError.from_rpc_error(err2, self.target, timeout,
+                                                           calls.channel_of("unary")) from None
         return finish_result(reply, prepared, as_numpy=as_numpy)
 
     def shared_memory(self, byte_size: int) -> Any:
@@ -748,7 +750,7 @@ class AdvantageClient:
                    if k not in ("output_dtype", "as_numpy", "cu_seqlens", "mask_columns") and v is not None]
         inputs = sum(streaming.payload_estimate({"x": v}) + 64 for v in tensors)
         out_dtype = kwargs.get("output_dtype")
-        itemsize = 8 if out_dtype is not None and wire.dtype_code(out_dtype) == pb.DTYPE_FLOAT64 else 4
+        itemsize = 8 if out_dtype is not None and wire.output_dtype_code(out_dtype) == pb.DTYPE_FLOAT64 else 4
         elems = max((streaming.numel_estimate(v) for v in tensors), default=0)
         return inputs + 2 * (elems * itemsize + 64) + (1 << 20)
 
@@ -934,7 +936,7 @@ class AdvantageClient:
         try:
             return call(self._channel, method, request, response_cls, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err, self.target, timeout) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, timeout, self._channel) from None
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""
@@ -942,7 +944,7 @@ class AdvantageClient:
             return self._stub.ListEstimators(pb.ListEstimatorsRequest(), timeout=self.timeout,
                                              metadata=self._metadata)
         except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout) from None
+            raise AdvantageServiceError.from_rpc_error(err, self.target, self.timeout, self._channel) from None
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the channel is connected; raises AdvantageServiceError(UNAVAILABLE) after ``timeout``."""

@@ -53,11 +53,14 @@ class AdvantageServiceError(Exception):
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError, target: str | None = None,
-                       timeout: float | None = None) -> "AdvantageServiceError":
+                       timeout: float | None = None, channel: Any = None) -> "AdvantageServiceError":
         """The ``grpc.RpcError`` of a failed call -> :class:`AdvantageServiceError` with its code, message and
         ``BadRequest`` field violations: an :class:`InvalidArgumentError` (also a ``ValueError``) for
         INVALID_ARGUMENT, a plain ``AdvantageServiceError`` for every other code. ``target`` and ``timeout``
-        (the client's): UNAVAILABLE and DEADLINE_EXCEEDED messages say what to check (:func:`hint`)."""
+        (the client's): UNAVAILABLE and DEADLINE_EXCEEDED messages say what to check (:func:`hint`).
+        ``channel`` (the call's, sync or ``grpc.aio``): for DEADLINE_EXCEEDED, whether it is connected tells a
+        slow call from one that no server ever answered (``wait_for_ready=True`` waits for a server until the
+        deadline; a target that drops packets does too): :func:`connected`."""
         violations = []
         try:
             status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
@@ -68,8 +71,32 @@ class AdvantageServiceError(Exception):
                 bad = error_details_pb2.BadRequest()
                 if detail.Unpack(bad):
                     violations += [(v.field, v.description) for v in bad.field_violations]
-        return AdvantageServiceError(err.code(), hint(err.code(), err.details() or "", target, timeout), violations,
+        code = err.code()
+        reached = connected(channel) if code == grpc.StatusCode.DEADLINE_EXCEEDED and channel is not None else None
+        return AdvantageServiceError(code, hint(code, err.details() or "", target, timeout, reached), violations,
                                      pushback_s(err))
+
+
+def connected(channel: Any) -> bool | None:
+    """Whether ``channel`` is connected to a server now, from its connectivity state read without waiting and
+    without asking it to connect: True when READY, False in TRANSIENT_FAILURE (its connection attempts
+    fail), None otherwise (IDLE, CONNECTING, SHUTDOWN) or when the state cannot be read. A ``grpc.aio``
+    channel's ``get_state``; a sync ``grpc.Channel`` has no public read without a polling thread
+    (``subscribe``/``channel_ready_future``: that thread raises "Channel closed!" when the client is closed
+    right after, as on the way out of a ``with`` block), so its core channel's state is read, and any change
+    there in gRPC gives None: the DEADLINE_EXCEEDED hint of a slow call."""
+    try:
+        if hasattr(channel, "get_state"):  # grpc.aio.Channel
+            state = channel.get_state(try_to_connect=False)
+        else:
+            from grpc import _common  # the sync channel's state: gRPC's own table of its core's values
+            state = _common.CYGRPC_CONNECTIVITY_STATE_TO_CHANNEL_CONNECTIVITY[
+                channel._channel.check_connectivity_state(False)]
+    except Exception:  # noqa: BLE001 - a channel of another kind (a test's fake), another gRPC: no claim
+        return None
+    if state == grpc.ChannelConnectivity.READY:
+        return True
+    return False if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE else None
 
 
 #: gRPC's trailing-metadata key for retry pushback (gRFC A6): milliseconds to wait before retrying
@@ -102,11 +129,14 @@ _NOBODY_THERE = ("connection refused", "failed to connect", "resolv", "lookup", 
                  "network is unreachable", "connection timed out")
 
 
-def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None) -> str:
+def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float | None,
+         reached: bool | None = None) -> str:
     """``message`` plus what to do, for the errors a newcomer meets first: UNAVAILABLE (when nothing listens at
     the target: what to do first, then gRPC's own text, which names the resolved address, e.g.
     ``ipv6:%5B::1%5D:50999``, not the target; a failed TLS handshake or a dropped connection: gRPC's text
-    first, then the hint) and DEADLINE_EXCEEDED."""
+    first, then the hint) and DEADLINE_EXCEEDED (``reached``: whether the client's channel connects to a
+    server, :func:`connected`; False: no server answered at the target within the deadline, what to check
+    first; otherwise the call was slower than its timeout)."""
     if code == grpc.StatusCode.UNAVAILABLE and target and "shutting down" not in message:
         low = message.lower()
         if "handshake" in low or "ssl" in low:  # something answered, but not in this client's TLS (or plaintext)
@@ -132,6 +162,12 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
                     "server stays SERVING and refuses with RESOURCE_EXHAUSTED instead); wait, or pass wait_for_ready=True to the client to wait for it)")
         return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
                 "advantage-server is running there and reachable)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and reached is False and target:
+        return (f"no advantage service answered at {target} within the call's timeout={timeout:g} seconds (the "
+                "client never connected; with wait_for_ready=True a call waits for a server until its deadline "
+                "instead of failing at once): start advantage-server there, or check the address and port and "
+                "that the server is running and reachable from here; pass a larger timeout= to wait longer for a "
+                f"server that is starting (gRPC: {message})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
         return (f"{message} (the call took longer than its timeout={timeout:g} seconds: pass a larger "
                 "timeout= to the client, or to compute() for this call alone, or timeout=None for no deadline)")

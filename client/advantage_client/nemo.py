@@ -207,7 +207,7 @@ class RemoteAdvantageEstimator:
                  client: AdvantageClient | None = None, result_format: str = "auto"):
         _, cls = wire.ESTIMATOR_FIELDS.get(name, (None, None))
         if cls is None:
-            raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(wire.ESTIMATOR_FIELDS)}")
+            raise ValueError(wire.unknown_estimator(name, wire.ESTIMATOR_FIELDS))
         self.result_format = resolve_result_format(result_format)
         known = cls.DESCRIPTOR.fields_by_name
         config = _as_mapping(config)

@@ -1,6 +1,6 @@
 """The releases each ``semantics`` value reproduces: the one place that names them.
 
-``ListEstimators`` reports them (``ListEstimatorsResponse.references``), the README's estimator table
+``ListEstimators`` reports them (``ListEstimatorsResponse.references``), the estimator table in docs/estimators.md
 and the ``.proto`` comments name the same releases, and the differential tests
 (``tests/test_diff_*.py``) install exactly these pins (``tests/references/requirements.txt``; a test
 checks that the file and the installed packages agree with this module).
@@ -37,7 +37,7 @@ class Reference:
 
     @property
     def label(self) -> str:
-        """``"verl 0.9.1"`` / ``"NeMo RL main@7ea279a"``: how the README and ListEstimators name it."""
+        """``"verl 0.9.1"`` / ``"NeMo RL main@7ea279a"``: how docs/ and ListEstimators name it."""
         release = self.release if self.package else self.release[: len("main@") + 7]
         return f"{self.project} {release}"
 

@@ -359,7 +359,7 @@ class SharedMemoryRegion:
         cfg = wire.config_message(estimator, config)  # WireError for an unknown estimator
         getattr(inner, wire.ESTIMATOR_FIELDS[estimator][0]).CopyFrom(cfg)
         if output_dtype is not None:
-            inner.output_dtype = wire.dtype_code(output_dtype)
+            inner.output_dtype = wire.output_dtype_code(output_dtype)
         if cu_seqlens is not None:
             inner.cu_seqlens.CopyFrom(wire.encode_tensor(cu_seqlens, "cu_seqlens"))
         if mask_columns is not None:  # the width of the mask `lengths` stands for: a request field, not an input

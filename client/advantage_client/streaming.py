@@ -68,7 +68,7 @@ def payload_estimate(tensors: dict[str, Any]) -> int:
 
 def _request_args(estimator: str, config: Any, output_dtype: Any, tensors: dict[str, Any]) -> tuple[Any, int, dict]:
     cfg = wire.config_message(estimator, config)  # WireError for an unknown estimator
-    code = wire.dtype_code(output_dtype) if output_dtype is not None else 0
+    code = wire.output_dtype_code(output_dtype) if output_dtype is not None else 0
     inputs = {k: (wire.reduce_prompt_ids(v, k) if k in wire.LABEL_INPUTS else v) for k, v in tensors.items()
               if v is not None}
     return cfg, code, inputs
@@ -200,6 +200,11 @@ class Calls:
         self._stream_callable: Any = None
         self._lock = threading.Lock()
         self._local = threading.local()
+
+    def channel_of(self, transport: str) -> grpc.Channel:
+        """The channel a ``"unary"`` or ``"stream"`` call went on (the streams' own once made): whether it is
+        connected tells a DEADLINE_EXCEEDED error's hint (``errors.connected``)."""
+        return (self._stream_channel or self._channel) if transport == "stream" else self._channel
 
     def _stream(self, *args: Any, **kwargs: Any) -> Any:
         if self._stream_callable is None:

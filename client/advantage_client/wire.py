@@ -14,8 +14,10 @@ INVALID_ARGUMENT, the client raises it before sending anything.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+import re
 import sys
 import types
 import warnings
@@ -55,6 +57,56 @@ ESTIMATOR_FIELDS: dict[str, tuple[str, type]] = {
     "maxrl": ("maxrl", pb.MaxRLConfig),
     "areal": ("areal", pb.ArealConfig),
 }
+
+#: names other frameworks (or papers) give an estimator -> (the service's name, what to say about it); used only
+#: to suggest the name in an "unknown estimator" error, never accepted in its place (the adapters that take a
+#: framework's own names map them: advantage_client.openrlhf, advantage_client.verl)
+ESTIMATOR_ALIASES: dict[str, tuple[str, str]] = {
+    "ppo": ("gae", "PPO's advantage estimator is GAE"),
+    "reinforce": ("reinforce_plus_plus", "OpenRLHF's name; advantage_client.openrlhf maps it"),
+    "reinforce_baseline": ("reinforce_plus_plus_baseline", "OpenRLHF's name; advantage_client.openrlhf maps it"),
+    "group_norm": ("grpo", "OpenRLHF's name; advantage_client.openrlhf maps it"),
+    "dr_grpo": ("grpo", "OpenRLHF's name, grpo with normalize_rewards=False; advantage_client.openrlhf maps it"),
+    "grpo_vectorized": ("grpo", "verl's name; advantage_client.verl maps it"),
+    "rloo_vectorized": ("rloo", "verl's name; advantage_client.verl maps it"),
+}
+
+
+def _name_key(name: str) -> str:
+    """``name`` as names are compared for a suggestion: lower case, ``++`` as ``_plus_plus``, ``-``, ``.``
+    and spaces as ``_``, ``@`` dropped (``"REINFORCE++ baseline"`` -> ``"reinforce_plus_plus_baseline"``,
+    ``"grpo_pass@k"`` -> ``"grpo_passk"``)."""
+    key = str(name).strip().lower().replace("++", "_plus_plus").replace("@", "")
+    return re.sub(r"_+", "_", re.sub(r"[-. ]", "_", key)).strip("_")
+
+
+def did_you_mean(name: Any, choices: Any, aliases: Mapping[str, tuple[str, str]] | None = None) -> str:
+    """A suggestion for the unknown ``name`` among ``choices``: ``" Did you mean 'gae' (PPO's advantage
+    estimator is GAE)?"`` (with a leading space), or ``""`` when nothing is close. Tried in order: the same
+    name in another case or spelling (``GAE``, ``reinforce++``: :func:`_name_key`), a known alias
+    (``aliases``, e.g. :data:`ESTIMATOR_ALIASES`; only one whose name is among ``choices``), then
+    ``difflib``'s close matches (up to 3, compared in lower case)."""
+    choices = [str(c) for c in choices]
+    by_key = {_name_key(c): c for c in choices}
+    key = _name_key(name)
+    if key in by_key:
+        case = " (names are case-sensitive)" if str(name).strip().lower() == by_key[key].lower() else ""
+        return f" Did you mean {by_key[key]!r}{case}?"
+    if aliases and key in aliases and aliases[key][0] in choices:
+        target, note = aliases[key]
+        return f" Did you mean {target!r} ({note})?"
+    close = difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(by_key[c]) for c in close) + "?"
+
+
+def unknown_estimator(name: Any, known: Any) -> str:
+    """The description of an "unknown estimator" error: ``name`` is not among ``known`` (the estimator names
+    that side runs), with :func:`did_you_mean`'s suggestion and every name to choose from. The client's
+    :class:`WireError`, the server's INVALID_ARGUMENT and the drop-ins all say it so."""
+    return (f"unknown estimator {name!r}.{did_you_mean(name, known, ESTIMATOR_ALIASES)} Choose one of "
+            f"{', '.join(sorted(known))}")
 
 # dtype enum <-> (numpy dtype used to view the bytes, torch dtype, itemsize, name)
 _NP = {
@@ -137,6 +189,31 @@ def dtype_code(name_or_code: Any) -> int:
         return _FROM_NP[np.dtype(name_or_code)]
     except (TypeError, KeyError):
         raise WireError("output_dtype", f"unsupported dtype {name_or_code!r}; use one of {sorted(_BY_NAME)}") from None
+
+
+
+#: the result dtypes the service returns (``ComputeAdvantageRequest.output_dtype``; the server refuses every
+#: other code with INVALID_ARGUMENT): float32 is the default
+OUTPUT_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def output_dtype_code(value: Any) -> int:
+    """An ``output_dtype`` (``"float64"``, ``torch.float64``, ``np.float64``, the ``DType`` value) -> its
+    ``DType`` value, when it is one of :data:`OUTPUT_DTYPES`. Raises :class:`WireError` (a ``ValueError``)
+    naming the four otherwise, before anything is sent: the results are floating point, and the server
+    refuses an integer or bool ``output_dtype`` (INVALID_ARGUMENT) although tensors of those dtypes are
+    valid inputs."""
+    try:
+        code = dtype_code(value)
+    except WireError:
+        code = None
+    if code is None or DTYPE_NAMES[code] not in OUTPUT_DTYPES:
+        what = DTYPE_NAMES[code] if code is not None else value
+        raise WireError("output_dtype", f"{what!r} is not a dtype the service returns results in: it returns "
+                                        f"float32 (the default), float64, bfloat16 or float16. Pass one of "
+                                        f"{', '.join(repr(n) for n in OUTPUT_DTYPES)} (or None), and cast the "
+                                        "result if you need another dtype")
+    return code
 
 
 # ----------------------------------------------------------------------------------------- tensors
@@ -269,7 +346,7 @@ def config_message(estimator: str, config: Any = None) -> Any:
     ``None`` values mean "unset". Unknown keys raise :class:`WireError` listing the valid ones.
     """
     if estimator not in ESTIMATOR_FIELDS:
-        raise WireError("estimator", f"unknown estimator {estimator!r}; choose one of {sorted(ESTIMATOR_FIELDS)}")
+        raise WireError("estimator", unknown_estimator(estimator, ESTIMATOR_FIELDS))
     _, cls = ESTIMATOR_FIELDS[estimator]
     if config is None:
         return cls()
@@ -291,7 +368,8 @@ def _fill(msg: Any, config: Mapping[str, Any], path: str) -> None:
     fields = cls.DESCRIPTOR.fields_by_name
     for key, value in config.items():
         if key not in fields:
-            raise WireError(f"{path}.{key}", f"{cls.__name__} has no field {key!r}; valid: {sorted(fields)}")
+            raise WireError(f"{path}.{key}", f"{cls.__name__} has no field {key!r}.{did_you_mean(key, fields)} "
+                                             f"Valid: {sorted(fields)}")
         if value is None:
             continue
         try:
@@ -311,7 +389,8 @@ def _fill(msg: Any, config: Mapping[str, Any], path: str) -> None:
                 elif isinstance(value, int) and not isinstance(value, bool) and value in enum_names(fields[key].enum_type):
                     setattr(msg, key, value)
                 else:
-                    raise WireError(f"{path}.{key}", f"{value!r} is not one of {sorted(codes)}")
+                    hint = did_you_mean(value, codes) if isinstance(value, str) else ""
+                    raise WireError(f"{path}.{key}", f"{value!r} is not one of {sorted(codes)}.{hint}")
             elif fields[key].is_repeated:
                 getattr(msg, key).extend(float(v) for v in value)
             elif fields[key].type == fields[key].TYPE_BOOL:

@@ -33,7 +33,7 @@ import os
 import re
 import signal
 import sys
-import threading
+import time
 
 # Light imports only (no torch, numba or client): a bad flag is answered, and advantage-healthcheck runs, at
 # once; the server itself (advantage_server.server, .metrics) is imported once the flags have passed.
@@ -41,7 +41,7 @@ from advantage_server import logs
 from advantage_server.defaults import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_MAX_SHM_REGIONS_PER_CLIENT, DEFAULT_MIN_UPLOAD_RATE_KIB, DEFAULT_STREAM_IDLE_TIMEOUT,
-    DEFAULT_UPLOAD_RATE_WINDOW, DEFAULT_WORKERS,
+    DEFAULT_STREAM_WINDOW_MB, DEFAULT_UPLOAD_RATE_WINDOW, DEFAULT_WORKERS,
 )
 
 log = logging.getLogger("advantage_server")
@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upload-rate-window", type=seconds(allow_zero=False), default=DEFAULT_UPLOAD_RATE_WINDOW,
                    help="seconds the upload rate is averaged over, and the grace before its first check "
                         f"(default {DEFAULT_UPLOAD_RATE_WINDOW:g})")
+    p.add_argument("--stream-window-mb", type=non_negative_int, default=DEFAULT_STREAM_WINDOW_MB,
+                   help="MiB of HTTP/2 stream window the server announces, fixed: the most of its body gRPC receives "
+                        "for a call waiting for a place (the memory bound's 2 x C x F term); 0 = gRPC's BDP "
+                        "auto-tuning (faster uploads over a long round trip, memory unbounded by any flag; "
+                        f"default {DEFAULT_STREAM_WINDOW_MB})")
     p.add_argument("--max-shm-regions-per-client", type=positive_int, default=DEFAULT_MAX_SHM_REGIONS_PER_CLIENT,
                    help="shared-memory regions one client connection may hold registered; more are refused with "
                         "RESOURCE_EXHAUSTED (default "
@@ -184,9 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "kubelet gRPC probes of a TLS server (0 = any free port; "
                                                    "default: off)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="report SERVING without first compiling the CPU kernels (by default every kernel signature "
-                        "is compiled, or loaded from NUMBA_CACHE_DIR, while health says NOT_SERVING; the start-up "
-                        "log says how long it took). For tests; a first call may then wait seconds for a compile. "
+                   help="report SERVING without first loading or compiling the CPU kernels (by default every "
+                        "kernel signature is loaded from numba's cache (NUMBA_CACHE_DIR, else beside the package), or "
+                        "compiled, while health "
+                        "says NOT_SERVING: 0.5-0.9 s with a filled cache (about 2.2 s from process start to SERVING), "
+                        "20-40 s with an empty one on 2 cores; "
+                        "the start-up log says how long it took). For tests; a first call may then wait seconds for "
+                        "a compile. "
                         "ADVANTAGE_WARMUP=0 in the environment makes --no-warmup the default (the test suite sets "
                         "it for the servers it starts)")
     p.set_defaults(warmup=os.environ.get("ADVANTAGE_WARMUP", "1").strip() != "0")
@@ -223,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_shm_regions_per_client=args.max_shm_regions_per_client,
                                max_pending_per_peer=args.max_pending_per_peer,
                                max_pending_per_connection=args.max_pending_per_connection,
+                               stream_window_mb=args.stream_window_mb,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                auth_token=token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                health_port=args.health_port, warmup=args.warmup)
@@ -230,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    stop = threading.Event()
+    # A flag, not an Event: the handler runs in the main thread, between two bytecodes of whatever it is doing, and
+    # Event.set() takes the lock that the main thread's own Event.wait() may hold at that moment (a deadlock seen on
+    # CI: SIGTERM ignored for ever). stop_warmup is only read (is_set) while the main thread warms up.
+    stopping: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        stop.set()
+        stopping.append(signum)
         server.stop_warmup.set()  # a SIGTERM during the warm-up ends it at its next call (it can take 30+ s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -251,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         from advantage_server.metrics import HealthPort
         port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
         log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
-    while not stop.wait(0.5):
-        pass
+    while not stopping:  # the drain begins within 50 ms of the signal (a short call is still in flight)
+        time.sleep(0.05)
     log.info("shutting down: health NOT_SERVING, new calls UNAVAILABLE, finishing in-flight calls (grace %.1fs)",
              args.grace)
     server.stop(args.grace)
@@ -262,6 +275,38 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _health_hint(code: object, details: str, args: argparse.Namespace) -> str:
+    """What ``advantage-healthcheck`` prints after "unhealthy: " when its Check fails: the problem at
+    ``args.address`` first, what to check, then gRPC's code and text (kept: they name the resolved address)."""
+    name = getattr(code, "name", str(code))
+    grpc_text = f"(gRPC {name}: {details})"
+    low = details.lower()
+    tls = bool(args.tls_ca or args.tls_cert or args.tls_key)
+    if name == "UNAVAILABLE" and ("handshake" in low or "ssl" in low or "socket closed" in low
+                                  or "http/2" in low or "settings frame" in low):
+        fix = ("the server runs plaintext: drop --tls-ca/--tls-cert/--tls-key" if tls else
+               "a server started with --tls-cert needs --tls-ca (and --tls-cert/--tls-key for mutual TLS)")
+        return (f"the server at {args.address} did not complete a {'TLS' if tls else 'plaintext'} gRPC "
+                f"handshake: {fix}; or --address names a port that is not advantage-server's gRPC port "
+                f"{grpc_text}")
+    if name == "UNAVAILABLE":
+        return (f"no server is reachable at {args.address}: check that advantage-server is running (its log says "
+                "'advantage-server listening on ADDRESS'), that --address names that host and its gRPC port "
+                "(default 50051; the Docker image's health-only port is 50052), and that no firewall or "
+                f"network policy is in the way {grpc_text}")
+    if name == "DEADLINE_EXCEEDED":
+        return (f"no answer from {args.address} within --timeout {args.timeout:g} s: the address may drop "
+                "packets (a firewall, a wrong host), or the server is too busy to answer its health service; "
+                f"check the address, or pass a larger --timeout {grpc_text}")
+    if name == "UNIMPLEMENTED":
+        return (f"the server at {args.address} has no grpc.health.v1 Health service: --address names another "
+                f"service's port, not advantage-server's {grpc_text}")
+    if name == "NOT_FOUND":
+        return (f"the server at {args.address} knows no service {args.service!r}: leave --service out to check "
+                f"the whole server, or give 'advantage.v1.AdvantageService' {grpc_text}")
+    return f"{name}: {details}"
 
 
 def healthcheck_main(argv: list[str] | None = None) -> int:
@@ -282,6 +327,11 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
     args = p.parse_args(argv)
+    url = re.match(r"(?i)[a-z][a-z0-9+.-]*://([^/]*)", args.address)
+    if url and not args.address.lower().startswith(("dns:", "unix:")) or re.search(r":\d+/", args.address):
+        bare = url.group(1) if url else args.address.split("/", 1)[0]
+        p.error(f"--address {args.address!r} is not host:port: give the address without a scheme or a path, "
+                f"e.g. {bare!r}")
     if not re.search(r":\d+$", args.address) and not args.address.startswith(("unix:", "unix-abstract:", "vsock:")):
         p.error(f"--address {args.address!r} has no port: give host:port (the server's default port is 50051; "
                 "the Docker image's health-only port is 50052)")
@@ -301,7 +351,7 @@ def healthcheck_main(argv: list[str] | None = None) -> int:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as err:
-            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
+            print(f"unhealthy: {_health_hint(err.code(), err.details() or '', args)}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)

@@ -95,8 +95,11 @@ class AdvantageCore:
             raise InvalidInput("estimator", f"no estimator chosen: set one of {', '.join(REGISTRY)} "
                                             "in ComputeAdvantageRequest.estimator")
         if request.output_dtype not in _OUTPUT:
-            raise InvalidInput("output_dtype", "must be DTYPE_FLOAT32 (default), DTYPE_FLOAT64, DTYPE_BFLOAT16 "
-                                               "or DTYPE_FLOAT16")
+            got = pb.DType.Name(request.output_dtype) if request.output_dtype in pb.DType.values() \
+                else str(request.output_dtype)
+            raise InvalidInput("output_dtype", f"{got} is not a dtype results are returned in: set "
+                                               "DTYPE_FLOAT32 (the default), DTYPE_FLOAT64, DTYPE_BFLOAT16 or "
+                                               "DTYPE_FLOAT16, and cast the result for another dtype")
         violations, tensors = [], {}
         for key, msg in request.inputs.items():
             try:
@@ -145,7 +148,8 @@ class AdvantageCore:
         """
         spec = REGISTRY.get(name)
         if spec is None:
-            raise InvalidInput("estimator", f"unknown estimator {name!r}; choose one of {', '.join(REGISTRY)}")
+            raise InvalidInput("estimator", wire.unknown_estimator(
+                name, [n for n in REGISTRY if not n.startswith("_")]))
         if not isinstance(config, spec.config):
             config = config_from_dict(spec, config or {})
         config.validate()

@@ -23,20 +23,122 @@ the early news of a drain (which the drain's UNAVAILABLE refusals and the retry 
 a flood of tokenless ``Watch`` streams, or a thousand client processes on one host, cannot make a token holder's
 channel unhealthy (RESOURCE_EXHAUSTED, as before, made gRPC mark the connection unhealthy and fail every call
 UNAVAILABLE). ``Check`` stays unlimited (it holds nothing once answered).
+
+The health calls' request messages are read under bounds of their own (:meth:`HealthServicer.register`):
+grpcio takes a pool thread for a unary call *before* its one request message has arrived and waits for it
+without a time limit, so health calls whose message never came (they need no token) held the server's pool: 22
+silent ``Check`` calls against a 20-thread pool made a token holder's call time out. Registered here, the health
+methods run on a small pool of their own (``HEALTH_THREADS`` per server: the service's calls never wait behind
+them); a health request must arrive within ``HEALTH_REQUEST_S`` of the call's start, or the call is ended
+(CANCELLED at the client); and a host has at most ``HEALTH_READS_PER_HOST`` health calls waiting for their
+request for up to ``HEALTH_REQUEST_S`` at once; its others wait ``HEALTH_BUSY_REQUEST_S`` and are then answered
+UNIMPLEMENTED (a ``Watch`` client then treats the server as healthy, as above). A gRPC client sends the request
+with the call's headers, so a legitimate call is read at once, in a burst from one host too.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+import time
+from concurrent import futures
+from typing import Any, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from advantage_server.identity import call_peer, peer_host
 from advantage_server.shares import MAX_WATCHES, MAX_WATCHES_PER_HOST
+from advantage_server.uploads import _cancel_with_status
+
+#: threads of the health service's own pool, per server (the main server and ``--health-port``): ``Check`` is
+#: answered at once and an open ``Watch`` holds no thread, so they are busy only while a request is arriving
+HEALTH_THREADS = 4
+#: seconds a health call's one request message may take to arrive after the call started (a gRPC client sends it
+#: with the headers); a call still without it is ended, so a silent call holds a health thread at most this long
+HEALTH_REQUEST_S = 1.0
+#: health calls of one client host that may wait ``HEALTH_REQUEST_S`` for their request message at once
+#: (:func:`peer_host`: an IPv4 address, an IPv6 /64); the host's others wait ``HEALTH_BUSY_REQUEST_S``
+HEALTH_READS_PER_HOST = 2
+#: seconds a health call waits for its request message while ``HEALTH_READS_PER_HOST`` calls of its host are
+#: waiting for theirs; then it is answered UNIMPLEMENTED (a ``Watch`` client then treats the server as healthy).
+#: Long against a message that travels with its call's headers, short against what a silent call may hold
+HEALTH_BUSY_REQUEST_S = 0.2
 
 #: the old name of ``MAX_WATCHES_PER_HOST``
 MAX_WATCHES_PER_PEER = MAX_WATCHES_PER_HOST
+_HEALTH = "grpc.health.v1.Health"
+
+
+class _RequestReads:
+    """The health calls of one server that wait for their request message. Up to ``per_host`` of a client host
+    wait at most ``limit`` seconds each (then ended: CANCELLED); the others of that host at most ``busy_limit``
+    (then answered UNIMPLEMENTED), so a host whose calls do not send their message holds the health pool only
+    briefly per call, while a burst of ordinary calls from one host (each message on its way with its headers)
+    is served. One thread looks every ``busy_limit / 2`` while any call waits."""
+
+    def __init__(self, limit: float = HEALTH_REQUEST_S, per_host: int = HEALTH_READS_PER_HOST,
+                 busy_limit: float = HEALTH_BUSY_REQUEST_S):
+        self.limit, self.per_host, self.busy_limit = limit, per_host, busy_limit
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        #: id -> (when it is ended, its context, whether it was beyond per_host)
+        self._waiting: dict[int, tuple[float, Any, bool]] = {}
+        self._hosts: collections.Counter[str] = collections.Counter()
+        self._thread: threading.Thread | None = None
+        self.refused = 0  # calls beyond per_host whose message did not come within busy_limit (UNIMPLEMENTED)
+        self.ended = 0    # calls within per_host whose message did not come within limit (CANCELLED)
+
+    def read(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's one request message; None when the call ended before it arrived (the client left, or it
+        was ended here: see the class docstring). Aborts INVALID_ARGUMENT when the call has no message."""
+        host, key = peer_host(call_peer(context)), id(context)
+        with self._lock:
+            busy = self._hosts[host] >= self.per_host
+            if not busy:
+                self._hosts[host] += 1
+            self._waiting[key] = (time.monotonic() + (self.busy_limit if busy else self.limit), context, busy)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="advantage-health-reads", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        try:
+            with contextlib.suppress(grpc.RpcError):  # ended: the client left, or _run ended it
+                return next(requests)
+            return None
+        except StopIteration:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{_HEALTH} calls take exactly one request message")
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
+                if not busy:
+                    self._hosts[host] -= 1
+                    if self._hosts[host] <= 0:
+                        del self._hosts[host]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting:
+                    self._wake.wait()
+            time.sleep(self.busy_limit / 2)
+            now = time.monotonic()
+            with self._lock:
+                late = [k for k, (end, _, _) in self._waiting.items() if end <= now]
+                ended = [self._waiting.pop(k)[1:] for k in late]
+                self.refused += sum(busy for _, busy in ended)
+                self.ended += sum(not busy for _, busy in ended)
+            for context, busy in ended:
+                if busy:
+                    _cancel_with_status(context, TimeoutError(
+                        f"health is not offered to this call: its request message did not arrive within "
+                        f"{self.busy_limit:g} s while {self.per_host} health calls from its host were waiting for "
+                        "theirs (HEALTH_READS_PER_HOST); treat the server as healthy (gRPC clients do so on "
+                        "UNIMPLEMENTED), and send the request with the call"), "unimplemented")
+                else:
+                    _cancel_with_status(context, TimeoutError(
+                        f"the health request did not arrive within {self.limit:g} s of the call (HEALTH_REQUEST_S)"),
+                        "cancelled")
 
 
 class HealthServicer(health.HealthServicer):
@@ -101,6 +203,39 @@ class HealthServicer(health.HealthServicer):
                 return None
             send_response_callback(health_pb2.HealthCheckResponse(status=status))
         return None
+
+    def register(self, server: grpc.Server, threads: int = HEALTH_THREADS) -> _RequestReads:
+        """Serve ``grpc.health.v1.Health`` on ``server`` (in place of ``health_pb2_grpc.add_HealthServicer_to_server``)
+        with its own pool of ``threads`` and bounded request reads (:class:`_RequestReads`; see the module
+        docstring). Returns the reads' bookkeeping (its ``refused`` and ``ended`` counts)."""
+        pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="advantage-health")
+        reads = _RequestReads()
+
+        def check(requests, context):
+            request = reads.read(requests, context)
+            return None if request is None else self.Check(request, context)
+
+        def watch(requests, context, send_response_callback=None):
+            request = reads.read(requests, context)
+            if request is None:
+                if send_response_callback is not None:
+                    send_response_callback(None)
+                return None
+            return self.Watch(request, context, send_response_callback)
+
+        for behavior in (check, watch):
+            behavior.experimental_thread_pool = pool  # grpcio runs the call on this pool
+        watch.experimental_non_blocking = True  # an open Watch holds no thread (send_response_callback)
+        handlers = {
+            "Check": grpc.stream_unary_rpc_method_handler(
+                check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+            "Watch": grpc.stream_stream_rpc_method_handler(
+                watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_HEALTH, handlers),))
+        return reads
 
     def _on_close_callback(self, send_response_callback, service, host=None):
         def callback():

@@ -60,7 +60,7 @@ from advantage_server.defaults import (  # noqa: E402,F401 - re-exported
 )
 # the rooms of the admission model (see the module docstring), re-exported under their old names
 from advantage_server.admission import (  # noqa: E402,F401 - re-exported
-    ADMISSION_PUSHBACK_MS, LIGHT_CALLS, Draining, Overloaded, RequestGate, refusal_metadata,
+    ADMISSION_PUSHBACK_MS, LIGHT_CALLS, WAITING_PER_PLACE, Draining, Overloaded, RequestGate, refusal_metadata,
 )
 from advantage_server.identity import call_peer, peer_host  # noqa: E402,F401 - re-exported
 from advantage_server.shares import MAX_WATCHES, MAX_WATCHES_PER_HOST, PendingShares  # noqa: E402,F401
@@ -126,7 +126,9 @@ class Limits:
 
     @property
     def thread_pool_size(self) -> int:
-        return max(self.workers, self.max_concurrent_requests) + LIGHT_CALLS + SPARE_THREADS
+        # + the waiting room (RequestGate.max_waiting: WAITING_PER_PLACE waiting calls per place)
+        return max(self.workers, self.max_concurrent_requests) + WAITING_PER_PLACE * self.max_concurrent_requests \
+            + LIGHT_CALLS + SPARE_THREADS
 
     @property
     def grpc_max_concurrent_rpcs(self) -> int:

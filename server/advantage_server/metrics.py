@@ -154,13 +154,11 @@ class HealthPort:
     server) on ``host:port``. Bound at construction (a port in use raises ``RuntimeError``)."""
 
     def __init__(self, health_servicer: Any, host: str, port: int):
-        from grpc_health.v1 import health_pb2_grpc
-
         # health calls only: Check is answered at once, a Watch holds no thread (and is capped by the servicer)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-port"),
                                    options=[("grpc.so_reuseport", 0),
                                             ("grpc.max_concurrent_streams", HEALTH_STREAMS_PER_CONNECTION)])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        health_servicer.register(self._server)  # its own pool; a request that does not arrive is not waited for
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = self._server.add_insecure_port(address)

@@ -47,7 +47,7 @@ import torch
 from google.protobuf import any_pb2, message_factory
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from advantage_client.proto import advantage_pb2 as pb
@@ -57,6 +57,7 @@ from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.regions import RegionGone
 from advantage_server.health_service import HealthServicer
+from advantage_server.defaults import DEFAULT_STREAM_WINDOW_MB
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
     DEFAULT_WORKERS,
@@ -64,7 +65,8 @@ from advantage_server.limits import (
     DEFAULT_UPLOAD_RATE_WINDOW, LIGHT_BODY_BYTES,
     Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
-from advantage_server.admission import Draining, RequestGate, refusal_metadata
+from advantage_server.admission import Caller, Draining, RequestGate, refusal_metadata
+from advantage_server.identity import call_peer, peer_host
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -90,6 +92,21 @@ _KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+def flow_control_options(stream_window_mb: int) -> list[tuple[str, int]]:
+    """gRPC server options for ``--stream-window-mb``: the HTTP/2 stream window the server announces, fixed.
+
+    A call waiting for a place in the admission room has not asked for its body, so gRPC's core receives at most
+    this window of it meanwhile (RELIABILITY.md, "Peak memory bound": the 2 x C x F term). With gRPC's BDP probe
+    on (``stream_window_mb=0``) the window grows to twice the measured bandwidth-delay product, at least 4 MiB,
+    bounded by no flag: measured up to ~40 MiB per waiting call on loopback. A call being read is not held to the
+    window (gRPC announces the rest of the message it reads), so on a LAN an admitted upload runs as fast either
+    way; at 50 ms round trip a 40 MiB call took 0.7-0.8 s against 0.3-0.55 s with the probe (BENCHMARKS.md).
+    4 MiB is the least window gRPC's own BDP tuning announces; Go and Java gRPC run fixed windows too.
+    """
+    if stream_window_mb == 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window_mb << 20)]
 
 
 #: the drain (BoundServer.stop): refuse calls until none came for DRAIN_QUIET_S (at most DRAIN_QUIET_MAX_S)
@@ -174,6 +191,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         self.uploads = UploadWatch(self.limits.stream_idle_timeout, per_peer=self.limits.pending_per_peer,
                                    per_connection=self.limits.pending_per_connection)
         self.uploads.on_lent_exit = self.gate.repay
+        self.gate.stalled = self.uploads.stalled  # the waiting room's order (shares.wait_rank)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
@@ -211,7 +229,8 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             what, status, pushback = method.name, None, ()
             try:
                 with self.gate.admit(limited, context.add_callback,
-                                     (lambda: self._make_room(context)) if limited else None), \
+                                     (lambda: self._make_room(context)) if limited else None,
+                                     self._caller(context) if limited else None), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
                     data = self._receive(requests, context, counted=limited)
                     if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
@@ -255,6 +274,12 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         is refused anyway, and the uploads in progress keep their places to finish."""
         if not self.gate.draining and self.uploads.evict_for(context):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
+
+    @staticmethod
+    def _caller(context: grpc.ServicerContext) -> Caller:
+        """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room."""
+        peer = call_peer(context)
+        return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)
 
     def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` (the streaming transport's, which admits the call itself with :meth:`_make_room`) with the
@@ -376,8 +401,8 @@ class BoundServer:
         for endpoint in self.endpoints:
             endpoint.start()
         if self.warmup:  # health is NOT_SERVING (set in create_server) until every kernel is compiled or loaded
-            log.info("warming up on %s: compiling the CPU kernels, or loading them from numba's cache; health says "
-                     "NOT_SERVING until done (about 30 s with an empty cache, a few seconds with a filled one; "
+            log.info("warming up on %s: loading the CPU kernels from numba's cache, or compiling them; health says "
+                     "NOT_SERVING until done (0.5-0.9 s with a filled cache, 20-40 s with an empty one on 2 cores; "
                      "--no-warmup skips it)", self.address)
             self.warmup_report = warm(self.core, self.stop_warmup)
             if self.warmup_report.stopped:  # SIGTERM during the warm-up: stay NOT_SERVING, the caller stops us
@@ -416,11 +441,11 @@ class BoundServer:
             return min(cap, max(0.0, end - time.monotonic()))
         self.health.enter_graceful_shutdown()
         self.gate.start_draining()
-        self.gate.wait_quiet(DRAIN_QUIET_S, left(DRAIN_QUIET_MAX_S))
-        done = self.grpc_server.stop(left())
-        in_flight = self.gate.in_flight
+        in_flight = self.gate.in_flight  # counted when the drain begins: a short call may end during step 1
         if in_flight:
             log.info("draining: waiting for %d call(s) in progress", in_flight)
+        self.gate.wait_quiet(DRAIN_QUIET_S, left(DRAIN_QUIET_MAX_S))
+        done = self.grpc_server.stop(left())
         if not self._wait_idle(left):
             log.warning("grace period of %.1fs over with %d call(s) still running; cancelling them", grace,
                         self.gate.in_flight)
@@ -482,7 +507,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                   upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW,
                   max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT,
                   max_pending_per_peer: int | None = None,
-                  max_pending_per_connection: int | None = None, warmup: bool = False) -> BoundServer:
+                  max_pending_per_connection: int | None = None, stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB,
+                  warmup: bool = False) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
     Serves ``advantage.v1.AdvantageService``, ``grpc.health.v1.Health`` and server reflection.
@@ -499,7 +525,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     ``max_concurrent_requests``, at least 1): when the server is full, a caller whose host (connection) holds
     fewer pending calls than that takes a place back from a host (a connection of its host) holding more, max-min
     fair (:mod:`advantage_server.shares`; RELIABILITY.md, "The admission model"); a call that gets no place is
-    refused with RESOURCE_EXHAUSTED and ``grpc-retry-pushback-ms``. Health means alive: NOT_SERVING while warming
+    refused with RESOURCE_EXHAUSTED and ``grpc-retry-pushback-ms``; ``stream_window_mb`` the HTTP/2 stream window
+    announced, fixed (0: gRPC's BDP tuning; :func:`flow_control_options`). Health means alive: NOT_SERVING while warming
     up and draining, SERVING otherwise, full or not; health ``Watch`` streams beyond their bounds in total and per
     client host are answered UNIMPLEMENTED (``HealthServicer``: the client then treats the server as healthy).
     Security: ``tls_cert`` + ``tls_key`` (PEM bytes or paths) serve TLS;
@@ -512,12 +539,15 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     ``health_port`` serves the health service in plaintext on ``host`` (for kubelet gRPC probes)
     (0 = any free port; the ports are ``.metrics.port`` and ``.endpoints``).
 
-    ``warmup``: :meth:`BoundServer.start` compiles (or loads from numba's cache) every CPU kernel signature
+    ``warmup``: :meth:`BoundServer.start` loads from numba's cache (or compiles) every CPU kernel signature
     a request can need before health reports SERVING (NOT_SERVING meanwhile; :mod:`advantage_server.warmup`:
-    well under a second with a filled cache, ~20 s of CPU with an empty one), and logs how long it took.
+    0.5-0.9 s with a filled cache and its signature list, ~24 s of CPU with an empty cache), and logs how long
+    it took.
     Off by default here (tests build many servers in one process); ``advantage-server`` and the Ray replicas
     warm unless ``--no-warmup``.
     """
+    if not 0 <= stream_window_mb <= 1024:
+        raise ValueError(f"stream_window_mb={stream_window_mb}: give 0 (gRPC's BDP tuning) to 1024 MiB")
     limits = Limits(max_message_mb=max_message_mb, max_stream_mb=max_stream_mb, max_batch_elements=max_batch_elements,
                     max_concurrent_requests=max_concurrent_requests, workers=workers,
                     stream_idle_timeout=stream_idle_timeout, min_upload_rate_kib=min_upload_rate_kib,
@@ -537,13 +567,14 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         # calls of any kind one client connection may have open at once (health Watch streams included)
         ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
         *_KEEPALIVE_OPTIONS,
+        *flow_control_options(stream_window_mb),
     ]
     servicer = AdvantageServicer(core, limits)
     server = grpc.server(pool, interceptors=[observer, *([auth] if auth else [])], options=options,
                          maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
     servicer.register(server)
     health_servicer = HealthServicer(experimental_non_blocking=True)  # grpc_health's, minus its shutdown deadlock
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.register(server)  # its own pool; a request that does not arrive is not waited for
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(GatedReflection(

@@ -19,7 +19,12 @@ would only trade places between equals, and cut an upload that may be in progres
 slow-loris's own connections cut each other's calls and raced the legitimate newcomer for the freed places). So a stalled connection uses up
 only its own share, a neighbour connection on the same host keeps its own, and another host keeps its own
 however many connections or addresses the staller opens (all of 127/8 is one host, an IPv6 /64 is one host).
-A newcomer that can take no place is refused with RESOURCE_EXHAUSTED and a retry pushback
+A newcomer that can take no place waits for one, at most ``ADMISSION_WAIT_S``
+(:class:`advantage_server.admission.RequestGate`); each place that frees goes to the waiting call ranked first
+by :func:`wait_rank`: the fewest *stalled* uploads (no bytes for ``STALL_S``) on its host, then on its connection,
+then the longest waiting. Stalled, not pending: a connection whose calls send their bodies promptly is not
+charged for the calls it has in progress, while one that holds places without sending waits behind everybody
+else. A call still without a place when its wait ends is refused with RESOURCE_EXHAUSTED and a retry pushback
 (:class:`advantage_server.admission.Overloaded`).
 
 **Anonymous callers.** With ``--auth-token-file`` (or mutual TLS) the only thing a caller without credentials
@@ -32,7 +37,32 @@ streams bounds memory without making any token holder's channel unhealthy.
 from __future__ import annotations
 
 import collections
+from typing import Mapping
 
+#: seconds without request bytes after which a pending upload counts as *stalled* for the waiting room's order
+#: (:func:`wait_rank`): long against the time a prompt client's body takes to arrive on a busy server (a few
+#: milliseconds), short against what a call that holds a place without sending holds it for
+STALL_S = 0.1
+#: a stream upload whose last chunk arrived at ``STALL_FAST_RATE`` bytes per second or faster counts as stalled only
+#: after ``STALL_PACE`` times that chunk's time without the next (at most ``STALL_MAX_S``), not after ``STALL_S``:
+#: gRPC hands a chunk over only once all of it has arrived, so a 4 MiB chunk on a link slower than 40 MiB/s reads
+#: as no bytes for longer than ``STALL_S`` while it is on its way (a trickle of small chunks gets no such grace)
+STALL_FAST_RATE = 4 << 20
+STALL_PACE = 2.0
+STALL_MAX_S = 1.0
+
+
+def stall_after(nbytes: int, gap: float) -> float:
+    """Seconds without a chunk after which a stream upload counts as *stalled*, given its last chunk: ``nbytes``
+    bytes that took ``gap`` seconds since the chunk before (or since admission). ``STALL_S``, or for a chunk that
+    arrived at ``STALL_FAST_RATE`` or faster ``STALL_PACE * gap`` (between ``STALL_S`` and ``STALL_MAX_S``)."""
+    if nbytes <= 0 or gap <= 0 or nbytes / gap < STALL_FAST_RATE:
+        return STALL_S
+    return min(STALL_MAX_S, max(STALL_S, STALL_PACE * gap))
+#: seconds a connection counts as holding a stalled upload after one of its uploads was cut (stalled past
+#: ``--stream-idle-timeout``, slower than ``--min-upload-rate-kib``, or cut to give its place to another client):
+#: long against a slow-loris's reopen loop, short against a trainer's occasional pause
+CUT_MEMORY_S = 10.0
 #: health ``Watch`` streams open at once, in all (about 17 KiB each, measured: ~17 MiB at most)
 MAX_WATCHES = 1024
 #: health ``Watch`` streams open at once from one client host; beyond it a ``Watch`` is answered UNIMPLEMENTED
@@ -86,3 +116,15 @@ class PendingShares:
         if vc != nc and (not self.per_connection or conn_n < self.per_connection) and conn_v > conn_n:
             return (0, conn_v - conn_n, host_v, conn_v)
         return None
+
+
+def wait_rank(stalled_hosts: Mapping[str, int], stalled_connections: Mapping[str, int], connection: str, host: str,
+              arrived: float) -> tuple[int, int, int, float]:
+    """The order of the waiting room (smaller first): ``(1 if the caller's connection holds a stalled upload else
+    0, stalled uploads of its host, of its connection, its arrival time)``, from
+    :meth:`advantage_server.uploads.UploadWatch.stalled`'s counts. A connection that sends its bodies promptly
+    comes before every connection that stalls, whatever its host (a neighbour of a staller keeps its own share);
+    among those, the host with the fewest stalled uploads first, then the connection, then first come, first
+    served."""
+    conn = stalled_connections.get(connection, 0)
+    return min(conn, 1), stalled_hosts.get(host, 0), conn, arrived

@@ -242,7 +242,7 @@ class TransportMethods:
         what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
         try:
-            with self.gate.admit(True, context.add_callback, lambda: self._make_room(context)):
+            with self.gate.admit(True, context.add_callback, lambda: self._make_room(context), self._caller(context)):
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,

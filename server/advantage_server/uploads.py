@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -18,9 +19,12 @@ from advantage_server.defaults import DEFAULT_UPLOAD_RATE_WINDOW
 from advantage_server.admission import Draining
 from advantage_server.errors import ResourceLimit
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import PendingShares
+from advantage_server.shares import CUT_MEMORY_S, STALL_S, PendingShares, stall_after
 
 log = logging.getLogger("advantage_server")
+#: seconds :meth:`UploadWatch.stalled` answers from its last count (it is asked several times per call; a count a
+#: few milliseconds old is exact enough against ``STALL_S``, and a cut renews it at once)
+STALLED_CACHE_S = 0.005
 #: seconds between two WARNING lines about calls cut for another client (the count in between is in the line)
 CUT_WARN_INTERVAL = 10.0
 
@@ -37,7 +41,7 @@ class _Upload:
     """One watched upload: its idle deadline, bytes received, rate samples, and whether (why) it was cut."""
 
     __slots__ = ("context", "idle_deadline", "cut", "min_rate", "window", "started", "received", "samples",
-                 "largest", "keys", "lent")
+                 "largest", "keys", "lent", "touched", "stall_after")
 
     def __init__(self, context: Any, idle_deadline: float, min_rate: int, window: float, now: float):
         self.context, self.idle_deadline = context, idle_deadline
@@ -47,6 +51,13 @@ class _Upload:
         self.min_rate, self.window, self.started, self.received = min_rate, window, now, 0
         self.samples: collections.deque[tuple[float, int]] = collections.deque([(now, 0)])
         self.largest = 0  # the largest chunk received: bytes count only once a whole chunk has arrived
+        #: when its last chunk arrived (admission before the first), and the seconds after which it counts as
+        #: stalled without the next (:func:`advantage_server.shares.stall_after`)
+        self.touched, self.stall_after = now, STALL_S
+
+    def stalled(self, now: float) -> bool:
+        """No chunk for ``stall_after`` seconds (its body is not arriving), and not cut already."""
+        return self.cut is None and now - self.touched >= self.stall_after
 
     def span(self) -> float:
         """The window the rate is averaged over: ``window``, widened to two chunks' time at the minimum rate
@@ -120,6 +131,11 @@ class UploadWatch:
         self._watched: dict[int, _Upload] = {}
         self.shares = PendingShares(per_host=per_peer, per_connection=per_connection)  # under _lock
         self.evictions = 0  # calls cut by evict_for
+        #: (connection, host) -> when an upload of it was last cut for stalling, crawling or another client (under
+        #: _lock): counted as stalled for CUT_MEMORY_S (:meth:`stalled`)
+        self._cut_at: dict[tuple[str, ...], float] = {}
+        self._stalled_cache: tuple[float, tuple[collections.Counter[str], collections.Counter[str]]] = (
+            -math.inf, (collections.Counter(), collections.Counter()))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.cuts = 0       # calls cut, for either reason
@@ -137,11 +153,12 @@ class UploadWatch:
         RESOURCE_EXHAUSTED saying why. True when one was cut (its place frees within moments)."""
         peer = call_peer(context)
         newcomer = (peer, peer_host(peer))
+        now = time.monotonic()
         with self._lock:
             best: tuple[Any, ...] | None = None
             for e in self._watched.values():
-                if not e.keys or e.cut is not None:
-                    continue
+                if not e.keys or not e.stalled(now):
+                    continue  # only a stalled upload is cut: a body that is arriving promptly never is
                 rank = self.shares.rank(e.keys, newcomer)
                 if rank is None or rank[1] < 2:
                     continue  # one apart, a swap would only trade places between equals
@@ -160,6 +177,8 @@ class UploadWatch:
                        f"connection on the same host {conn_n} (places are shared fairly between the connections of "
                        f"a host; --max-pending-per-connection={self.per_connection})")
             victim.lent = True
+            self._cut_at[victim.keys] = time.monotonic()
+            self._stalled_cache = (-math.inf, self._stalled_cache[1])
             victim.cut = UploadCut(
                 f"cut to give its place to another client: the server was full and {why}; send each request in "
                 "full as soon as its call starts (a call whose body has arrived is never cut for another)")
@@ -209,6 +228,34 @@ class UploadWatch:
             self.shares.remove(*entry.keys)
         entry.keys = ()
 
+    def stalled(self) -> tuple[collections.Counter[str], collections.Counter[str]]:
+        """(per host, per connection) the pending uploads that have received no bytes for ``STALL_S`` seconds
+        (since admission or their last chunk; longer after a chunk that arrived fast: ``shares.stall_after``), plus one for each connection an upload of which was cut (stalled,
+        too slow, or cut for another client) in the last ``CUT_MEMORY_S`` seconds: the waiting room's order
+        (:func:`advantage_server.shares.wait_rank`) and who may fill the server only to
+        :attr:`advantage_server.admission.RequestGate.stalled_cap`. The memory matters: a slow-loris whose calls
+        are cut as fast as they come never holds one for ``STALL_S``."""
+        now = time.monotonic()
+        if now - self._stalled_cache[0] < STALLED_CACHE_S:
+            hosts, conns = self._stalled_cache[1]  # asked several times per call: a count 5 ms old is exact enough
+            return collections.Counter(hosts), collections.Counter(conns)  # copies: the cache stays as counted
+        hosts: collections.Counter[str] = collections.Counter()
+        conns: collections.Counter[str] = collections.Counter()
+        with self._lock:
+            if self._cut_at:
+                for keys, at in list(self._cut_at.items()):
+                    if now - at > CUT_MEMORY_S:
+                        del self._cut_at[keys]
+                    else:
+                        conns[keys[0]] += 1
+                        hosts[keys[1]] += 1
+            for e in self._watched.values():
+                if e.keys and e.stalled(now):
+                    conns[e.keys[0]] += 1
+                    hosts[e.keys[1]] += 1
+            self._stalled_cache = (now, (hosts, conns))
+        return hosts, conns
+
     def pending(self, peer: str) -> tuple[int, int]:
         """(calls of connection ``peer``, calls of its host) waiting for their body now; ``peer`` is a peer
         string (``ipv4:1.2.3.4:5678``)."""
@@ -238,7 +285,11 @@ class UploadWatch:
                 self._thread.start()
 
         def touch(nbytes: int = 0) -> None:
-            entry.idle_deadline = time.monotonic() + self.timeout
+            t = time.monotonic()
+            # touched first: a reader in between sees the new chunk with the old (longer or equal) grace, never
+            # the old time with a new short grace
+            entry.touched, entry.stall_after = t, stall_after(nbytes, t - entry.touched)
+            entry.idle_deadline = t + self.timeout
             entry.received += nbytes
             entry.largest = max(entry.largest, nbytes)
 
@@ -293,6 +344,9 @@ class UploadWatch:
                             continue
                         e.cut = self.slow_error(rate, e)
                         self.slow_cuts += 1
+                    if e.keys:
+                        self._cut_at[e.keys] = now
+                        self._stalled_cache = (-math.inf, self._stalled_cache[1])
                     cut.append(e)
             for e in cut:
                 self.cuts += 1

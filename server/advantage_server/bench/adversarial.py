@@ -344,11 +344,14 @@ def _server(host: str, token_file: str, log) -> tuple[subprocess.Popen, str]:
 
 
 def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, seconds: float = 4.0,
-                    netns: bool = True) -> dict[str, Any]:
+                    netns: bool = True, rounds: int = 1) -> dict[str, Any]:
     """Measure every attack; returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
-    "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "errors", "note"}]}``
-    (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the end}``.
-    ``base_calls_s``: the mean of the windows alone before and after the attack's window."""
+    "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "rounds", "errors",
+    "note"}]}`` (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the
+    end}``. The windows alternate (alone, attack 1, alone, attack 2, ..., alone), ``rounds`` times over;
+    ``base_calls_s``: the mean of the windows alone just before and just after each of the attack's windows,
+    ``attack_calls_s`` the mean of its windows, ``fraction`` their ratio (the calls of every round pooled: a
+    longer measurement, not a choice among rounds) and ``rounds`` each round's own fraction."""
     ns = NetNs() if netns else None
     other_reason = "" if ns and ns.available else (ns.reason if ns else "skipped: --no-netns")
     host = HOST_ADDR if ns and ns.available else "127.0.0.1"
@@ -379,29 +382,43 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
                 t.join()
             return results
 
-        # windows alternate: alone, attack 1, alone, attack 2, ..., alone; each attack is compared with the mean
-        # of the windows alone just before and just after it (the machine's other load drifts between windows)
+        # each attack is compared with the mean of the windows alone just before and just after it (the machine's
+        # other load drifts between windows); per (attack, where): [(base calls, attacked calls)] per round
+        seen: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        errors: dict[tuple[str, str], dict[str, int]] = {}
         before = window()
+        for _ in range(max(1, rounds)):
+            for kind in attacks:
+                attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file])
+                try:
+                    hit = window()
+                finally:
+                    attacker.close()
+                after = window()
+                for where in workers:
+                    seen.setdefault((kind, where), []).append(
+                        ((before[where]["ok"] + after[where]["ok"]) / 2, hit[where]["ok"]))
+                    for code, n in hit[where]["errors"].items():
+                        errs = errors.setdefault((kind, where), {})
+                        errs[code] = errs.get(code, 0) + n
+                before = after
         for kind in attacks:
-            attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file])
-            try:
-                hit = window()
-            finally:
-                attacker.close()
-            after = window()
             for where in ("same host", "other host"):
                 if where not in workers:
                     out["rows"].append({"attack": kind, "where": where, "base_calls_s": None, "attack_calls_s": None,
-                                        "fraction": None, "meets": None, "errors": {}, "note": other_reason})
+                                        "fraction": None, "meets": None, "rounds": [], "errors": {},
+                                        "note": other_reason})
                     continue
-                b = (before[where]["ok"] + after[where]["ok"]) / (2 * seconds)
-                a = hit[where]["ok"] / seconds
+                pairs = seen[(kind, where)]
+                b = sum(p[0] for p in pairs) / (len(pairs) * seconds)
+                a = sum(p[1] for p in pairs) / (len(pairs) * seconds)
                 frac = a / b if b else None
                 out["rows"].append({"attack": kind, "where": where, "base_calls_s": b, "attack_calls_s": a,
                                     "fraction": frac, "meets": None if frac is None else frac >= TARGET_FRACTION,
-                                    "errors": hit[where]["errors"],
-                                    "note": f"{clients} clients, {seconds:g} s windows"})
-            before = after
+                                    "rounds": [p[1] / p[0] if p[0] else None for p in pairs],
+                                    "errors": errors.get((kind, where), {}),
+                                    "note": f"{clients} clients, {seconds:g} s windows"
+                                            + (f", {len(pairs)} rounds pooled" if len(pairs) > 1 else "")})
         out["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     finally:
         for w in workers.values():
@@ -423,13 +440,15 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = ["", f"adversarial: legitimate goodput under attack / without (target >= {TARGET_FRACTION:.0%}); "
              f"server {result.get('server', '?')} ({' '.join(SERVER_FLAGS)}, --auth-token-file); "
              f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"]
-    header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", ">= 90%", "errors / note"]
+    header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", "each round", ">= 90%",
+              "errors / note"]
     table = []
     for r in result["rows"]:
         f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
         errs = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items()))
         table.append([r["attack"], r["where"], f(r["base_calls_s"]), f(r["attack_calls_s"]),
                       "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
+                      "/".join("-" if x is None else f"{100 * x:.0f}" for x in r.get("rounds", [])) or "-",
                       "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
                       "; ".join(filter(None, [errs, r["note"]]))])
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
@@ -440,10 +459,10 @@ def render(result: dict[str, Any]) -> list[str]:
 
 
 def adversarial_section(report: Any, row: Callable[..., Any], clients: int = 4, seconds: float = 4.0,
-                        attacks: tuple[str, ...] = ATTACKS) -> dict[str, Any]:
+                        attacks: tuple[str, ...] = ATTACKS, rounds: int = 1) -> dict[str, Any]:
     """Run :func:`run_adversarial` and add one ``Row("adversarial", attack, where, ...)`` per figure
     (``vs_ours`` = the goodput fraction, ``calls_s`` = calls per second under attack). Returns the dict."""
-    result = run_adversarial(attacks, clients, seconds)
+    result = run_adversarial(attacks, clients, seconds, rounds=rounds)
     for r in result["rows"]:
         report.add(row("adversarial", r["attack"], r["where"], "AdvantageClient goodput",
                        vs_ours=r["fraction"], calls_s=r["attack_calls_s"],

@@ -15,7 +15,7 @@ QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
 SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start", "adversarial")
 #: sections run only when named in --sections (cold-start: three server starts, one compiling for ~20 s;
-#: adversarial: a server, attackers and a network namespace, ~1 min)
+#: adversarial: a server, attackers and a network namespace, ~3 min with its default 3 rounds)
 OPT_IN_SECTIONS = ("cold-start", "adversarial")
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
 CONFIGS: dict[str, dict] = {
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adversarial-seconds", type=float, default=None,
                     help="adversarial section: seconds per window, each attack one window without and one with "
                          "(default 4; quick 2)")
+    ap.add_argument("--adversarial-rounds", type=int, default=None,
+                    help="adversarial section: times the sequence of windows runs; each figure pools the calls of "
+                         "every round and the table shows each round's own (default 3; quick 1)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")

@@ -41,6 +41,7 @@ import argparse
 import concurrent.futures
 import copy
 import csv
+import dataclasses
 import pathlib
 import sys
 import threading
@@ -53,8 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client import AdvantageClient, AdvantageServiceError, wire
+from advantage_server.core import config_from_dict
 from advantage_server.demo.options import add_config_arguments
+from advantage_server.estimators import REGISTRY
 from advantage_server.demo.service import connect
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "grpo_passk", "opd", "reinforce_plus_plus",
@@ -543,14 +546,47 @@ def warm_start(cfg: LMConfig, with_teacher: bool) -> WarmStart:
                      teacher_accuracy=teacher_acc)
 
 
+def compared_estimators(cfg: LMConfig) -> list[str]:
+    """The estimators a run trains with: ``--compare``'s comma-separated names, else ``--estimator``. Raises
+    ValueError naming ``--compare`` for an empty or unknown name there (with a suggestion and the names this
+    demo runs)."""
+    if not cfg.compare:
+        return [cfg.estimator]
+    names = [e.strip() for e in cfg.compare.split(",")]
+    for name in names:
+        if not name:
+            raise ValueError(f"--compare {cfg.compare!r} has an empty name: give comma-separated estimators, "
+                             f"e.g. --compare grpo,rloo (this demo runs {', '.join(ESTIMATORS)})")
+        if name not in ESTIMATORS:
+            raise ValueError(f"--compare {cfg.compare!r}: {name!r} is not an estimator this demo runs."
+                             f"{wire.did_you_mean(name, ESTIMATORS, wire.ESTIMATOR_ALIASES)} Choose from "
+                             f"{', '.join(ESTIMATORS)}")
+    return names
+
+
 def check_config(cfg: LMConfig) -> None:
-    """Raise ValueError for an estimator or KL option this demo does not run."""
+    """Raise ValueError for an estimator, KL option or ``--semantics`` this demo does not run, before any
+    training (``--semantics`` is checked as the server checks the config: an unknown name, or one that
+    ``cfg.estimator`` does not offer)."""
     if cfg.estimator not in ESTIMATORS:
-        raise ValueError(f"--estimator {cfg.estimator!r}: choose one of {', '.join(ESTIMATORS)}")
+        raise ValueError(f"--estimator {cfg.estimator!r} is not an estimator this demo runs."
+                         f"{wire.did_you_mean(cfg.estimator, ESTIMATORS, wire.ESTIMATOR_ALIASES)} "
+                         f"Choose one of {', '.join(ESTIMATORS)}")
     if cfg.kl_type not in ("k1", "k2", "k3") or cfg.kl_in not in ("loss", "reward"):
         raise ValueError(f"--kl-type {cfg.kl_type!r} --kl-in {cfg.kl_in!r}: choose k1, k2 or k3 and loss or reward")
     if cfg.kl_coef > 0 and cfg.kl_in == "reward" and cfg.estimator not in KL_IN_REWARD:
         raise ValueError(f"--kl-in reward needs one of {', '.join(KL_IN_REWARD)}, not {cfg.estimator}")
+    spec = REGISTRY[cfg.estimator]
+    if cfg.semantics and "semantics" not in {f.name for f in dataclasses.fields(spec.config)}:
+        raise ValueError(f"--semantics {cfg.semantics!r}: {cfg.estimator} has one semantics only; drop "
+                         f"--semantics{' (or run ' + cfg.estimator + ' apart from --compare)' if cfg.compare else ''}")
+    try:
+        config = config_from_dict(spec, estimator_config(cfg))
+        config.validate()
+        config.resolved()
+    except ValueError as exc:
+        flag = f"--semantics {cfg.semantics!r}" if cfg.semantics and "semantics" in str(exc) else "the options"
+        raise ValueError(f"{flag} with {cfg.estimator}: {exc}") from None
 
 
 def train_rl(cfg: LMConfig, client: AdvantageClient, start: WarmStart) -> TrainResult:
@@ -618,8 +654,8 @@ def train_rl(cfg: LMConfig, client: AdvantageClient, start: WarmStart) -> TrainR
 def train(cfg: LMConfig) -> list[TrainResult]:
     """Warm start once, then one RL run per estimator (``cfg.compare`` or ``cfg.estimator``), each from the
     same warm start and seed, through an in-process server unless ``cfg.server`` names one."""
-    estimators = [e.strip() for e in cfg.compare.split(",")] if cfg.compare else [cfg.estimator]
-    for name in estimators:
+    estimators = compared_estimators(cfg)
+    for name in estimators:  # every name and option before the warm start (25-60 s)
         check_config(replace(cfg, estimator=name))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)

@@ -53,7 +53,7 @@ Where the references compute different numbers (``semantics``):
     references divide 0 by 0 (NaN). Their float32 mean of a tie on a non-dyadic value (0.1, or a
     discounted return) can miss it by an ulp, which mean_std_norm divides by a std of the same size plus
     epsilon: rounding noise there (Trinity-RFT 0.6.0: up to 0.63 seen with epsilon = 1e-6), 0 here
-    (README, differences table).
+    (docs/references.md, "Where the service and the pinned releases differ").
 
 Defaults: gamma = 0.95 (verl_agent: algorithm.gamma of every GiGPO example script at that commit, the
 trainer's config default being 1.0; roll: step_reward_gamma), 1.0 (trinity's default); step_advantage_weight

@@ -79,7 +79,8 @@ class EstimatorConfig:
                 raise InvalidInput(f"config.{f.name}", f"must be finite, got {value}")
             choices = f.metadata.get("choices")
             if choices is not None and value is not None and value not in choices:
-                raise InvalidInput(f"config.{f.name}", f"{value!r} is not available here; use "
+                raise InvalidInput(f"config.{f.name}", f"{value!r} is not offered by this estimator "
+                                                       f"({type(self).__name__}); use "
                                                        f"{' or '.join(map(str, choices))}")
             lo, hi = f.metadata.get("range", (None, None))
             if value is None or isinstance(value, (bool, str, tuple)):

@@ -1,0 +1,416 @@
+"""The admission waiting room (issue #27, slow-loris and stalled-uploader goodput): a call that finds every
+``--max-concurrent-requests`` place taken waits for one, at most ``ADMISSION_WAIT_S``; a freed place goes to
+the waiting call whose host, then connection, holds the fewest stalled uploads (``shares.wait_rank``), or is kept
+``PARK_S`` for the next call of the connection that freed it when only worse-ranked callers wait.
+
+Before the waiting room, a full server refused every call at once: a legitimate client lost its place to
+whichever staller polled first after each of its calls, and paid a 50-300 ms pushback for each refusal (measured
+with ``advantage-bench --sections adversarial``: 23-34 % goodput for a same-host neighbour of a slow-loris).
+These tests drive :class:`~advantage_server.admission.RequestGate` directly, with a stand-in for the stalled-upload
+counts, and one real server.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import grpc
+import numpy as np
+import pytest
+
+from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
+from advantage_client.client import build_request
+from advantage_server import admission
+from advantage_server.admission import Caller, Draining, Overloaded, RequestGate
+
+
+@pytest.fixture
+def long_wait(monkeypatch):
+    """``ADMISSION_WAIT_S`` of 20 s, so that a slow machine does not end a wait these tests hold on purpose."""
+    monkeypatch.setattr(admission, "ADMISSION_WAIT_S", 20.0)
+
+
+class _Stalled:
+    """Stand-in for ``UploadWatch.stalled``: stalled uploads per host and per connection, set by the test."""
+
+    def __init__(self):
+        self.hosts: dict[str, int] = {}
+        self.conns: dict[str, int] = {}
+
+    def __call__(self):
+        return dict(self.hosts), dict(self.conns)
+
+
+def _gate(places: int = 1, waiting: int | None = None) -> tuple[RequestGate, _Stalled]:
+    gate = RequestGate(places, places, max_waiting=waiting)
+    stalled = _Stalled()
+    gate.stalled = stalled
+    return gate, stalled
+
+
+class _Call(threading.Thread):
+    """One limited call through ``gate``: admitted (``admitted`` set), holds its place until ``release`` is set;
+    ``outcome`` is "ok", or the refusal's class name."""
+
+    def __init__(self, gate: RequestGate, caller: Caller, make_room=lambda: None):
+        super().__init__(daemon=True)
+        self.gate, self.caller, self.make_room = gate, caller, make_room
+        self.admitted, self.release = threading.Event(), threading.Event()
+        self.outcome: str | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.gate.admit(True, make_room=self.make_room, caller=self.caller):
+                self.admitted.set()
+                assert self.release.wait(30)
+            self.outcome = "ok"
+        except (Overloaded, Draining) as exc:
+            self.outcome = type(exc).__name__
+
+    def finish(self) -> str | None:
+        self.release.set()
+        self.join(30)
+        return self.outcome
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_full_gate_makes_the_call_wait_and_hands_it_the_freed_place(long_wait):
+    """Every place taken: the next call waits instead of being refused, and gets the place the moment the holder
+    leaves (handed over, counted as taken: no other call can slip in between)."""
+    gate, _ = _gate(places=1)
+    holder = _Call(gate, Caller("ipv4:10.0.0.1:1", "10.0.0.1"))
+    assert holder.admitted.wait(5)
+    waiter = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"))
+    _wait_for(lambda: gate.waiting == 1)
+    assert not waiter.admitted.is_set()
+    t0 = time.monotonic()
+    assert holder.finish() == "ok"
+    assert waiter.admitted.wait(5)
+    assert time.monotonic() - t0 < 1.0
+    assert gate.full and gate.waited == 1 and gate.refusals == 0
+    assert waiter.finish() == "ok"
+    assert not gate.full and gate.in_flight == 0
+
+
+def test_the_freed_place_goes_to_the_caller_with_the_fewest_stalled_uploads_not_the_first(long_wait):
+    """Two calls wait: a staller's (its host holds 3 stalled uploads) came first, a prompt client's second. The
+    freed place goes to the prompt client; the staller gets the next one."""
+    gate, stalled = _gate(places=1, waiting=4)
+    stalled.hosts = {"10.0.0.9": 3}
+    stalled.conns = {"ipv4:10.0.0.9:7": 3}
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
+    assert holder.admitted.wait(5)
+    staller = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    _wait_for(lambda: gate.waiting == 1)
+    prompt = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"))
+    _wait_for(lambda: gate.waiting == 2)
+    holder.finish()
+    assert prompt.admitted.wait(5)
+    assert not staller.admitted.is_set()
+    prompt.finish()  # only the staller waits: kept PARK_S for the prompt client, then the staller's
+    assert staller.admitted.wait(5)
+    assert staller.finish() == "ok" and prompt.outcome == "ok"
+
+
+def test_inside_a_host_the_connection_with_fewer_stalled_uploads_goes_first(long_wait):
+    gate, stalled = _gate(places=1, waiting=4)
+    stalled.hosts = {"10.0.0.1": 4}
+    stalled.conns = {"ipv4:10.0.0.1:1": 4}
+    holder = _Call(gate, Caller("ipv4:10.0.0.1:1", "10.0.0.1"))  # the staller's connection holds the place
+    assert holder.admitted.wait(5)
+    same_conn = _Call(gate, Caller("ipv4:10.0.0.1:1", "10.0.0.1"))
+    _wait_for(lambda: gate.waiting == 1)
+    neighbour = _Call(gate, Caller("ipv4:10.0.0.1:2", "10.0.0.1"))  # same host, a connection of its own
+    _wait_for(lambda: gate.waiting == 2)
+    holder.finish()
+    assert neighbour.admitted.wait(5) and not same_conn.admitted.is_set()
+    neighbour.finish()
+    assert same_conn.admitted.wait(5)
+    same_conn.finish()
+
+
+def test_a_place_is_kept_for_the_connection_that_freed_it_when_only_stallers_wait(monkeypatch, long_wait):
+    """Only a staller waits: the place a prompt client's call frees is kept ``PARK_S`` for that connection's next
+    call, which takes it although the staller came first; a place nobody comes back for goes to the staller
+    once ``PARK_S`` has passed."""
+    monkeypatch.setattr(admission, "PARK_S", 0.3)
+    gate, stalled = _gate(places=1)
+    stalled.hosts, stalled.conns = {"10.0.0.9": 2}, {"ipv4:10.0.0.9:7": 2}
+    loop = Caller("ipv4:10.0.0.2:1", "10.0.0.2")
+    first = _Call(gate, loop)
+    assert first.admitted.wait(5)
+    staller = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    _wait_for(lambda: gate.waiting == 1)
+    first.finish()
+    assert gate.parked == 1 and not staller.admitted.is_set()
+    second = _Call(gate, loop)  # the loop's next call, within PARK_S
+    assert second.admitted.wait(5)
+    assert gate.unparked == 1 and not staller.admitted.is_set()
+    t0 = time.monotonic()
+    second.finish()  # kept again; nobody comes back for it this time
+    assert gate.parked == 2
+    assert staller.admitted.wait(5)
+    assert 0.25 <= time.monotonic() - t0 < 2.0  # after PARK_S, not at once
+    assert staller.finish() == "ok"
+
+
+def test_a_full_waiting_room_takes_a_better_ranked_newcomer_and_refuses_a_worse_one(long_wait):
+    gate, stalled = _gate(places=1, waiting=1)
+    stalled.hosts, stalled.conns = {"10.0.0.9": 2}, {"ipv4:10.0.0.9:7": 2}
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
+    assert holder.admitted.wait(5)
+    staller = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    _wait_for(lambda: gate.waiting == 1)
+    prompt = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"))  # ranks first: the staller gives up its room
+    staller.join(5)
+    assert staller.outcome == "Overloaded" and gate.dropped == 1
+    _wait_for(lambda: gate.waiting == 1)
+    staller2 = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))  # ranks last in a full room: refused at once
+    staller2.join(5)
+    assert staller2.outcome == "Overloaded" and gate.waiting == 1
+    holder.finish()
+    assert prompt.admitted.wait(5)
+    assert prompt.finish() == "ok"
+
+
+def test_the_wait_is_bounded_by_admission_wait_and_the_deadline(monkeypatch):
+    monkeypatch.setattr(admission, "ADMISSION_WAIT_S", 0.3)
+    gate, _ = _gate(places=1)
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
+    assert holder.admitted.wait(5)
+    t0 = time.monotonic()
+    late = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"))
+    late.join(5)
+    assert late.outcome == "Overloaded" and 0.25 <= time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    hurried = _Call(gate, Caller("ipv4:10.0.0.2:2", "10.0.0.2", time_left=lambda: 0.01))  # less than the margin
+    hurried.join(5)
+    assert hurried.outcome == "Overloaded" and time.monotonic() - t0 < 0.2
+    gone = _Call(gate, Caller("ipv4:10.0.0.2:3", "10.0.0.2", alive=lambda: False))  # the client left
+    gone.join(5)
+    assert gone.outcome == "Overloaded"
+    assert gate.refusals == 3 and gate.waited == 0
+    holder.finish()
+
+
+def test_the_drain_ends_the_wait_with_unavailable(long_wait):
+    gate, _ = _gate(places=1)
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
+    assert holder.admitted.wait(5)
+    waiter = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"))
+    _wait_for(lambda: gate.waiting == 1)
+    gate.start_draining()
+    waiter.join(5)
+    assert waiter.outcome == "Draining"
+    assert holder.finish() == "ok"
+
+
+def test_a_real_server_serves_the_call_that_waited(make_server, monkeypatch):
+    """A real server with one place, held by a computing call: a second client's call waits in the room and is
+    answered (equal to the same call on an idle server) once the first is released, instead of being refused."""
+    import dataclasses
+
+    from advantage_server.estimators.registry import REGISTRY
+    srv = make_server(max_concurrent_requests=1, workers=1)
+    grpo = build_request("grpo", None, prompt_ids=[0, 0, 1, 1], rewards=[1.0, 0.0, 0.5, 2.0],
+                         mask=[[1.0]] * 4)
+    with grpc.insecure_channel(srv.address) as a, grpc.insecure_channel(
+            srv.address, options=[("grpc.use_local_subchannel_pool", 1)]) as b:
+        expected = np.frombuffer(pb_grpc.AdvantageServiceStub(a).ComputeAdvantage(grpo, timeout=30)
+                                 .advantages.data, np.float32)
+        assert np.abs(expected).min() > 0.1  # a real, non-trivial answer
+        unheld, release, entered = REGISTRY["grpo"], threading.Event(), threading.Event()
+
+        def held(cfg, batch):
+            entered.set()
+            assert release.wait(60)
+            return unheld.fn(cfg, batch)
+        monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(unheld, fn=held))
+        first = pb_grpc.AdvantageServiceStub(a).ComputeAdvantage.future(grpo, timeout=30)
+        assert entered.wait(30)
+        second = pb_grpc.AdvantageServiceStub(b).ComputeAdvantage.future(grpo, timeout=30)
+        _wait_for(lambda: srv.gate.waiting == 1)
+        release.set()
+        for f in (first, second):
+            np.testing.assert_array_equal(np.frombuffer(f.result(timeout=30).advantages.data, np.float32), expected)
+    assert srv.gate.waited == 1 and srv.gate.refusals == 0
+
+
+def test_a_connection_holding_a_stalled_upload_fills_the_server_only_to_half(monkeypatch):
+    """``STALLED_FILL``: with 4 places, a connection that holds a stalled upload gets 2 of them; its third call
+    waits (``STALLED_WAIT_S``) although 2 places are free and is refused when the wait ends, while a prompt
+    connection's calls take the free places at once. Before: a slow-loris refilled every place it was cut from
+    within milliseconds, and each legitimate call had to cut one to get in."""
+    monkeypatch.setattr(admission, "STALLED_WAIT_S", 0.3)
+    gate, stalled = _gate(places=4, waiting=8)
+    staller = Caller("ipv4:10.0.0.9:7", "10.0.0.9")
+    stalled.hosts, stalled.conns = {"10.0.0.9": 1}, {staller.connection: 1}
+    first = [_Call(gate, staller) for _ in range(2)]
+    assert all(c.admitted.wait(5) for c in first)
+    third = _Call(gate, staller)
+    t0 = time.monotonic()
+    _wait_for(lambda: gate.held_back == 1)
+    prompt = [_Call(gate, Caller(f"ipv4:10.0.0.{i}:1", f"10.0.0.{i}")) for i in (2, 3)]
+    assert all(c.admitted.wait(5) for c in prompt)  # the half kept free for prompt connections
+    third.join(10)
+    assert third.outcome == "Overloaded" and time.monotonic() - t0 >= 0.25
+    assert gate.refusals == 1
+    for c in first + prompt:
+        assert c.finish() == "ok"
+
+
+def test_only_a_stalled_upload_is_cut_for_another_caller_and_a_cut_connection_counts_as_stalling(monkeypatch):
+    """``UploadWatch.evict_for`` cuts an upload only once it has received nothing for ``STALL_S``: a body on its
+    way (a prompt client's, a fresh call) is never cut. The connection of an upload that was cut counts as
+    stalling for ``CUT_MEMORY_S`` (``UploadWatch.stalled``), so a slow-loris whose calls are cut faster than
+    they can stall still ranks behind prompt callers and fills only half the places."""
+    from advantage_server import shares, uploads
+
+    class Ctx:
+        def __init__(self, peer):
+            self._peer, self.cancelled = peer, False
+
+        def peer(self):
+            return self._peer
+
+        def cancel(self):
+            self.cancelled = True
+
+    watch = uploads.UploadWatch(timeout=30.0, per_peer=8, per_connection=8)
+    try:
+        stalls = [Ctx("ipv4:10.0.0.9:7") for _ in range(3)]
+        held = [watch.watch(c) for c in stalls]
+        for h in held:
+            h.__enter__()
+        newcomer = Ctx("ipv4:10.0.0.2:1")
+        assert not watch.evict_for(newcomer)  # fresh: perhaps bodies on their way
+        assert watch.stalled() == ({}, {})
+        monkeypatch.setattr(uploads, "STALLED_CACHE_S", 0.0)
+        time.sleep(shares.STALL_S + 0.05)
+        hosts, conns = watch.stalled()
+        assert conns == {"ipv4:10.0.0.9:7": 3} and hosts == {"ipv4:10.0.0.9": 3}
+        assert watch.evict_for(newcomer) and watch.evictions == 1
+        assert sum(c.cancelled for c in stalls) == 1
+        for h, c in zip(held, stalls):
+            if c.cancelled:
+                with pytest.raises(uploads.UploadCut):
+                    h.__exit__(None, None, None)
+            else:
+                h.__exit__(None, None, None)
+        # no upload left, but the cut connection still counts as stalling (CUT_MEMORY_S), and only it
+        hosts, conns = watch.stalled()
+        assert conns == {"ipv4:10.0.0.9:7": 1} and "ipv4:10.0.0.2:1" not in conns
+        monkeypatch.setattr(shares, "CUT_MEMORY_S", 0.0)
+        monkeypatch.setattr(uploads, "CUT_MEMORY_S", 0.0)
+        time.sleep(0.01)
+        assert watch.stalled() == ({}, {})
+    finally:
+        watch.stop()
+
+
+def test_a_prompt_waiting_caller_cuts_a_holder_that_stalls_while_it_waits(long_wait):
+    """A caller that came while every place was held by calls too fresh to count as stalled waits, and looks
+    again every ``EVICT_RETRY_S``: once the holders have stalled, its ``make_room`` succeeds and it gets in
+    (before: it tried once on arrival, then waited the whole ``ADMISSION_WAIT_S`` and was refused)."""
+    gate, _ = _gate(places=1, waiting=4)
+    holder = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    assert holder.admitted.wait(5)
+    tries = []
+
+    def make_room():  # the holder counts as stalled from the third look on: its place is lent to the caller
+        tries.append(time.monotonic())
+        if len(tries) >= 3:
+            gate.lend()
+    caller = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"), make_room=make_room)
+    assert caller.admitted.wait(5)
+    assert len(tries) == 3 and tries[2] - tries[0] >= 2 * admission.EVICT_RETRY_S * 0.9
+    assert caller.finish() == "ok"
+    gate.repay()  # the cut holder's place comes back
+    assert holder.finish() == "ok"
+    assert gate.in_flight == 0
+
+
+def test_a_caller_that_leaves_the_room_to_cut_keeps_its_arrival_rank(long_wait):
+    """A prompt caller leaves the room every ``EVICT_RETRY_S`` to look for a stalled upload to cut
+    (``make_room``) and comes back; it keeps the arrival time of its first entry, so a caller of equal rank that
+    came after it is not served first (before: each return made it a newcomer, and the later caller took the
+    freed place; in a full room it would have been the one dropped)."""
+    gate, _ = _gate(places=1, waiting=4)
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
+    assert holder.admitted.wait(5)
+    tries: list[float] = []
+    first = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"), make_room=lambda: tries.append(time.monotonic()))
+    _wait_for(lambda: gate.waiting == 1)
+    later = _Call(gate, Caller("ipv4:10.0.0.4:1", "10.0.0.4"), make_room=None)  # waits without looking to cut
+    _wait_for(lambda: gate.waiting == 2)
+    seen = len(tries)
+    _wait_for(lambda: len(tries) >= seen + 2)  # `first` has left and re-entered the room since `later` came
+    holder.finish()
+    assert first.admitted.wait(5)
+    assert not later.admitted.is_set()
+    assert first.finish() == "ok"
+    assert later.admitted.wait(5) and later.finish() == "ok"
+
+
+def test_a_held_back_caller_gets_a_free_place_once_its_connection_stops_stalling(monkeypatch):
+    """A call held below ``STALLED_FILL`` while its connection stalls takes one of the free places within a poll
+    (``WAITER_POLL_S``) of its connection's stalled upload ending, without waiting for another call to free one
+    (before: it waited for a hand-off that never came while the places stayed free, and was refused after
+    ``STALLED_WAIT_S``)."""
+    monkeypatch.setattr(admission, "STALLED_WAIT_S", 20.0)
+    gate, stalled = _gate(places=2, waiting=4)
+    holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))  # one place of two taken: the staller's half
+    assert holder.admitted.wait(5)
+    staller = Caller("ipv4:10.0.0.9:7", "10.0.0.9")
+    stalled.hosts, stalled.conns = {"10.0.0.9": 1}, {staller.connection: 1}
+    held = _Call(gate, staller)
+    _wait_for(lambda: gate.held_back == 1 and gate.waiting == 1)
+    time.sleep(3 * admission.WAITER_POLL_S)
+    assert not held.admitted.is_set()  # held back while its connection stalls
+    t0 = time.monotonic()
+    stalled.hosts, stalled.conns = {}, {}  # its stalled upload finished (or was cut long ago)
+    assert held.admitted.wait(5)
+    assert time.monotonic() - t0 < 1.0
+    assert held.finish() == "ok" and holder.finish() == "ok"
+
+
+def test_a_stream_arriving_fast_in_large_chunks_is_not_stalled_between_its_chunks(monkeypatch):
+    """``shares.stall_after``: gRPC hands a stream chunk over only once all of it has arrived, so a 4 MiB chunk on a
+    20 MiB/s link reads as no bytes for 0.2 s. Such an upload counts as stalled only after twice its last chunk's
+    time without the next (at most ``STALL_MAX_S``); a trickle of small chunks, or silence, after ``STALL_S``.
+    Before: every upload after ``STALL_S`` (0.1 s), so a client on a link slower than 40 MiB/s was ranked last,
+    held to half the places and cuttable while its body was on its way."""
+    from advantage_server import shares, uploads
+    assert shares.stall_after(4 << 20, 0.2) == pytest.approx(0.4)          # 20 MiB/s: 2 x 0.2 s
+    assert shares.stall_after(4 << 20, 0.02) == shares.STALL_S              # 200 MiB/s: never below STALL_S
+    assert shares.stall_after(64 << 20, 3.0) == shares.STALL_MAX_S          # 21 MiB/s, 3 s a chunk: capped at 1 s
+    assert shares.stall_after(64, 1.0) == shares.STALL_S                    # a trickle: no grace
+    assert shares.stall_after(4 << 20, 2.0) == shares.STALL_S               # 2 MiB/s: slower than STALL_FAST_RATE
+    assert shares.stall_after(0, 0.5) == shares.STALL_S
+
+    clock = [100.0]
+    monkeypatch.setattr(uploads, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock
+
+    class Ctx:
+        def peer(self):
+            return "ipv4:10.0.0.1:5"
+    watch = uploads.UploadWatch(timeout=300.0)
+    watch._thread = threading.Thread()  # no watch thread: this test moves the clock itself
+    with watch.watch(Ctx()) as touch:
+        clock[0] += 0.2
+        touch(4 << 20)  # its first chunk, 0.2 s after admission
+        clock[0] += 0.15
+        assert watch.stalled()[1] == {}  # before: stalled from 0.1 s on
+        clock[0] += 0.3  # 0.45 s after the chunk: past 2 x 0.2 s
+        assert watch.stalled()[1] == {"ipv4:10.0.0.1:5": 1}
+        touch(64)  # a small chunk: back to STALL_S
+        clock[0] += 0.11
+        assert watch.stalled()[1] == {"ipv4:10.0.0.1:5": 1}
