@@ -201,9 +201,10 @@ class SilentHealth:
     """``n`` health calls (``Check`` or ``Watch``) that send their headers and never their request message, held
     open ``hold`` seconds: what grpcio took a pool thread for and waited on without a time limit."""
 
-    def __init__(self, address: str, n: int, method: str = "Check", hold: float = 30.0):
+    def __init__(self, address: str, n: int, method: str = "Check", hold: float = 30.0, own_connection: bool = False):
         self.release = threading.Event()
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)] if own_connection else [])
         self.codes: list[grpc.StatusCode] = []
 
         def silent():
@@ -264,3 +265,88 @@ def test_silent_health_calls_hold_no_service_thread(make_server, method):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         silent.close()
+
+
+class HealthFlood:
+    """An attacker's silent health ``Check`` calls (no request message, ever), ``n`` open at once from this host over
+    connections of their own, each reopened as soon as the server ends it, until :meth:`close`."""
+
+    def __init__(self, address: str, n: int, per_connection: int = 75):
+        self.channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                         for _ in range((n + per_connection - 1) // per_connection)]
+        self.stop = threading.Event()
+        self.codes: collections.Counter = collections.Counter()
+
+        def silent():
+            self.stop.wait(60)
+            return
+            yield  # never reached: a request stream with no message
+        self.calls = [ch.stream_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                      response_deserializer=None) for ch in self.channels]
+        self.futures = [self.calls[i // per_connection].future(silent(), timeout=60) for i in range(n)]
+
+        def refill():
+            while not self.stop.wait(0.01):
+                for i, f in enumerate(self.futures):
+                    if f.done():
+                        self.codes[f.code()] += 1
+                        self.futures[i] = self.calls[i // per_connection].future(silent(), timeout=60)
+        self.thread = threading.Thread(target=refill, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        for f in self.futures:
+            f.cancel()
+        for ch in self.channels:
+            ch.close()
+
+
+def test_a_flood_of_silent_health_calls_leaves_the_service_its_calls(make_server, capsys):
+    """A tokenless attacker keeps 300 health ``Check`` calls open that never send their request message (reopened as
+    the server ends them), from one host over 4 connections, against a server whose gRPC backstop
+    (``maximum_concurrent_rpcs``) is 88. gRPC counts a call queued for the health pool against that backstop, so
+    before the health queue had a limit the flood held it full and gRPC refused other calls ("Concurrent RPC limit
+    exceeded!"): the token holder's channel had its health ``Watch`` refused, took the server as unhealthy and
+    failed 5 of 5 calls UNAVAILABLE (measured with the limit taken out). Now at most half the
+    backstop waits for a health thread (the rest are answered UNIMPLEMENTED at once, without a thread): the token
+    holder gets 5 of 5 while the flood goes on; a fresh ``Check`` meanwhile is answered SERVING or, when it finds the
+    queue full, UNIMPLEMENTED (never left waiting), and SERVING within a second of the flood's end."""
+    from reliability_support import report
+    srv = make_server(auth_token=TOKEN, max_concurrent_requests=2, workers=1)
+    backstop = srv.limits.grpc_max_concurrent_rpcs
+    assert backstop == 88 and srv.health_reads.queue.limit == backstop // 2
+    flood = HealthFlood(srv.address, 300)
+    try:
+        _wait_for(lambda: srv.health_reads.queue.refused > 0, timeout=10, what="the health queue full")
+        time.sleep(1.0)  # the flood at its steady state: every ended call reopened
+        active = srv.grpc_server._state.active_rpc_count  # gRPC's own count against the backstop
+        codes = token_holder_calls(srv.address, timeout=10)
+        assert codes == ["OK"] * 5, codes  # before: UNAVAILABLE x 5 (gRPC's backstop full)
+        checks = []
+        with grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for _ in range(10):
+                t = time.monotonic()
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+                    checks.append(("SERVING", time.monotonic() - t))
+                except grpc.RpcError as err:
+                    checks.append((err.code().name, time.monotonic() - t))
+        assert {c for c, _ in checks} <= {"SERVING", "UNIMPLEMENTED"}, checks
+        assert max(s for _, s in checks) < 2.0, checks
+    finally:
+        flood.close()
+    assert active <= backstop // 2 + 4 + 8, active  # the queue, the health threads, a few calls on their way
+    t_end = time.monotonic()
+    with grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    after = time.monotonic() - t_end
+    assert after < 1.0, after
+    assert set(flood.codes) <= {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED}, flood.codes
+    report(capsys, f"health flood: 300 silent Check calls kept open against a backstop of {backstop}: gRPC's count "
+                   f"{active}, token holder {codes.count('OK')}/5, {srv.health_reads.queue.refused} refused at the "
+                   f"full queue; 10 fresh Checks meanwhile: {collections.Counter(c for c, _ in checks)}, slowest "
+                   f"{max(s for _, s in checks):.2f} s; SERVING {after:.2f} s after the flood ended")

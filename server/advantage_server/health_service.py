@@ -34,11 +34,24 @@ them); a health request must arrive within ``HEALTH_REQUEST_S`` of the call's st
 request for up to ``HEALTH_REQUEST_S`` at once; its others wait ``HEALTH_BUSY_REQUEST_S`` and are then answered
 UNIMPLEMENTED (a ``Watch`` client then treats the server as healthy, as above). A gRPC client sends the request
 with the call's headers, so a legitimate call is read at once, in a burst from one host too.
+
+Those allowances count from the call's **arrival**, not from when a health thread takes it up, and at most
+``HEALTH_QUEUE`` health calls wait for a health thread at once (:class:`_HealthQueue`). gRPC counts a call queued
+for a pool against its backstop (``maximum_concurrent_rpcs``) like a running one, so a flood of silent health calls
+(a few hundred, from one host) used to fill the backstop, and gRPC then refused the service's own calls too
+(RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"), while every other client's health answer waited behind the
+flood (drained at about 10 calls a second). Now a health call beyond the queue's limit (``HEALTH_QUEUE``, or half
+the server's backstop when that is less) is answered UNIMPLEMENTED by gRPC at once ("Method not found!": the queue
+is counted where gRPC looks its handler up, before any thread is taken; a ``Watch`` client then treats the server
+as healthy), and a silent call that waited in the queue past its allowance holds a health thread only
+``HEALTH_MIN_READ_S``: the queue drains at about 200 silent calls a second, so an ordinary health call behind a
+full queue is answered within about a second.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import threading
 import time
 from concurrent import futures
@@ -65,9 +78,88 @@ HEALTH_READS_PER_HOST = 2
 #: Long against a message that travels with its call's headers, short against what a silent call may hold
 HEALTH_BUSY_REQUEST_S = 0.2
 
+#: health calls (of one server) handed to the health pool and not yet taken up by one of its threads, at most; the
+#: next is answered UNIMPLEMENTED at once, without a thread. The advantage server passes half its gRPC backstop
+#: (``maximum_concurrent_rpcs``, which counts queued calls) when that is less: its own calls never need more than a
+#: quarter of the backstop (the pool's size), so they keep their room
+HEALTH_QUEUE = 256
+#: seconds a health call taken up after its allowance has passed (it waited in the queue) still gets for its
+#: request message: one that came with the headers is read in well under a millisecond. With ``HEALTH_THREADS``,
+#: a queue of silent calls drains at about 200 a second
+HEALTH_MIN_READ_S = 0.02
+#: seconds after which a queued call's entry is dropped unread (a call gRPC refused after the handler lookup, whose
+#: behaviour never runs)
+_QUEUE_EXPIRY_S = 10.0
+
 #: the old name of ``MAX_WATCHES_PER_HOST``
 MAX_WATCHES_PER_PEER = MAX_WATCHES_PER_HOST
 _HEALTH = "grpc.health.v1.Health"
+
+
+class _Arrival:
+    """A health call's arrival time, set where gRPC looks its handler up (its polling thread) and read by the
+    behaviour on a health thread: grpcio runs both in the call's own ``contextvars.Context``."""
+    __slots__ = ("at", "taken")
+
+    def __init__(self) -> None:
+        self.at, self.taken = time.monotonic(), False
+
+
+_ARRIVAL: contextvars.ContextVar[_Arrival] = contextvars.ContextVar("advantage_health_arrival")
+
+
+class _HealthQueue:
+    """Counts the health calls handed to the health pool and not yet taken up (at most ``limit``)."""
+
+    def __init__(self, limit: int = HEALTH_QUEUE):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._queued: dict[int, _Arrival] = {}
+        self.refused = 0  # calls answered UNIMPLEMENTED at the lookup: the queue was full
+
+    def enter(self) -> bool:
+        """On gRPC's polling thread, for a health call about to be handed to the pool: False when ``limit`` calls
+        wait already (gRPC then answers UNIMPLEMENTED), else its arrival is stamped into the call's context."""
+        arrival = _Arrival()
+        with self._lock:
+            if len(self._queued) >= self.limit:
+                stale = [k for k, a in self._queued.items() if arrival.at - a.at > _QUEUE_EXPIRY_S]
+                for k in stale:
+                    del self._queued[k]
+                if len(self._queued) >= self.limit:
+                    self.refused += 1
+                    return False
+            self._queued[id(arrival)] = arrival
+        _ARRIVAL.set(arrival)
+        return True
+
+    def take(self) -> float:
+        """On the health thread that takes the call up: its arrival time (now, for a call not stamped)."""
+        arrival = _ARRIVAL.get(None)
+        if arrival is None:
+            return time.monotonic()
+        with self._lock:
+            self._queued.pop(id(arrival), None)
+        return arrival.at
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queued)
+
+
+class _HealthHandlers(grpc.GenericRpcHandler):
+    """The health methods' handlers, behind :class:`_HealthQueue`: a lookup beyond its limit finds no handler."""
+
+    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler], queue: _HealthQueue):
+        self._handlers = {f"/{_HEALTH}/{name}": h for name, h in handlers.items()}
+        self._queue = queue
+
+    def service(self, handler_call_details):
+        handler = self._handlers.get(handler_call_details.method)
+        if handler is None or not self._queue.enter():
+            return None
+        return handler
 
 
 class _RequestReads:
@@ -86,18 +178,22 @@ class _RequestReads:
         self._waiting: dict[int, tuple[float, Any, bool]] = {}
         self._hosts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
+        self.queue = _HealthQueue()
         self.refused = 0  # calls beyond per_host whose message did not come within busy_limit (UNIMPLEMENTED)
         self.ended = 0    # calls within per_host whose message did not come within limit (CANCELLED)
 
     def read(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The call's one request message; None when the call ended before it arrived (the client left, or it
-        was ended here: see the class docstring). Aborts INVALID_ARGUMENT when the call has no message."""
+        was ended here: see the class docstring). Aborts INVALID_ARGUMENT when the call has no message. The
+        allowance counts from the call's arrival (:class:`_HealthQueue`), at least ``HEALTH_MIN_READ_S`` from now."""
         host, key = peer_host(call_peer(context)), id(context)
+        arrived = self.queue.take()
         with self._lock:
             busy = self._hosts[host] >= self.per_host
             if not busy:
                 self._hosts[host] += 1
-            self._waiting[key] = (time.monotonic() + (self.busy_limit if busy else self.limit), context, busy)
+            end = max(arrived + (self.busy_limit if busy else self.limit), time.monotonic() + HEALTH_MIN_READ_S)
+            self._waiting[key] = (end, context, busy)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="advantage-health-reads", daemon=True)
                 self._thread.start()
@@ -107,6 +203,8 @@ class _RequestReads:
                 return next(requests)
             return None
         except StopIteration:
+            if not context.is_active():  # ended here meanwhile (its status is sent already)
+                return None
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{_HEALTH} calls take exactly one request message")
         finally:
             with self._lock:
@@ -118,12 +216,13 @@ class _RequestReads:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._waiting:
-                    self._wake.wait()
-            time.sleep(self.busy_limit / 2)
-            now = time.monotonic()
-            with self._lock:
+            with self._lock:  # sleep until the first allowance ends (a new call, maybe with an earlier end, wakes it)
+                while True:
+                    now = time.monotonic()
+                    first = min((end for end, _, _ in self._waiting.values()), default=None)
+                    if first is not None and first <= now:
+                        break
+                    self._wake.wait(None if first is None else first - now)
                 late = [k for k, (end, _, _) in self._waiting.items() if end <= now]
                 ended = [self._waiting.pop(k)[1:] for k in late]
                 self.refused += sum(busy for _, busy in ended)
@@ -204,12 +303,15 @@ class HealthServicer(health.HealthServicer):
             send_response_callback(health_pb2.HealthCheckResponse(status=status))
         return None
 
-    def register(self, server: grpc.Server, threads: int = HEALTH_THREADS) -> _RequestReads:
+    def register(self, server: grpc.Server, threads: int = HEALTH_THREADS,
+                 queue_limit: int = HEALTH_QUEUE) -> _RequestReads:
         """Serve ``grpc.health.v1.Health`` on ``server`` (in place of ``health_pb2_grpc.add_HealthServicer_to_server``)
         with its own pool of ``threads`` and bounded request reads (:class:`_RequestReads`; see the module
-        docstring). Returns the reads' bookkeeping (its ``refused`` and ``ended`` counts)."""
+        docstring), at most ``queue_limit`` calls waiting for a thread (:class:`_HealthQueue`). Returns the reads'
+        bookkeeping (its ``refused`` and ``ended`` counts, its ``queue``)."""
         pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="advantage-health")
         reads = _RequestReads()
+        reads.queue.limit = queue_limit
 
         def check(requests, context):
             request = reads.read(requests, context)
@@ -234,7 +336,7 @@ class HealthServicer(health.HealthServicer):
                 watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
                 response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_HEALTH, handlers),))
+        server.add_generic_rpc_handlers((_HealthHandlers(handlers, reads.queue),))
         return reads
 
     def _on_close_callback(self, send_response_callback, service, host=None):

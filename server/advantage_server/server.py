@@ -56,7 +56,7 @@ from advantage_server.auth import Pem, TokenAuthInterceptor, server_credentials
 from advantage_server.core import AdvantageCore, list_estimators
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.regions import RegionGone
-from advantage_server.health_service import HealthServicer
+from advantage_server.health_service import HEALTH_QUEUE, HealthServicer
 from advantage_server.defaults import DEFAULT_STREAM_WINDOW_MB
 from advantage_server.limits import (
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MESSAGE_MB, DEFAULT_MAX_STREAM_MB,
@@ -574,7 +574,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                          maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
     servicer.register(server)
     health_servicer = HealthServicer(experimental_non_blocking=True)  # grpc_health's, minus its shutdown deadlock
-    health_servicer.register(server)  # its own pool; a request that does not arrive is not waited for
+    # its own pool; a request that does not arrive is not waited for, and queued health calls keep under half of
+    # gRPC's backstop (which counts them), so a flood of silent ones cannot make gRPC refuse the service's calls
+    health_reads = health_servicer.register(server, queue_limit=min(HEALTH_QUEUE, limits.grpc_max_concurrent_rpcs // 2))
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(GatedReflection(
@@ -605,4 +607,5 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
             endpoint.stop()
         server.stop(None)
         raise
+    result.health_reads = health_reads  # the health calls' request reads and queue (health_service._RequestReads)
     return result
