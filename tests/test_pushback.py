@@ -175,11 +175,15 @@ def test_resource_exhausted_without_pushback_is_never_retried(gates, message):
     assert info.value.code == RE and str(info.value) == message and info.value.pushback_s is None
     assert gate.attempts == 1
 
-    async def run() -> None:
-        with pytest.raises(AdvantageServiceError):
+    async def run() -> AdvantageServiceError:
+        with pytest.raises(AdvantageServiceError) as info:
             await _async(gate, "stream")
-    asyncio.run(run())
-    assert gate.attempts == 2
+        return info.value
+    error = asyncio.run(run())
+    assert error.code == RE and str(error) == message
+    # never for its own sake; but an attempt whose status grpc.aio lost (its INTERNAL "Internal error from Core",
+    # about 1 in 10 one-chunk calls: test_async_stream_refused_while_sending_is_sent_again) is sent again
+    assert 2 <= gate.attempts <= 2 + PUSHBACK_MAX_RETRIES
 
 
 def test_several_replicas_send_the_refused_call_to_another(gates):
@@ -206,3 +210,27 @@ def test_the_pushback_survives_pickling():
     err = AdvantageServiceError(RE, REFUSAL, pushback_s=0.25)
     again = pickle.loads(pickle.dumps(err))
     assert again.pushback_s == 0.25 and again.code == RE and str(again) == REFUSAL
+
+
+def test_async_stream_refused_while_sending_is_sent_again(gates):
+    """A refusal that ends a streamed call before its body is read races grpc.aio's request writer: when the
+    writer's next send fails first, grpc.aio ends the call with its own INTERNAL "Internal error from Core" and
+    the server's RESOURCE_EXHAUSTED and pushback are lost (seen on CI with a one-chunk body). Before: 2 of 20
+    one-chunk calls and 5 of 10 sixteen-chunk calls failed INTERNAL against a server refusing twice. Now the lost
+    status is sent again as a refusal is (``advantage_client.aio.status_lost``, ``Failover``): every call is
+    answered, equal to the server's own answer."""
+    B, T = 4096, 64  # a 1 MiB mask and the rest: 16 chunks of 64 KiB and more
+    rng = np.random.default_rng(0)
+    prompts, rewards = np.repeat(np.arange(B // 4), 4).astype(np.int64), rng.standard_normal(B).astype(np.float32)
+    mask = np.ones((B, T), np.float32)
+    with AdvantageClient(gates.real.address, timeout=30, failover=False, transport="unary") as client:
+        want = np.asarray(client.compute("grpo", None, prompt_ids=prompts, rewards=rewards, mask=mask).advantages)
+
+    async def one(gate: _Gate) -> np.ndarray:
+        async with AsyncAdvantageClient(gate.address, timeout=30, transport="stream", chunk_mb=1 / 16) as client:
+            return np.asarray((await client.compute("grpo", None, prompt_ids=prompts, rewards=rewards,
+                                                    mask=mask)).advantages)
+    for _ in range(10):
+        gate = gates(refuse=2)
+        np.testing.assert_array_equal(asyncio.run(one(gate)), want)
+        assert gate.attempts == 3

@@ -61,6 +61,9 @@ PUSHBACK_MAX_RETRIES = 5
 #: the wait before such a resend: the pushback times a factor drawn uniformly from [1, 1 + PUSHBACK_JITTER]
 #: (never sooner than the server asked; callers refused together do not all come back at once)
 PUSHBACK_JITTER = 0.5
+#: seconds (jittered as a pushback) before a streamed call whose status grpc.aio lost is sent again: the least
+#: pushback the server gives (``admission.ADMISSION_PUSHBACK_MS``, 50-200 ms); see :meth:`Failover.retry`
+LOST_STATUS_PAUSE_S = 0.05
 #: an attempt that ended UNAVAILABLE on the round_robin rotation (its connection failed: a replica killed, or
 #: hung and found by the HTTP/2 keepalive, after gRPC's own retries) is sent again at most this many times
 LOST_MAX_RESENDS = 1
@@ -113,6 +116,9 @@ class Failover:
       ``PUSHBACK_MAX_RETRIES`` times and only while the wait and ``FAILOVER_MIN_ATTEMPT_S`` fit in the deadline
       left; then the refusal is raised. With one replica the resend goes to the same replica; with several,
       to another (below).
+    * A streamed call of the asyncio client whose status grpc.aio lost (``status_lost``: its INTERNAL "Internal
+      error from Core", the server having ended the call while its request was being sent) is sent again as an
+      admission refusal is, after ``LOST_STATUS_PAUSE_S`` (jittered), within the same bounds.
     * With several replicas, a refusal recognised by its message from a server that sends no pushback (an older
       one) is sent again after a short jittered backoff (``FAILOVER_BACKOFF_S``, doubled each time), at most
       ``min(replicas, FAILOVER_MAX_RETRIES)`` times.
@@ -173,6 +179,21 @@ class Failover:
             if self.pushbacks >= PUSHBACK_MAX_RETRIES:
                 return None
             pause = pushback * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
+            if pause + FAILOVER_MIN_ATTEMPT_S > left:
+                return None
+            self.pushbacks += 1
+            if self.replicas >= 2:
+                self.refusals += 1
+                self._next_replica()
+            return pause
+        if getattr(error, "status_lost", False):
+            # grpc.aio ended a streamed call with its own INTERNAL "Internal error from Core" in place of the
+            # server's status: the server ended the call while the request was still being sent, before reading
+            # it, most often an admission refusal whose pushback is lost with it (aio._send_prepared). Sent again
+            # as a refusal is, within the same bounds; a server error repeats and is raised once they are spent.
+            if self.pushbacks >= PUSHBACK_MAX_RETRIES:
+                return None
+            pause = LOST_STATUS_PAUSE_S * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
             if pause + FAILOVER_MIN_ATTEMPT_S > left:
                 return None
             self.pushbacks += 1
