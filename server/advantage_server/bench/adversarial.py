@@ -26,6 +26,11 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
   unregistering another one in a loop.
 
+``pin`` (``--adversarial-pin``): the attacker's processes run on the machine's last CPU, the server and the
+legitimate clients on the others (``os.sched_setaffinity``; at least 2 CPUs): the attacker brings its own CPU, as
+one on another machine would, so the fraction measures what its traffic costs the server rather than what its
+own process takes from the clients beside it. The windows alone then have one CPU fewer.
+
 Only 127.0.0.1 and the namespace's 10.201.0.0/30 are ever targets. Figures vary with the machine's load:
 compare the fractions, and see BENCHMARKS.md.
 """
@@ -293,10 +298,11 @@ def _free_port(host: str) -> int:
 class _Proc:
     """A worker process that answers lines on stdout."""
 
-    def __init__(self, args: list[str], prefix: list[str] | None = None):
+    def __init__(self, args: list[str], prefix: list[str] | None = None, cpus: set[int] | None = None):
         self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", __name__, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.close()
@@ -319,11 +325,12 @@ class _Proc:
             self.proc.wait(10)
 
 
-def _server(host: str, token_file: str, log) -> tuple[subprocess.Popen, str]:
+def _server(host: str, token_file: str, log, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port(host)
     proc = subprocess.Popen([sys.executable, "-m", "advantage_server.cli", "--host", host, "--port", str(port),
                              "--device", "cpu", "--auth-token-file", token_file, *SERVER_FLAGS],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "ADVANTAGE_WARMUP": "0"})
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "ADVANTAGE_WARMUP": "0"},
+                            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     address = f"{host}:{port}"
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -344,19 +351,23 @@ def _server(host: str, token_file: str, log) -> tuple[subprocess.Popen, str]:
 
 
 def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, seconds: float = 4.0,
-                    netns: bool = True, rounds: int = 1) -> dict[str, Any]:
+                    netns: bool = True, rounds: int = 1, pin: bool = False) -> dict[str, Any]:
     """Measure every attack; returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
     "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "rounds", "errors",
     "note"}]}`` (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the
     end}``. The windows alternate (alone, attack 1, alone, attack 2, ..., alone), ``rounds`` times over;
     ``base_calls_s``: the mean of the windows alone just before and just after each of the attack's windows,
     ``attack_calls_s`` the mean of its windows, ``fraction`` their ratio (the calls of every round pooled: a
-    longer measurement, not a choice among rounds) and ``rounds`` each round's own fraction."""
+    longer measurement, not a choice among rounds) and ``rounds`` each round's own fraction. ``pin``: the attacker
+    on the last CPU, the rest on the others (see the module docstring; ignored, with "pinned" False, on one CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = pin and len(cpus) >= 2
+    attacker_cpus, others = ({cpus[-1]}, set(cpus[:-1])) if pin else (None, None)
     ns = NetNs() if netns else None
     other_reason = "" if ns and ns.available else (ns.reason if ns else "skipped: --no-netns")
     host = HOST_ADDR if ns and ns.available else "127.0.0.1"
     out: dict[str, Any] = {"rows": [], "other_host": f"{NS_ADDR} (network namespace)" if not other_reason
-                           else other_reason}
+                           else other_reason, "pinned": pin}
     tmp = tempfile.mkdtemp(prefix="advantage-bench-adv-")
     token_file = os.path.join(tmp, "token")
     with open(token_file, "w") as f:
@@ -365,11 +376,12 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
     server = None
     workers: dict[str, _Proc] = {}
     try:
-        server, address = _server(host, token_file, log)
+        server, address = _server(host, token_file, log, others)
         out["server"] = address
-        workers["same host"] = _Proc(["legit", address, token_file, str(clients)])
+        workers["same host"] = _Proc(["legit", address, token_file, str(clients)], cpus=others)
         if not other_reason:
-            workers["other host"] = _Proc(["legit", address, token_file, str(clients)], prefix=ns.prefix())
+            workers["other host"] = _Proc(["legit", address, token_file, str(clients)], prefix=ns.prefix(),
+                                          cpus=others)
 
         def window() -> dict[str, dict[str, Any]]:
             # both places' clients run at the same time, as they would beside each other
@@ -389,7 +401,8 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
         before = window()
         for _ in range(max(1, rounds)):
             for kind in attacks:
-                attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file])
+                attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file],
+                                 cpus=attacker_cpus)
                 try:
                     hit = window()
                 finally:
@@ -439,7 +452,8 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
 def render(result: dict[str, Any]) -> list[str]:
     lines = ["", f"adversarial: legitimate goodput under attack / without (target >= {TARGET_FRACTION:.0%}); "
              f"server {result.get('server', '?')} ({' '.join(SERVER_FLAGS)}, --auth-token-file); "
-             f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"]
+             f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"
+             + ("; attacker pinned to the last CPU, the rest to the others" if result.get("pinned") else "")]
     header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", "each round", ">= 90%",
               "errors / note"]
     table = []
@@ -459,10 +473,10 @@ def render(result: dict[str, Any]) -> list[str]:
 
 
 def adversarial_section(report: Any, row: Callable[..., Any], clients: int = 4, seconds: float = 4.0,
-                        attacks: tuple[str, ...] = ATTACKS, rounds: int = 1) -> dict[str, Any]:
+                        attacks: tuple[str, ...] = ATTACKS, rounds: int = 1, pin: bool = False) -> dict[str, Any]:
     """Run :func:`run_adversarial` and add one ``Row("adversarial", attack, where, ...)`` per figure
     (``vs_ours`` = the goodput fraction, ``calls_s`` = calls per second under attack). Returns the dict."""
-    result = run_adversarial(attacks, clients, seconds, rounds=rounds)
+    result = run_adversarial(attacks, clients, seconds, rounds=rounds, pin=pin)
     for r in result["rows"]:
         report.add(row("adversarial", r["attack"], r["where"], "AdvantageClient goodput",
                        vs_ours=r["fraction"], calls_s=r["attack_calls_s"],

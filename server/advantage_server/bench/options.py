@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adversarial-rounds", type=int, default=None,
                     help="adversarial section: times the sequence of windows runs; each figure pools the calls of "
                          "every round and the table shows each round's own (default 3; quick 1)")
+    ap.add_argument("--adversarial-pin", action="store_true",
+                    help="adversarial section: run the attacker on the last CPU and the server and the legitimate "
+                         "clients on the others, so the attacker brings its own CPU (needs 2 CPUs or more)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
