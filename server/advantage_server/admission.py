@@ -8,9 +8,9 @@
   every place taken first takes one back by the fair shares when it may (a client holding more places with
   stalled uploads: :meth:`advantage_server.uploads.UploadWatch.evict_for`, :meth:`RequestGate.lend`), else it
   *waits* for one, at most ``ADMISSION_WAIT_S`` (and never past its deadline), in a bounded waiting room of
-  ``max_waiting`` calls. A place that frees goes to the waiting call whose host, then connection, has the
-  fewest stalled uploads (:func:`advantage_server.shares.wait_rank`; then the longest waiting), not to whoever
-  polls first: so a client that reopens stalled calls in a loop cannot take the places legitimate calls free,
+  ``max_waiting`` calls. A place that frees goes to the longest-waiting call of a connection that holds no
+  stalled upload, else to the one whose host, then connection, has the fewest stalled uploads
+  (:func:`advantage_server.shares.wait_rank`), not to whoever polls first: so a client that reopens stalled calls in a loop cannot take the places legitimate calls free,
   and it is answered at the pace of the waits, not in a storm of refusals that would cost the server its CPU.
   A full waiting room takes a newcomer that ranks before its last waiter by refusing that one. A call that
   gets no place is refused with :class:`Overloaded`: RESOURCE_EXHAUSTED naming ``--max-concurrent-requests``,

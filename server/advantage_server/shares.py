@@ -21,8 +21,8 @@ only its own share, a neighbour connection on the same host keeps its own, and a
 however many connections or addresses the staller opens (all of 127/8 is one host, an IPv6 /64 is one host).
 A newcomer that can take no place waits for one, at most ``ADMISSION_WAIT_S``
 (:class:`advantage_server.admission.RequestGate`); each place that frees goes to the waiting call ranked first
-by :func:`wait_rank`: the fewest *stalled* uploads (no bytes for ``STALL_S``) on its host, then on its connection,
-then the longest waiting. Stalled, not pending: a connection whose calls send their bodies promptly is not
+by :func:`wait_rank`: a connection holding no *stalled* upload (no bytes for ``STALL_S``) first, longest waiting
+first; then the fewest stalled uploads on its host, then on its connection, then the longest waiting. Stalled, not pending: a connection whose calls send their bodies promptly is not
 charged for the calls it has in progress, while one that holds places without sending waits behind everybody
 else. A call still without a place when its wait ends is refused with RESOURCE_EXHAUSTED and a retry pushback
 (:class:`advantage_server.admission.Overloaded`).
@@ -120,11 +120,15 @@ class PendingShares:
 
 def wait_rank(stalled_hosts: Mapping[str, int], stalled_connections: Mapping[str, int], connection: str, host: str,
               arrived: float) -> tuple[int, int, int, float]:
-    """The order of the waiting room (smaller first): ``(1 if the caller's connection holds a stalled upload else
-    0, stalled uploads of its host, of its connection, its arrival time)``, from
-    :meth:`advantage_server.uploads.UploadWatch.stalled`'s counts. A connection that sends its bodies promptly
-    comes before every connection that stalls, whatever its host (a neighbour of a staller keeps its own share);
-    among those, the host with the fewest stalled uploads first, then the connection, then first come, first
-    served."""
+    """The order of the waiting room (smaller first), from :meth:`advantage_server.uploads.UploadWatch.stalled`'s
+    counts. A connection that sends its bodies promptly (it holds no stalled upload) comes before every connection
+    that stalls, whatever its host, and among such connections first come, first served: ``(0, 0, 0, arrival)``.
+    Its host's stalled uploads are another connection's doing, so a neighbour of a staller waits no longer than a
+    caller from another host (it did: the same-host neighbour of a slow-loris kept 84% of its goodput where
+    another host kept 92%). Connections that stall come after, the host with the fewest stalled uploads first,
+    then the connection, then the longest waiting: ``(1, stalled uploads of its host, of its connection,
+    arrival)``."""
     conn = stalled_connections.get(connection, 0)
-    return min(conn, 1), stalled_hosts.get(host, 0), conn, arrived
+    if not conn:
+        return 0, 0, 0, arrived
+    return 1, stalled_hosts.get(host, 0), conn, arrived
