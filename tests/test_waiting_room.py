@@ -414,3 +414,17 @@ def test_a_stream_arriving_fast_in_large_chunks_is_not_stalled_between_its_chunk
         touch(64)  # a small chunk: back to STALL_S
         clock[0] += 0.11
         assert watch.stalled()[1] == {"ipv4:10.0.0.1:5": 1}
+
+
+def test_a_prompt_neighbour_of_a_staller_ranks_by_arrival_with_other_hosts():
+    """A connection that holds no stalled upload is not charged for its host's stalled uploads (another
+    connection's doing): it ranks with every other prompt connection by arrival, before every stalling one.
+    Before, it ranked after every other host's prompt calls (pinned bench: the same-host neighbour of a
+    slow-loris kept 84% of its goodput, another host 92%)."""
+    from advantage_server.shares import wait_rank
+    hosts, conns = {"10.0.0.1": 5, "10.0.0.3": 1}, {"10.0.0.1:1": 5, "10.0.0.3:1": 1}
+    neighbour = wait_rank(hosts, conns, "10.0.0.1:2", "10.0.0.1", 1.0)
+    other_host = wait_rank(hosts, conns, "10.0.0.2:1", "10.0.0.2", 2.0)
+    staller = wait_rank(hosts, conns, "10.0.0.1:1", "10.0.0.1", 0.0)
+    small_staller = wait_rank(hosts, conns, "10.0.0.3:1", "10.0.0.3", 0.5)
+    assert sorted([staller, other_host, small_staller, neighbour]) == [neighbour, other_host, small_staller, staller]
