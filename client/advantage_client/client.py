@@ -176,24 +176,16 @@ class Failover:
         pushback = getattr(error, "pushback_s", None) if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
         if pushback is not None:
             self._refusal = self._refusal or error
-            if self.pushbacks >= PUSHBACK_MAX_RETRIES:
-                return None
-            pause = pushback * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
-            if pause + FAILOVER_MIN_ATTEMPT_S > left:
-                return None
-            self.pushbacks += 1
-            if self.replicas >= 2:
-                self.refusals += 1
-                self._next_replica()
-            return pause
-        if getattr(error, "status_lost", False):
+        elif getattr(error, "status_lost", False):
             # grpc.aio ended a streamed call with its own INTERNAL "Internal error from Core" in place of the
             # server's status: the server ended the call while the request was still being sent, before reading
             # it, most often an admission refusal whose pushback is lost with it (aio._send_prepared). Sent again
             # as a refusal is, within the same bounds; a server error repeats and is raised once they are spent.
+            pushback = LOST_STATUS_PAUSE_S
+        if pushback is not None:
             if self.pushbacks >= PUSHBACK_MAX_RETRIES:
                 return None
-            pause = LOST_STATUS_PAUSE_S * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
+            pause = pushback * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
             if pause + FAILOVER_MIN_ATTEMPT_S > left:
                 return None
             self.pushbacks += 1
