@@ -350,9 +350,10 @@ class RequestGate:
             while not (me.granted or me.dropped or self._draining):
                 now = time.monotonic()
                 self._expire_parks(now)
-                if stalling and not self._is_full():
-                    # places are free but this call was held below stalled_cap: its connection may have stopped
-                    # stalling since (no place needs to free for it then); _hand_off judges each waiter's cap anew
+                if stalling and not self._is_full() and self._cap(caller) >= self.max_concurrent_requests:
+                    # places are free but this call was held below stalled_cap, and its connection has stopped
+                    # stalling since (no place needs to free for it then): _hand_off judges each waiter's cap anew.
+                    # (Not on every poll: a waiter still stalling would sort the room ten times a second for nothing)
                     self._hand_off()
                 if me.granted:
                     break

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import logging
 import threading
 import time
 from concurrent import futures
@@ -98,6 +99,7 @@ _QUEUE_EXPIRY_S = 2.0
 #: the old name of ``MAX_WATCHES_PER_HOST``
 MAX_WATCHES_PER_PEER = MAX_WATCHES_PER_HOST
 _HEALTH = "grpc.health.v1.Health"
+log = logging.getLogger("advantage_server")
 
 
 class _Arrival:
@@ -120,11 +122,17 @@ class _HealthQueue:
         self._lock = threading.Lock()
         self._queued: dict[int, _Arrival] = {}
         self.refused = 0  # calls answered UNIMPLEMENTED at the lookup: the queue was full
+        #: False once a call was taken up without the arrival its lookup stamped (a grpcio that no longer runs the
+        #: lookup and the behaviour in one contextvars.Context): the queue then stops counting (see :meth:`take`)
+        self.counting = True
+        self._stamped = False
 
     def enter(self) -> bool:
         """On gRPC's polling thread, for a health call about to be handed to the pool: False when ``limit`` calls
         wait already (gRPC then answers UNIMPLEMENTED), else its arrival is stamped into the call's context."""
         arrival = _Arrival()
+        if not self.counting:
+            return True
         with self._lock:
             # entries are in arrival order: drop the expired from the front (a call refused at gRPC's backstop after
             # this lookup counted it; or one queued longer, which is then only not counted)
@@ -138,6 +146,7 @@ class _HealthQueue:
                 self.refused += 1
                 return False
             self._queued[id(arrival)] = arrival
+            self._stamped = True
         _ARRIVAL.set(arrival)
         return True
 
@@ -145,6 +154,17 @@ class _HealthQueue:
         """On the health thread that takes the call up: its arrival time (now, for a call not stamped)."""
         arrival = _ARRIVAL.get(None)
         if arrival is None:
+            with self._lock:
+                if self._stamped and self.counting:
+                    # the lookup stamped calls but this one's behaviour does not see its stamp: no entry would ever
+                    # leave the count but by expiry, and the queue would answer most health calls UNIMPLEMENTED.
+                    # Stop counting (the allowances then count from take-up, gRPC's backstop is the only bound)
+                    self.counting = False
+                    self._queued.clear()
+                    log.warning("health queue off: grpcio ran a health call's behaviour outside the contextvars."
+                                "Context of its handler lookup, so queued health calls cannot be counted (this "
+                                "grpcio is newer than the ones tested); a flood of silent health calls can then "
+                                "fill gRPC's backstop (RELIABILITY.md, the health queue)")
             return time.monotonic()
         with self._lock:
             self._queued.pop(id(arrival), None)
@@ -186,6 +206,9 @@ class _RequestReads:
         self._waiting: dict[int, tuple[float, Any, bool]] = {}
         self._hosts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
+        self._closed = False
+        #: the health methods' thread pool (set by :meth:`HealthServicer.register`); shut down by :meth:`close`
+        self.pool: futures.ThreadPoolExecutor | None = None
         self.queue = _HealthQueue()
         self.refused = 0  # calls beyond per_host whose message did not come within busy_limit (UNIMPLEMENTED)
         self.ended = 0    # calls within per_host whose message did not come within limit (CANCELLED)
@@ -224,10 +247,22 @@ class _RequestReads:
                     if self._hosts[host] <= 0:
                         del self._hosts[host]
 
+    def close(self) -> None:
+        """Once the server has stopped: end the reaper thread and shut the health pool down (its threads exit once
+        idle). Calls still waiting for their request message are ended by the server's stop, not here."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
     def _run(self) -> None:
         while True:
             with self._lock:  # sleep until the first allowance ends (a new call, maybe with an earlier end, wakes it)
                 while True:
+                    if self._closed:
+                        self._thread = None
+                        return
                     now = time.monotonic()
                     first = min((end for end, _, _ in self._waiting.values()), default=None)
                     if first is not None and first <= now:
@@ -318,10 +353,12 @@ class HealthServicer(health.HealthServicer):
         """Serve ``grpc.health.v1.Health`` on ``server`` (in place of ``health_pb2_grpc.add_HealthServicer_to_server``)
         with its own pool of ``threads`` and bounded request reads (:class:`_RequestReads`; see the module
         docstring), at most ``queue_limit`` calls waiting for a thread (:class:`_HealthQueue`). Returns the reads'
-        bookkeeping (its ``refused`` and ``ended`` counts, its ``queue``)."""
+        bookkeeping (its ``refused`` and ``ended`` counts, its ``queue``); :meth:`_RequestReads.close` it once
+        ``server`` has stopped (its pool and reaper thread end)."""
         pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="advantage-health")
         reads = _RequestReads()
         reads.queue.limit = queue_limit
+        reads.pool = pool
 
         def check(requests, context):
             request = reads.read(requests, context)

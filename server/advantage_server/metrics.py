@@ -147,6 +147,11 @@ class ServerMetrics:
 
 #: HTTP/2 streams one connection to the health port may have open at once (``grpc.max_concurrent_streams``)
 HEALTH_STREAMS_PER_CONNECTION = 100
+#: the largest message the health port receives (``grpc.max_receive_message_length``): a health request is a service
+#: name. gRPC opens a call's window for the whole message a pending read waits for, up to this limit, and health
+#: calls need no token: with the main port's ``--max-message-mb`` a tokenless caller made the server take in 200 MiB
+#: per health call (+769 MiB for four); beyond this the call ends RESOURCE_EXHAUSTED before its body is kept
+HEALTH_MAX_MESSAGE_BYTES = 64 << 10
 
 
 class HealthPort:
@@ -157,8 +162,10 @@ class HealthPort:
         # health calls only: Check is answered at once, a Watch holds no thread (and is capped by the servicer)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-port"),
                                    options=[("grpc.so_reuseport", 0),
-                                            ("grpc.max_concurrent_streams", HEALTH_STREAMS_PER_CONNECTION)])
-        health_servicer.register(self._server)  # its own pool; a request that does not arrive is not waited for
+                                            ("grpc.max_concurrent_streams", HEALTH_STREAMS_PER_CONNECTION),
+                                            ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES)])
+        # its own pool; a request that does not arrive is not waited for
+        self._reads = health_servicer.register(self._server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = self._server.add_insecure_port(address)
@@ -172,6 +179,7 @@ class HealthPort:
 
     def stop(self) -> None:
         self._server.stop(0).wait()
+        self._reads.close()
 
 
 # ------------------------------------------------------------------------------------------ interceptor

@@ -389,6 +389,7 @@ class BoundServer:
         self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
         self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
+        self.health_reads: Any = None  # health_service._RequestReads: the health pool (closed with the server)
         #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
         self.warmup = False
         self.warmup_report: Any = None  # advantage_server.warmup.WarmupReport once warmed
@@ -463,6 +464,8 @@ class BoundServer:
             self.uploads.stop()
         for endpoint in self.endpoints:
             endpoint.stop()
+        if self.health_reads is not None:  # the health pool and its reaper thread
+            self.health_reads.close()
 
     def _wait_idle(self, left: Any) -> bool:
         """The drain's wait for the admitted calls (``left()``: seconds of grace left), cutting every
