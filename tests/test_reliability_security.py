@@ -76,6 +76,26 @@ def test_tls_configuration_errors(pki):
         create_server("127.0.0.1", 0, device="cpu", tls_cert="/nonexistent/cert.pem", tls_key=pki["server_key"])
 
 
+def test_client_tls_and_token_mistakes_name_the_option(tmp_path, pki):
+    """A CA file that is not PEM, or a token that is not a str, is refused when the client is made, naming the
+    option (a fresh-eyes trial found gRPC's "Failed to create security handshaker" at the first call, and a bare
+    AttributeError for ``token=123``)."""
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"\x30\x82\x01\x0a" + bytes(64))
+    with pytest.raises(ValueError, match=r"tls_ca: .*ca\.der holds no PEM block"):
+        AdvantageClient("localhost:1", tls_ca=der)
+    with pytest.raises(ValueError, match="tls_key: the bytes given holds no PEM block"):
+        AdvantageClient("localhost:1", tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=b"not a key")
+    for bad, match in ((123, "token: give the bearer token as a str .* not int"), ("  ", "token: the token is empty")):
+        with pytest.raises(ValueError, match=match):
+            AdvantageClient("localhost:1", token=bad)
+    assert auth_metadata(token=" t ") == (("authorization", "Bearer t"),)
+    client = AdvantageClient("localhost:1")
+    client.close()
+    with pytest.raises(ValueError, match="this AdvantageClient is closed"):  # was gRPC's "closed channel"
+        client.compute("raw_reward", None, rewards=REWARDS, mask=MASK)
+
+
 # ------------------------------------------------------------------------------- token
 def test_bearer_token_on_every_call_but_health(make_server):
     srv = make_server(auth_token=TOKEN)

@@ -271,12 +271,25 @@ def channel_target(target: str | Sequence[str]) -> str:
 
 
 def _pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    try:
-        return pathlib.Path(value).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {value}: {exc.strerror}") from None
+    """``value`` (PEM bytes, or the path of a PEM file) as PEM bytes; None stays None. Raises ValueError naming
+    ``what`` when the file cannot be read or holds no PEM block (gRPC would only fail the TLS handshake later, with
+    "Failed to create security handshaker" and its reason in its own log)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        data, where = value, "the bytes given"
+    else:
+        try:
+            data, where = pathlib.Path(value).read_bytes(), str(value)
+        except OSError as exc:
+            raise ValueError(f"{what}: cannot read {value}: {exc.strerror}") from None
+        except TypeError:
+            raise ValueError(f"{what}: give PEM bytes or the path of a PEM file, not {type(value).__name__}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what}: {where} holds no PEM block ('-----BEGIN ...'): give a PEM-encoded "
+                         + ("private key" if what == "tls_key" else "certificate") + " (convert DER with openssl x509 "
+                         "-inform der)")
+    return data
 
 
 def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None = None) -> tuple[tuple[str, str], ...]:
@@ -292,6 +305,11 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
             raise ValueError(f"token_file {token_file}: the file is empty")
     if token is None:
         return ()
+    if not isinstance(token, str):
+        raise ValueError(f"token: give the bearer token as a str (or token_file=, a file holding it), not "
+                         f"{type(token).__name__}")
+    if not token.strip():
+        raise ValueError("token: the token is empty")
     return (("authorization", f"Bearer {token.strip()}"),)
 
 

@@ -636,7 +636,7 @@ class AdvantageClient:
         cannot be inputs (an option of the client such as ``retry=`` or ``wait_for_ready=``, ``deadline=``,
         ``metadata=``, or a scalar such as a misspelt ``timout=5.0``: see :func:`check_inputs`), and
         :class:`AdvantageServiceError` for every error the server reports: :class:`InvalidArgumentError`
-        (also a ``ValueError``) for INVALID_ARGUMENT, on every transport.
+        (also a ``ValueError``) for INVALID_ARGUMENT, on every transport; ``ValueError`` once the client is closed.
 
         Failover (``failover=True``, see :class:`Failover`): an admission refusal (RESOURCE_EXHAUSTED with
         the server's retry pushback, ``grpc-retry-pushback-ms``) is sent again after the pushback (jittered), at
@@ -647,6 +647,8 @@ class AdvantageClient:
         within about 4 s) is sent once more to another (a shared-memory call on a fresh region). Every attempt
         has the whole deadline left: a slow call is never cut short or run twice.
         """
+        if self._shm_closed:
+            raise ValueError("this AdvantageClient is closed (close(), or the end of its with block): make a new one")
         deadline = call_timeout(timeout, self.timeout)
         check_inputs(tensors, self)
         args = (estimator, config, output_dtype, as_numpy, cu_seqlens, transport, per_sample, tensors)
