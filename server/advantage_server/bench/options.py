@@ -15,7 +15,7 @@ QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
 SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start", "adversarial")
 #: sections run only when named in --sections (cold-start: three server starts, one compiling for ~20 s;
-#: adversarial: a server, attackers and a network namespace, ~3 min with its default 3 rounds)
+#: adversarial: a server, attackers and a network namespace, ~4 min with its default 5 rounds)
 OPT_IN_SECTIONS = ("cold-start", "adversarial")
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
 CONFIGS: dict[str, dict] = {
@@ -100,10 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 4; quick 2)")
     ap.add_argument("--adversarial-rounds", type=int, default=None,
                     help="adversarial section: times the sequence of windows runs; each figure pools the calls of "
-                         "every round and the table shows each round's own (default 3; quick 1)")
-    ap.add_argument("--adversarial-pin", action="store_true",
+                         "every round and the table shows each round's own (default 5; quick 1)")
+    ap.add_argument("--adversarial-pin", action=argparse.BooleanOptionalAction, default=True,
                     help="adversarial section: run the attacker on the last CPU and the server and the legitimate "
-                         "clients on the others, so the attacker brings its own CPU (needs 2 CPUs or more)")
+                         "clients on the others, so the attacker brings its own CPU as one on another machine does "
+                         "and the fraction measures what its traffic costs the server (default on; needs 2 CPUs or "
+                         "more; --no-adversarial-pin: everything shares every CPU, and on a small machine the "
+                         "attacker's own CPU then takes from the clients)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also plot the table to this PNG (one bar chart per section; needs matplotlib)")
