@@ -258,3 +258,17 @@ def test_logs_never_contain_tensor_values_or_credentials(tmp_path, capsys):
     assert not leaked, f"logs contain {leaked}:\n{logs}"
     report(capsys, f"log audit: {calls} calls (valid, NaN, bad mask, bad config, wrong token) at DEBUG, "
                    f"{len(logs.splitlines())} log lines, none holds a tensor value or a token")
+
+
+def test_the_async_client_says_it_is_closed():
+    """``AsyncAdvantageClient.compute`` after ``close()``: ValueError naming the client (was grpc.aio's
+    ``UsageError: Channel is closed.``)."""
+    import asyncio
+    from advantage_client import AsyncAdvantageClient
+
+    async def main():
+        client = AsyncAdvantageClient("localhost:1", timeout=2)
+        await client.close()
+        with pytest.raises(ValueError, match="this AsyncAdvantageClient is closed"):
+            await client.compute("raw_reward", None, rewards=REWARDS, mask=MASK)
+    asyncio.run(main())

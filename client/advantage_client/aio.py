@@ -289,8 +289,8 @@ class AsyncAdvantageClient:
         Raises ``wire.WireError`` (a ``ValueError``) for arguments that cannot be encoded and for keywords that
         cannot be inputs (``retry=``, ``deadline=``, a scalar such as ``timout=5.0``: see
         :func:`advantage_client.client.check_inputs`), ``ValueError`` for an unknown transport or a bad
-        ``timeout``, :class:`EventLoopError` when awaited from another event loop than the client's, and
-        :class:`AdvantageServiceError` for every error the server reports (:class:`InvalidArgumentError`,
+        ``timeout`` and once the client is closed, :class:`EventLoopError` when awaited from another event loop than
+        the client's, and :class:`AdvantageServiceError` for every error the server reports (:class:`InvalidArgumentError`,
         also a ``ValueError``, for INVALID_ARGUMENT; UNAVAILABLE after the retries; DEADLINE_EXCEEDED after
         ``timeout``). Cancelling the awaiting task cancels the call.
 
@@ -309,6 +309,9 @@ class AsyncAdvantageClient:
                             tensors: dict[str, Any]) -> AdvantageResult:
         """:meth:`compute` on its captured inputs."""
         self._check_loop()
+        if self._closed:
+            raise ValueError("this AsyncAdvantageClient is closed (close(), or the end of its async with block): make "
+                             "a new one")
         deadline = call_timeout(timeout, self.timeout)
         check_inputs(tensors, self)
         transport = self._checked_transport(transport or self.transport)
