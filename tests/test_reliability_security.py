@@ -5,6 +5,7 @@ Every server listens on 127.0.0.1 only; every wait is bounded.
 """
 from __future__ import annotations
 
+import pathlib
 import logging
 import struct
 
@@ -86,10 +87,18 @@ def test_client_tls_and_token_mistakes_name_the_option(tmp_path, pki):
         AdvantageClient("localhost:1", tls_ca=der)
     with pytest.raises(ValueError, match="tls_key: the bytes given holds no PEM block"):
         AdvantageClient("localhost:1", tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=b"not a key")
-    for bad, match in ((123, "token: give the bearer token as a str .* not int"), ("  ", "token: the token is empty")):
-        with pytest.raises(ValueError, match=match):
-            AdvantageClient("localhost:1", token=bad)
+    with pytest.raises(ValueError, match="token: give the bearer token as a str .* not int"):
+        AdvantageClient("localhost:1", token=123)
     assert auth_metadata(token=" t ") == (("authorization", "Bearer t"),)
+    assert auth_metadata(token="") == auth_metadata(token="  ") == ()  # unset, as before (token=os.environ.get(.., ""))
+    # PEM given as text rather than a path is taken as PEM, and never echoed in an error (it may be a key)
+    key_text = pathlib.Path(pki["client_key"]).read_text()
+    AdvantageClient("localhost:1", tls_ca=pathlib.Path(pki["ca"]).read_text(), tls_cert=pki["client_cert"],
+                    tls_key=key_text).close()
+    body = "\n".join(line for line in key_text.splitlines() if "-----" not in line)  # its base64 lines only
+    with pytest.raises(ValueError, match="tls_key: cannot read the text given") as err:
+        AdvantageClient("localhost:1", tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=body)
+    assert body[:40] not in str(err.value)
     client = AdvantageClient("localhost:1")
     client.close()
     with pytest.raises(ValueError, match="this AdvantageClient is closed"):  # was gRPC's "closed channel"

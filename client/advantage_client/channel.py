@@ -271,18 +271,22 @@ def channel_target(target: str | Sequence[str]) -> str:
 
 
 def _pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
-    """``value`` (PEM bytes, or the path of a PEM file) as PEM bytes; None stays None. Raises ValueError naming
+    """``value`` (PEM bytes or text, or the path of a PEM file) as PEM bytes; None stays None. Raises ValueError naming
     ``what`` when the file cannot be read or holds no PEM block (gRPC would only fail the TLS handshake later, with
     "Failed to create security handshaker" and its reason in its own log)."""
     if value is None:
         return None
-    if isinstance(value, bytes):
+    if isinstance(value, str) and "-----BEGIN " in value:  # the PEM text itself, not a path (never echoed: a key)
+        data, where = value.encode(), "the text given"
+    elif isinstance(value, bytes):
         data, where = value, "the bytes given"
     else:
         try:
             data, where = pathlib.Path(value).read_bytes(), str(value)
         except OSError as exc:
-            raise ValueError(f"{what}: cannot read {value}: {exc.strerror}") from None
+            text = str(value)
+            shown = text if len(text) < 256 and "\n" not in text else "the text given (not a file name, nor PEM)"
+            raise ValueError(f"{what}: cannot read {shown}: {exc.strerror}") from None
         except TypeError:
             raise ValueError(f"{what}: give PEM bytes or the path of a PEM file, not {type(value).__name__}") from None
     if b"-----BEGIN " not in data:
@@ -303,13 +307,11 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
             raise ValueError(f"token_file {token_file}: cannot read it ({type(exc).__name__})") from None
         if not token:
             raise ValueError(f"token_file {token_file}: the file is empty")
-    if token is None:
-        return ()
-    if not isinstance(token, str):
+    if token is not None and not isinstance(token, str):
         raise ValueError(f"token: give the bearer token as a str (or token_file=, a file holding it), not "
                          f"{type(token).__name__}")
-    if not token.strip():
-        raise ValueError("token: the token is empty")
+    if token is None or not token.strip():  # an empty token counts as unset (as the environment's do)
+        return ()
     return (("authorization", f"Bearer {token.strip()}"),)
 
 
