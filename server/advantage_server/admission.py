@@ -286,8 +286,7 @@ class RequestGate:
         """Give free places to the best-ranked waiting calls (counted as taken at once, so no call that polls
         can take them first); under ``_cond``. ``freed_by``: the caller whose call just gave back a place. While
         some upload on the server is stalled and no waiting call ranks with or before ``freed_by`` (their hosts
-        or connections hold more stalled uploads) and a stalling connection could take it (fewer than ``stalled_cap``
-        places are taken), the place is kept :data:`PARK_S` instead: for that
+        or connections hold more stalled uploads), the place is kept :data:`PARK_S` instead: for that
         connection's next call, or any caller ranking with or before it (:meth:`_take_park`). A client calling
         in a loop sends its next call within milliseconds; without the keep, a staller polling for places would
         take it first, and the client would have to cut a stalled call for every call it makes."""
@@ -299,11 +298,8 @@ class RequestGate:
 
         def rank(w: _Waiter) -> tuple:
             return wait_rank(hosts, conns, w.caller.connection, w.caller.host, w.arrived)
-        if freed_by is not None and any(conns.values()) and not conns.get(freed_by.connection) \
-                and not self._is_full(self.stalled_cap):
-            # (never for a stalling connection: its next call would take the place past STALLED_FILL; and only
-            # while a stalling connection could take it, below stalled_cap: beyond, the kept place only made a
-            # prompt caller of another connection wait, 11% of the goodput beside a stalled uploader)
+        if freed_by is not None and any(conns.values()) and not conns.get(freed_by.connection):
+            # (never for a stalling connection: its next call would take the place past STALLED_FILL)
             mine = wait_rank(hosts, conns, freed_by.connection, freed_by.host, 0.0)[:-1]
             if not self._waiters or rank(min(self._waiters, key=rank))[:-1] > mine:
                 self._parked.setdefault(freed_by.connection, []).append((time.monotonic() + PARK_S, mine))
