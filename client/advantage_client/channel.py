@@ -284,9 +284,10 @@ def _pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
         try:
             data, where = pathlib.Path(value).read_bytes(), str(value)
         except OSError as exc:
-            text = str(value)
-            shown = text if len(text) < 256 and "\n" not in text else "the text given (not a file name, nor PEM)"
-            raise ValueError(f"{what}: cannot read {shown}: {exc.strerror}") from None
+            where = str(value)
+            if len(where) >= 256 or "\n" in where:  # not a file name: never echoed (it may be a key)
+                where = "the text given (not a file name, nor PEM)"
+            raise ValueError(f"{what}: cannot read {where}: {exc.strerror}") from None
         except TypeError:
             raise ValueError(f"{what}: give PEM bytes or the path of a PEM file, not {type(value).__name__}") from None
     if b"-----BEGIN " not in data:

@@ -130,9 +130,9 @@ class _HealthQueue:
     def enter(self) -> bool:
         """On gRPC's polling thread, for a health call about to be handed to the pool: False when ``limit`` calls
         wait already (gRPC then answers UNIMPLEMENTED), else its arrival is stamped into the call's context."""
-        arrival = _Arrival()
         if not self.counting:
             return True
+        arrival = _Arrival()
         with self._lock:
             # entries are in arrival order: drop the expired from the front (a call refused at gRPC's backstop after
             # this lookup counted it; or one queued longer, which is then only not counted)
@@ -198,7 +198,8 @@ class _RequestReads:
     is served. One thread ends each call when its allowance ends."""
 
     def __init__(self, limit: float = HEALTH_REQUEST_S, per_host: int = HEALTH_READS_PER_HOST,
-                 busy_limit: float = HEALTH_BUSY_REQUEST_S):
+                 busy_limit: float = HEALTH_BUSY_REQUEST_S, pool: futures.ThreadPoolExecutor | None = None,
+                 queue_limit: int = HEALTH_QUEUE):
         self.limit, self.per_host, self.busy_limit = limit, per_host, busy_limit
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -207,9 +208,8 @@ class _RequestReads:
         self._hosts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: the health methods' thread pool (set by :meth:`HealthServicer.register`); shut down by :meth:`close`
-        self.pool: futures.ThreadPoolExecutor | None = None
-        self.queue = _HealthQueue()
+        self.pool = pool  # the health methods' thread pool (HealthServicer.register's); shut down by close()
+        self.queue = _HealthQueue(queue_limit)
         self.refused = 0  # calls beyond per_host whose message did not come within busy_limit (UNIMPLEMENTED)
         self.ended = 0    # calls within per_host whose message did not come within limit (CANCELLED)
 
@@ -356,9 +356,7 @@ class HealthServicer(health.HealthServicer):
         bookkeeping (its ``refused`` and ``ended`` counts, its ``queue``); :meth:`_RequestReads.close` it once
         ``server`` has stopped (its pool and reaper thread end)."""
         pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="advantage-health")
-        reads = _RequestReads()
-        reads.queue.limit = queue_limit
-        reads.pool = pool
+        reads = _RequestReads(pool=pool, queue_limit=queue_limit)
 
         def check(requests, context):
             request = reads.read(requests, context)

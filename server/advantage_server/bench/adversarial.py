@@ -26,9 +26,9 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
   unregistering another one in a loop.
 
-``pin`` (``--adversarial-pin``, the bench's default; ``--no-adversarial-pin``): the attacker's processes run on the machine's last CPU, the server and the
-legitimate clients on the others (``os.sched_setaffinity``; at least 2 CPUs): the attacker brings its own CPU, as
-one on another machine would, so the fraction measures what its traffic costs the server rather than what its
+``pin`` (``--adversarial-pin``, the bench's default; ``--no-adversarial-pin``): the attacker's processes run on
+the machine's last CPU, the server and the legitimate clients on the others (``os.sched_setaffinity``; at least 2
+CPUs): the attacker brings its own CPU, as one on another machine would, so the fraction measures what its traffic costs the server rather than what its
 own process takes from the clients beside it. The windows alone then have one CPU fewer.
 
 Only 127.0.0.1 and the namespace's 10.201.0.0/30 are ever targets. Figures vary with the machine's load:
