@@ -50,8 +50,9 @@ demo-cartpole: $(DEMO_STAMP)
 	$(VENV)/bin/advantage-demo cartpole --csv runs/cartpole.csv --plot runs/cartpole.png
 
 test: $(STAMP) $(NODE_STAMP)
-	$(VENV)/bin/python -m pytest -q
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/python -m pytest -q
 
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: every Ray cluster the tests start stays on 127.0.0.1 (tests/conftest.py).
 # `make test-frameworks` (issue #28): the frameworks as their users install them, each in its own venv built from
 # tests/installed/requirements-*.txt with the framework's declared dependencies (cached by a stamp like .venv).
 # SkyRL 0.4.0 needs Python 3.12 (PYTHON312; pyenv's 3.12 where it exists), AReaL 1.0.4 3.11 or 3.12 (3.12 here).
@@ -82,8 +83,8 @@ $(AREAL_STAMP): tests/installed/requirements-areal.txt tests/installed/constrain
 	touch $@
 
 test-frameworks: $(STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
-	$(SKYRL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_skyrl_installed.py
-	$(AREAL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_areal_installed.py
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(SKYRL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_skyrl_installed.py
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(AREAL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_areal_installed.py
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests/test_deploy_docker.py tests/test_deploy_k8s.py tests/test_deploy_proto.py

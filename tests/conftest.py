@@ -18,6 +18,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # kernel first (about 2-5 s with numba's cache filled, 30 s and more with it empty, per start): the suite's
 # own servers compile on first use instead. tests/test_warmup.py turns warm-up back on where it is the subject.
 os.environ.setdefault("ADVANTAGE_WARMUP", "0")
+# Every Ray cluster the suite starts (tests/test_ray.py's `ray start --head`, a `ray.init()` that starts one, and the
+# processes either starts) stays on 127.0.0.1. On Linux Ray otherwise swaps 127.0.0.1 (and `localhost`) for the
+# address it would give other nodes, the host's own (ray._private.services.resolve_ip_for_localhost), and its
+# processes talk over that; a test's traffic stays on loopback or in network namespaces it makes itself. Set here,
+# before any test module imports Ray (its constants read the variable at import); tests/test_ray.py's
+# test_the_cluster_stays_on_loopback fails without it. tests/installed/ sets it in each module that starts Ray.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 #: The golden vectors live in the repository (tests/golden/, copied from the references' runs; format in its
 #: README). ADVANTAGE_GOLDEN_DIR points the suite at another copy (e.g. a newer drop of the same format).
 GOLDEN = pathlib.Path(os.environ.get("ADVANTAGE_GOLDEN_DIR", ROOT / "tests" / "golden"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -155,6 +156,10 @@ def start_head(tmp: str, attempts: int = 3) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("a local Ray head did not start:\n" + "\n\n".join(errors))
 
 
+#: the module's ``ray start --head --block`` process (the cluster fixture's), for the loopback check
+HEAD: list[subprocess.Popen] = []
+
+
 @pytest.fixture(scope="module")
 def cluster():
     tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it (108-byte limit)
@@ -163,6 +168,7 @@ def cluster():
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    HEAD[:] = [proc]
     before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's ray.init(address=...) and from_ray's, as the head
     try:
@@ -180,7 +186,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def deployment(cluster):
-    infos = ray_deploy.up(2, ["--device", "cpu", "--workers", "2", "--grace", "1"], namespace=NAMESPACE,
+    infos = ray_deploy.up(2, ["--host", "127.0.0.1", "--device", "cpu", "--workers", "2", "--grace", "1"], namespace=NAMESPACE,
                           num_cpus=1, timeout=120)
     yield infos
     ray_deploy.down(namespace=NAMESPACE, grace=0.5)
@@ -272,6 +278,46 @@ def test_from_ray_without_replicas_says_how_to_start_them(cluster):
 def test_up_twice_is_refused(deployment):
     with pytest.raises(RuntimeError, match="already up"):
         ray_deploy.up(1, namespace=NAMESPACE)
+
+
+def _off_loopback(ip: str) -> bool:
+    """Whether a socket address is outside loopback (an IPv4-mapped ``::ffff:127.0.0.1`` is loopback)."""
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return not address.is_loopback
+
+
+def test_the_cluster_stays_on_loopback(deployment):
+    """Issue #37 item 1: the suite's Ray cluster, its replicas included, uses 127.0.0.1 alone. Ray on Linux swaps a
+    ``--node-ip-address=127.0.0.1`` for the host's own address (``resolve_ip_for_localhost``) unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (tests/conftest.py). Checked on 2026-12-06 with that line removed: the
+    node became 192.0.2.2 and this test failed on the node's address and on the sockets of the head's processes.
+    The sockets checked are every inet socket of the head's process tree (GCS, raylet, workers, the replicas):
+    none may listen on or talk to an address outside loopback, the wildcard address included."""
+    assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
+
+    @ray.remote(num_cpus=0)
+    def node_ip() -> str:
+        return ray.util.get_node_ip_address()
+
+    assert ray.get(node_ip.remote(), timeout=60) == "127.0.0.1"
+    assert all(info["address"].startswith("127.0.0.1:") for info in deployment), deployment
+    head = psutil.Process(HEAD[0].pid)
+    seen, outside = 0, []
+    for proc in [head, *head.children(recursive=True)]:
+        try:
+            sockets = proc.net_connections(kind="inet")
+            name = " ".join(proc.cmdline())[:80]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for sock in sockets:
+            seen += 1
+            ends = [a for a in (sock.laddr, sock.raddr) if a]
+            if any(_off_loopback(a.ip) for a in ends):
+                outside.append((proc.pid, name, sock.laddr, sock.raddr, sock.status))
+    assert seen >= 10, f"only {seen} sockets seen in the head's process tree: the check saw no cluster"
+    assert not outside, f"{len(outside)} of {seen} Ray sockets outside loopback: {outside[:5]}"
 
 
 def test_status_cli_and_requests_spread_over_both(deployment, cluster):
@@ -394,7 +440,7 @@ def test_only_replica_killed_calls_wait_for_its_restart(cluster, fixed_port):
     its own) on the same address and sends the calls that failed meanwhile once more, whether the look-up after
     the failure finds the replica still restarting or already back (gRPC's retries on here)."""
     name = "fixed" if fixed_port else "solo"
-    flags = ["--device", "cpu", "--workers", "1", "--grace", "0.5"]
+    flags = ["--host", "127.0.0.1", "--device", "cpu", "--workers", "1", "--grace", "0.5"]
     if fixed_port:
         port = free_port()
         flags += ["--port", str(port)]
@@ -433,7 +479,7 @@ def test_only_replica_killed_calls_wait_for_its_restart(cluster, fixed_port):
 def test_only_replica_killed_asyncio_twin_waits_too(cluster):
     """The same as the asyncio twin: two tasks calling while the only replica is killed; no failed call."""
     name = "solo-aio"
-    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1", "--grace", "0.5"], name=name,
+    infos = ray_deploy.up(1, ["--host", "127.0.0.1", "--device", "cpu", "--workers", "1", "--grace", "0.5"], name=name,
                           namespace=NAMESPACE, num_cpus=0, timeout=120)
     failures: list[BaseException] = []
     done = [0]
@@ -484,7 +530,7 @@ def test_status_shows_a_replica_whose_restarts_are_spent(cluster, capsys):
     """``--max-restarts 0``: a killed replica is gone from Ray's named actors; status lists it as DEAD and
     exits 1 saying ``down`` then ``up``; ``down`` clears it."""
     name = "mortal"
-    infos = ray_deploy.up(1, ["--device", "cpu", "--workers", "1"], name=name, namespace=NAMESPACE, num_cpus=0,
+    infos = ray_deploy.up(1, ["--host", "127.0.0.1", "--device", "cpu", "--workers", "1"], name=name, namespace=NAMESPACE, num_cpus=0,
                           max_restarts=0, timeout=120)
     try:
         assert ray_deploy.main(["status", "--name", name, "--namespace", NAMESPACE]) == 0

@@ -32,6 +32,9 @@ if sys.version_info < (3, 12):
     pytest.skip("SkyRL 0.4.0 as installed needs Python >= 3.12: run by `make test-frameworks`",
                 allow_module_level=True)
 
+# Ray on 127.0.0.1 only (tests/conftest.py says why; this directory runs without it): set before Ray is imported
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
