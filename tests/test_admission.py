@@ -257,6 +257,37 @@ def test_peer_host_and_the_share_flags():
     assert peer_host("ipv6:%5B::ffff:10.1.2.3%5D:5678") == "ipv4:10.1.2.3"
 
 
+def test_nat64_ipv4_compatible_and_link_local_clients_are_hosts_of_their_own():
+    """Issue #35 item 8: every IPv4 client behind NAT64 (``64:ff9b::/96``) counted as one host, and so did every
+    IPv4-compatible ``::a.b.c.d`` address and every link-local client of a segment (each family shares one /64).
+    Now NAT64 and IPv4-compatible clients count by their IPv4 address, a link-local one by its whole address."""
+    assert peer_host("ipv6:[64:ff9b::a00:1]:5678") == "ipv4:10.0.0.1"
+    assert peer_host("ipv6:[64:ff9b::a00:2]:5678") == "ipv4:10.0.0.2"
+    assert peer_host("ipv6:%5B64:ff9b::10.0.0.3%5D:1") == "ipv4:10.0.0.3"
+    assert peer_host("ipv6:[::10.0.0.1]:5678") == "ipv4:10.0.0.1"  # the same client, seen either way
+    assert peer_host("ipv6:[fe80::1]:5678") == "ipv6:[fe80::1]" != peer_host("ipv6:[fe80::2]:5678")
+    assert peer_host("ipv6:[fe80::1%25eth0]:5678") == "ipv6:[fe80::1]"
+    assert peer_host("ipv6:[::1]:5678") == "ipv6:[::1]"  # this machine, not an IPv4-compatible address
+
+
+def test_the_ipv6_host_prefix_is_a_flag(monkeypatch):
+    """Issue #35 item 8: a holder of a /56 counted as 256 hosts; ``--ipv6-host-prefix 56`` makes it one."""
+    from advantage_server import identity
+    from advantage_server.cli import build_parser
+
+    monkeypatch.setattr(identity, "IPV6_HOST_PREFIX", 64)
+    assert peer_host("ipv6:[2001:db8:1:2::7]:1") != peer_host("ipv6:[2001:db8:1:ff::7]:1")
+    identity.set_ipv6_host_prefix(build_parser().parse_args(["--ipv6-host-prefix", "56"]).ipv6_host_prefix)
+    assert peer_host("ipv6:[2001:db8:1:2::7]:1") == peer_host("ipv6:[2001:db8:1:ff::7]:1") == "ipv6:[2001:db8:1::]/56"
+    assert peer_host("ipv6:[2001:db8:1:100::7]:1") == "ipv6:[2001:db8:1:100::]/56"
+    identity.set_ipv6_host_prefix(128)
+    assert peer_host("ipv6:[2001:db8:1:2::7]:1") == "ipv6:[2001:db8:1:2::7]"
+    with pytest.raises(ValueError, match="--ipv6-host-prefix"):
+        identity.set_ipv6_host_prefix(8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--ipv6-host-prefix", "200"])
+
+
 @needs_ipv6
 def test_a_real_ipv6_peer_is_parsed():
     """The peer a real IPv6 connection has, as grpcio names it (percent-encoded), parses to its host: one review

@@ -229,3 +229,30 @@ def test_preflight_in_process(pki):
         check_bind("999.1.1.1", 0, "--metrics-host", "--metrics-port")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--host", "a b"])
+
+
+@pytest.mark.parametrize("grace", ["1e12", "86401", "inf"])
+def test_grace_beyond_a_day_exits_2(tmp_path, grace):
+    """Issue #35 item 7: ``--grace 1e12`` was accepted, then crashed gRPC's grace thread with OverflowError at
+    shutdown (exit 0). ``--grace`` is at most a day now, refused at start like any other bad flag."""
+    rc, out, err, heavy = run(tmp_path, SERVER, "--port", "0", "--grace", grace)
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err and heavy == [], err
+    assert "--grace" in line and (("at most 86400" in line) or ("finite" in line)), line
+
+
+def test_the_exit_watchdog_ends_a_process_that_would_not_exit(tmp_path):
+    """Issue #35 item 7: the process exits within ``--grace`` + 5 s of SIGTERM whatever still runs. The watchdog
+    main() starts at the signal ends a process that a non-daemon thread would hold for a minute, with exit 0 and
+    a WARNING saying so; without it this process runs 60 s (the subprocess timeout below fails the test)."""
+    code = ("import logging, threading, time, sys\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+            "from advantage_server.cli import exit_watchdog\n"
+            "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+            "exit_watchdog(0.5)\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert "exiting now" in out.stderr, out.stderr
+    assert took < 20, took

@@ -4,7 +4,8 @@
 
 Logs its address and device at start, once (stderr: ``advantage-server listening on ADDRESS device=DEVICE
 (...)``). On SIGTERM or SIGINT it drains: health reports NOT_SERVING,
-new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds), then it exits 0.
+new calls get UNAVAILABLE, calls in progress finish (within ``--grace`` seconds, at most a day), then it exits 0,
+within ``--grace`` + 5 s of the signal whatever is still running (:func:`exit_watchdog`).
 ``kill -USR1 PID`` prints every thread's Python stack to stderr and the server goes on (for a server that
 seems stuck).
 Exits 2 with a one-line message naming the flag when a flag is out of range (a port outside 0-65535, a limit
@@ -33,6 +34,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 # Light imports only (no torch, numba or client): a bad flag is answered, and advantage-healthcheck runs, at
@@ -84,8 +86,8 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def seconds(allow_zero: bool):
-    """A finite number of seconds, >= 0 (``allow_zero``) or > 0."""
+def seconds(allow_zero: bool, maximum: float | None = None):
+    """A finite number of seconds, >= 0 (``allow_zero``) or > 0, and at most ``maximum`` when given."""
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -94,8 +96,49 @@ def seconds(allow_zero: bool):
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"{text}: give a finite number of seconds "
                                              f"{'>= 0' if allow_zero else '> 0'}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text}: give at most {maximum:g} seconds")
         return value
     return parse
+
+
+#: the longest ``--grace`` (one day): gRPC's stop takes a float it turns into a deadline, and 1e12 s overflowed it
+MAX_GRACE_S = 86400.0
+#: seconds past ``--grace`` after which a stopping server's process exits whatever is still running
+EXIT_MARGIN_S = 5.0
+
+
+def exit_watchdog(seconds: float) -> threading.Thread:
+    """Start a daemon thread that ends the process (exit code 0) ``seconds`` from now, logging why, unless it
+    has ended before: the drain's promise is an exit within ``--grace`` + ``EXIT_MARGIN_S`` seconds of SIGTERM,
+    and neither a kernel that does not reach its next checkpoint nor a thread that holds up the interpreter's
+    exit may break it (issue #35 item 7: ``--grace 0`` under load exited 4-13 s after SIGTERM, and 3 of 4 servers
+    stopped at once were still alive 90 s after logging "stopped"). ``os._exit``: no clean-up runs, which is the
+    point; the calls in progress had their grace."""
+    def run() -> None:
+        time.sleep(seconds)
+        log.warning("still running %.1f s after the signal to stop (--grace + %.0f s): exiting now", seconds,
+                    EXIT_MARGIN_S)
+        for handler in logging.getLogger().handlers + log.handlers:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(0)
+    thread = threading.Thread(target=run, name="advantage-exit-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def prefix_length(text: str) -> int:
+    """An IPv6 prefix length from 16 to 128 (``--ipv6-host-prefix``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a prefix length") from None
+    if not 16 <= value <= 128:
+        raise argparse.ArgumentTypeError(f"{text}: give a prefix length from 16 to 128")
+    return value
 
 
 def log_level(text: str) -> str:
@@ -168,14 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "is full, a newcomer whose host holds fewer takes a place back from a host holding more "
                         "(its most stalled upload is cut, RESOURCE_EXHAUSTED); max-min fair between hosts, then "
                         "connections (default: max(1, --max-concurrent-requests // 4))")
+    p.add_argument("--ipv6-host-prefix", type=prefix_length, default=64,
+                   help="IPv6 clients count as one host per prefix of this length, for the fair shares (default 64; "
+                        "56 where each customer holds a /56; 128: every address is a host)")
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
                    help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
     p.add_argument("--auth-token-file", help="file holding a bearer token every call but health checks must carry")
-    p.add_argument("--grace", type=seconds(allow_zero=True), default=10.0,
-                   help="seconds in-flight calls get on shutdown (default 10)")
+    p.add_argument("--grace", type=seconds(allow_zero=True, maximum=MAX_GRACE_S), default=10.0,
+                   help="seconds in-flight calls get on shutdown, at most 86400 (default 10); the process exits "
+                        "within --grace + 5 s of SIGTERM whatever is still running")
     p.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--log-format", default="text", choices=logs.FORMATS,
                    help="text, or json: one object per line with the call's request_id, method and estimator "
@@ -219,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         from advantage_server.auth import load_token
         from advantage_server.preflight import check_server_flags
         check_server_flags(args)
+        from advantage_server.identity import set_ipv6_host_prefix
+        set_ipv6_host_prefix(args.ipv6_host_prefix)
         token = load_token(args.auth_token_file) if args.auth_token_file else None
         from advantage_server.server import create_server
         server = create_server(args.host, args.port, args.device,
@@ -266,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
     while not stopping:  # the drain begins within 50 ms of the signal (a short call is still in flight)
         time.sleep(0.05)
+    exit_watchdog(args.grace + EXIT_MARGIN_S)  # the exit is promised within --grace + 5 s of the signal
     log.info("shutting down: health NOT_SERVING, new calls UNAVAILABLE, finishing in-flight calls (grace %.1fs)",
              args.grace)
     server.stop(args.grace)

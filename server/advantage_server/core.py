@@ -85,11 +85,14 @@ class AdvantageCore:
         result, dtype = self.compute_result(request)
         return encode_result(result, dtype, consume=True)
 
-    def compute_result(self, request: Any, output_provider: OutputProvider | None = None
-                       ) -> tuple[AdvantageResult, torch.dtype]:
+    def compute_result(self, request: Any, output_provider: OutputProvider | None = None,
+                       max_result_bytes: int | None = None) -> tuple[AdvantageResult, torch.dtype]:
         """:meth:`compute` before encoding: the result tensors and the requested output dtype. ``request``
         is a ``ComputeAdvantageRequest`` or anything shaped like one (``codec.DecodedRequest``).
-        ``output_provider``: see :meth:`run` (ignored for the packed layout, whose results are gathered)."""
+        ``output_provider``: see :meth:`run` (ignored for the packed layout, whose results are gathered).
+        ``max_result_bytes``: the most result bytes one response message may carry (the unary method's
+        ``--max-message-mb``); a request whose declared shapes give a larger result is refused before computing
+        (``ResourceLimit``: RESOURCE_EXHAUSTED naming the flag and the streaming transport)."""
         name = request.WhichOneof("estimator")
         if name is None:
             raise InvalidInput("estimator", f"no estimator chosen: set one of {', '.join(REGISTRY)} "
@@ -119,7 +122,9 @@ class AdvantageCore:
                           cu_seqlens=cu_seqlens, output_provider=output_provider,
                           per_sample=bool(getattr(request, "per_sample", False)),
                           mask_columns=int(getattr(request, "mask_columns", 0)),
-                          keep_float64=_OUTPUT[request.output_dtype] == torch.float64)
+                          keep_float64=_OUTPUT[request.output_dtype] == torch.float64,
+                          max_result_bytes=max_result_bytes,
+                          result_itemsize=_OUTPUT[request.output_dtype].itemsize)
         checkpoint("before encoding")
         dtype = _OUTPUT[request.output_dtype]
         result.advantages = cast_output(result.advantages, dtype, "advantages")
@@ -129,7 +134,8 @@ class AdvantageCore:
 
     def run(self, name: str, config: Any, tensors: Mapping[str, Any], cu_seqlens: Any = None,
             output_provider: OutputProvider | None = None, per_sample: bool = False,
-            mask_columns: int = 0, keep_float64: bool = False) -> AdvantageResult:
+            mask_columns: int = 0, keep_float64: bool = False, max_result_bytes: int | None = None,
+            result_itemsize: int = 4) -> AdvantageResult:
         """Run estimator ``name`` in-process. ``config``: its config dataclass, a dict, or None.
 
         ``cu_seqlens`` ([B + 1] row offsets) selects the packed layout: token-level inputs are flat
@@ -145,6 +151,8 @@ class AdvantageCore:
         ``keep_float64``: results computed in float64 for inputs that are not float64 (integers beyond 2^24,
         huge float32 values: see :meth:`prepare`) stay float64 instead of being rounded to float32 here (the
         caller asked for ``output_dtype=float64``: rounding them first would lose the exactness it asked for).
+        ``max_result_bytes``: refuse (``ResourceLimit``) before computing when the result, ``result_itemsize``
+        bytes per value, would be larger (:func:`check_result_size`).
         """
         spec = REGISTRY.get(name)
         if spec is None:
@@ -163,6 +171,9 @@ class AdvantageCore:
         if cu_seqlens is not None:
             tensors, layout = unpack(spec, cu_seqlens, tensors, max_elements=self.max_batch_elements)
         batch = Batch(self.prepare(spec, config, tensors))
+        if max_result_bytes is not None:
+            check_result_size(spec, config, tuple(batch._tensors["mask"].shape), layout, per_sample,
+                              result_itemsize, max_result_bytes)
         if layout is None:  # packed results are gathered from the padded ones: nothing to write in place
             batch.output_provider = output_provider
         checkpoint("before computing")
@@ -272,6 +283,30 @@ class AdvantageCore:
                 out[key] = validate.cast(t, compute_dtype)
             checkpoint("while moving the inputs to the compute device and dtype")
         return out
+
+
+def check_result_size(spec: EstimatorSpec, config: Any, dense: tuple[int, ...], layout: Any, per_sample: bool,
+                      itemsize: int, limit: int) -> None:
+    """Refuse, before computing, a result that one response message could not carry (issue #35 item 6: it was
+    computed in full, logged OK, then dropped by gRPC, whose RESOURCE_EXHAUSTED named no flag).
+
+    The result holds advantages, and returns where the estimator sets them (``spec.returns_for``), each ``[N]``
+    for the packed layout (``N = cu_seqlens[-1]``), ``[B]`` for a per-sample result, else ``[B, T]`` (``dense``,
+    the mask's shape), at ``itemsize`` bytes a value; the encoding adds well under 1 KiB. Raises
+    ``ResourceLimit`` (RESOURCE_EXHAUSTED) naming ``--max-message-mb`` and the streaming transport."""
+    if layout is not None:
+        values = int(layout.cu[-1])
+    elif per_sample and spec.per_sample and spec.per_sample_for(config):
+        values = int(dense[0]) if dense else 1
+    else:
+        values = math.prod(int(d) for d in dense)
+    tensors = 2 if spec.returns_for(config) else 1
+    nbytes = tensors * values * itemsize + 1024
+    if nbytes > limit:
+        raise ResourceLimit(f"the result of this request would be about {nbytes} bytes ({tensors} x {values} values "
+                            f"of {itemsize} bytes), more than one response message carries "
+                            f"(--max-message-mb={limit >> 20}): send it with transport='stream' "
+                            "(ComputeAdvantageStream returns results of any size in chunks), or split the batch")
 
 
 def _largest_input(batch: Batch) -> str:

@@ -73,7 +73,7 @@ connect, import_ray, replica_actor_name, replica_handles, replica_infos = (
     _discovery(name) for name in ("connect", "import_ray", "replica_actor_name", "replica_handles", "replica_infos"))
 
 #: server flags the replica reads itself instead of passing them to ``create_server``
-_REPLICA_FLAGS = {"host", "port", "device", "auth_token_file", "grace", "log_level", "log_format"}
+_REPLICA_FLAGS = {"host", "port", "device", "auth_token_file", "grace", "log_level", "log_format", "ipv6_host_prefix"}
 #: port flags offset by the replica's index when not 0 (several replicas may share a node)
 _PORT_FLAGS = ("port", "metrics_port", "health_port")
 #: server flags naming a file the replicas read (checked readable here before anything starts)
@@ -197,6 +197,8 @@ class Replica:
                     setattr(args, flag, getattr(args, flag) + index)
         logs.configure(args.log_level, args.log_format)
         check_server_flags(args)  # host of this node, ports free, TLS pair: the cause named, not "cannot bind"
+        from advantage_server.identity import set_ipv6_host_prefix
+        set_ipv6_host_prefix(args.ipv6_host_prefix)
         kwargs = server_kwargs(args)
         self._token = auth_token if auth_token and not args.auth_token_file else None  # a file's token wins
         if self._token:

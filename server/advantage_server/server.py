@@ -65,8 +65,9 @@ from advantage_server.limits import (
     DEFAULT_UPLOAD_RATE_WINDOW, LIGHT_BODY_BYTES,
     Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
-from advantage_server.admission import Caller, Draining, RequestGate, refusal_metadata
+from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import call_peer, peer_host
+from advantage_server.shares import ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -92,6 +93,39 @@ _KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+#: a connection with no call open for this long gets GOAWAY and is closed (issue #35 item 4: a TCP connection that
+#: sent the HTTP/2 preface and nothing else was kept for ever, 13-15 KiB and a descriptor each); a client channel
+#: reconnects at its next call, so only an idle trainer pays one reconnection
+CONNECTION_IDLE_S = 300
+#: every connection is asked to go away (GOAWAY) after this long, its calls in progress given
+#: ``CONNECTION_AGE_GRACE_S`` more to end (then cut): no connection, however busy, is held for ever
+CONNECTION_AGE_S = 3600
+CONNECTION_AGE_GRACE_S = 600
+
+
+def connection_options() -> list[tuple[str, int]]:
+    """gRPC server options bounding a connection's life (:data:`CONNECTION_IDLE_S`, :data:`CONNECTION_AGE_S`,
+    :data:`CONNECTION_AGE_GRACE_S`); read when a server is created."""
+    return [("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
+            ("grpc.max_connection_age_ms", int(CONNECTION_AGE_S * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
+
+
+def raise_descriptor_limit() -> tuple[int, int] | None:
+    """Raise this process's soft limit on open descriptors to its hard limit (at most 2^20), so that connections
+    run out long after a default soft limit of 1,024 would; (soft, hard) after, or None where it cannot be read.
+    Every connection costs one descriptor, and idle ones are closed after :data:`CONNECTION_IDLE_S`."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, ValueError, OSError):
+        return None
+
 
 def flow_control_options(stream_window_mb: int) -> list[tuple[str, int]]:
     """gRPC server options for ``--stream-window-mb``: the HTTP/2 stream window the server announces, fixed.
@@ -192,13 +226,17 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                                    per_connection=self.limits.pending_per_connection)
         self.uploads.on_lent_exit = self.gate.repay
         self.gate.stalled = self.uploads.stalled  # the waiting room's order (shares.wait_rank)
+        #: result bytes computed but not yet delivered, per connection and host (issue #35: the ledger)
+        self.results = ResultLedger(send_timeout=self.limits.stream_idle_timeout)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
         check_batch_elements(tensor_fields(request), self.limits.max_batch_elements)
         alive = grpc_liveness(context)
         with self.gate.compute_slot(alive), checkpoints(alive):  # the result is encoded by the codec
-            return transport.ResultPayload(*self.core.compute_result(request))
+            # a result one response message cannot carry is refused before computing (--max-message-mb)
+            return transport.ResultPayload(*self.core.compute_result(
+                request, max_result_bytes=self.limits.max_message_bytes))
 
     def ListEstimators(self, request, context):
         return list_estimators()
@@ -228,6 +266,8 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             started = time.monotonic()
             what, status, pushback = method.name, None, ()
             try:
+                if limited:
+                    self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
                 with self.gate.admit(limited, context.add_callback,
                                      (lambda: self._make_room(context)) if limited else None,
                                      self._caller(context) if limited else None), \
@@ -248,7 +288,10 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                     if codec_decoded:
                         transport._label_call(request.estimator)
                     what = _Summary(method.name, request)
-                    return behavior(request, context)
+                    response = behavior(request, context)
+                    if isinstance(response, transport.ResultPayload):
+                        self._hold_result(context, response.nbytes())
+                    return response
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
                 # Keep only the status: a live exception (its traceback, its frames) would hold the
                 # request bytes in a reference cycle until the garbage collector happens to run.
@@ -274,6 +317,27 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         is refused anyway, and the uploads in progress keep their places to finish."""
         if not self.gate.draining and self.uploads.evict_for(context):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
+
+    def _wait_results(self, context: grpc.ServicerContext) -> None:
+        """Before a limited call takes a place: wait (at most ``ADMISSION_WAIT_S``, never past its deadline) while
+        its connection, or its host for a connection without standing, holds too many result bytes not yet read
+        (:class:`~advantage_server.shares.ResultLedger`); then refuse it with RESOURCE_EXHAUSTED and a retry
+        pushback (:class:`~advantage_server.admission.Overloaded`)."""
+        peer = call_peer(context)
+        host = peer_host(peer)
+        if self.results.refusal(peer, host) is None:
+            return
+        left = context.time_remaining()
+        why = self.results.wait_room(peer, host, ADMISSION_WAIT_S if left is None else min(ADMISSION_WAIT_S, left))
+        if why is not None:
+            raise Overloaded(why)
+
+    def _hold_result(self, context: grpc.ServicerContext, nbytes: int) -> None:
+        """Enter a result of ``nbytes`` handed to gRPC in the ledger until its call ends (delivered or cancelled)."""
+        peer = call_peer(context)
+        key = self.results.hold(peer, peer_host(peer), nbytes, context.cancel)
+        if not context.add_callback(lambda: self.results.release(key)):
+            self.results.release(key)  # the call has already ended
 
     @staticmethod
     def _caller(context: grpc.ServicerContext) -> Caller:
@@ -389,6 +453,7 @@ class BoundServer:
         self.metrics: ServerMetrics | None = None  # its collectors; served when endpoints include it
         self.endpoints: list[Any] = []  # side endpoints (metrics HTTP, --health-port): started/stopped with it
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
+        self.results: ResultLedger | None = None  # the servicer's ledger of unread results (closed with the server)
         self.health_reads: Any = None  # health_service._RequestReads: the health pool (closed with the server)
         #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
         self.warmup = False
@@ -462,6 +527,8 @@ class BoundServer:
         self.memory.stop()
         if self.uploads is not None:
             self.uploads.stop()
+        if self.results is not None:
+            self.results.close()
         for endpoint in self.endpoints:
             endpoint.stop()
         if self.health_reads is not None:  # the health pool and its reaper thread
@@ -570,8 +637,10 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         # calls of any kind one client connection may have open at once (health Watch streams included)
         ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
         *_KEEPALIVE_OPTIONS,
+        *connection_options(),
         *flow_control_options(stream_window_mb),
     ]
+    raise_descriptor_limit()
     servicer = AdvantageServicer(core, limits)
     server = grpc.server(pool, interceptors=[observer, *([auth] if auth else [])], options=options,
                          maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
@@ -597,6 +666,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                          auth=bool(auth_token), limits=limits)
     result.metrics = metrics
     result.uploads = servicer.uploads
+    result.results = servicer.results
     result.warmup = warmup
     metrics.registry.register(KernelCollector())  # advantage_kernel_signatures: grows if a call compiles
     try:

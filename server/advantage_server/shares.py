@@ -37,7 +37,9 @@ streams bounds memory without making any token holder's channel unhealthy.
 from __future__ import annotations
 
 import collections
-from typing import Mapping
+import threading
+import time
+from typing import Callable, Mapping
 
 #: seconds without request bytes after which a pending upload counts as *stalled* for the waiting room's order
 #: (:func:`wait_rank`): long against the time a prompt client's body takes to arrive on a busy server (a few
@@ -132,3 +134,227 @@ def wait_rank(stalled_hosts: Mapping[str, int], stalled_connections: Mapping[str
     if not conn:
         return 0, 0, 0, arrived
     return 1, stalled_hosts.get(host, 0), conn, arrived
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ledger of what a caller holds beyond its places (issue #35): result bytes computed but not yet delivered.
+
+#: result bytes computed but not yet delivered that one host may hold before its connections without standing (see
+#: :class:`ResultLedger`) wait for a place to deliver into; also what one connection may hold before its own new
+#: calls wait
+UNREAD_HOST_BYTES = 256 << 20
+#: the same, summed over every host: past it, only connections with standing are admitted
+UNREAD_TOTAL_BYTES = 1 << 30
+#: a result leaves at this rate or faster (bytes/s) from a client that reads it (the same 1 MiB/s that
+#: ``--min-upload-rate-kib`` asks of an upload, on the client's own receive path)
+DELIVERY_RATE = 1 << 20
+#: seconds a result may take beyond its bytes at ``DELIVERY_RATE`` before it counts as *overdue* (not being read)
+DELIVERY_GRACE_S = 1.0
+#: a result of a connection without standing may be cut to make room for another connection of its host once it
+#: is older than ``ROOM_GRACE_S`` + its bytes at ``ROOM_RATE`` (a reader on the same host takes it far faster)
+ROOM_RATE = 64 << 20
+ROOM_GRACE_S = 0.25
+#: connections whose last delivery the ledger remembers (the oldest forgotten first)
+STANDING_MEMORY = 16384
+
+
+class _Unread:
+    __slots__ = ("connection", "host", "nbytes", "since", "cancel", "cancelled")
+
+    def __init__(self, connection: str, host: str, nbytes: int, since: float, cancel: Callable[[], object]):
+        self.connection, self.host, self.nbytes, self.since = connection, host, nbytes, since
+        self.cancel, self.cancelled = cancel, False
+
+
+class ResultLedger:
+    """Result bytes a caller holds: computed and handed to gRPC, not yet delivered (the call has not ended).
+
+    gRPC sends a response only as fast as the client opens its HTTP/2 receive window, and keeps what it has not
+    sent; a client that never opens it leaves each result in the server for good, after its place was given back.
+    Each result is entered here from the handler's return (:meth:`hold`) to the call's end (:meth:`release`, gRPC's
+    termination callback: the response and status have been written, or the call was cancelled), counted per
+    connection, per host and in all. Three rules bound them:
+
+    * **expiry**: a result not delivered within ``send_timeout + nbytes / DELIVERY_RATE`` seconds (the server's
+      ``--stream-idle-timeout``, as for an upload that stops) is cancelled (the client sees CANCELLED);
+    * **overdue**: one not delivered within ``DELIVERY_GRACE_S + nbytes / DELIVERY_RATE`` is not being read; while
+      its host holds ``per_host`` bytes or more, or the server ``total`` or more, overdue results are cancelled,
+      oldest first, to make room;
+    * **admission** (:meth:`refusal`, before a call takes a place): a connection holding ``per_host`` bytes or more
+      waits for its own results to leave. While its host is *crowded* (holds ``per_host`` or more, or holds any
+      while the server holds ``total``), a connection *without standing* first cuts its host's results of other
+      connections without standing that a reader would have taken by now (older than ``ROOM_GRACE_S`` + their
+      bytes at ``ROOM_RATE``), oldest first; if the host is still crowded it waits. Standing: the connection has
+      had a result delivered in full, and holds no overdue one. So a reader's connection (every client channel
+      that reads its results) is admitted whatever its neighbours leave unread, a new reader on the same host
+      gets in by cutting results nobody reads, and a caller opening a fresh connection per call gains nothing by
+      it: it has no standing, its host's results are counted together, and its own calls cut each other's.
+
+    Memory: at most ``total`` bytes plus what connections with standing add before their results turn overdue,
+    plus the calls in progress (RELIABILITY.md, "The ledger"). Thread-safe."""
+
+    def __init__(self, per_host: int = UNREAD_HOST_BYTES, total: int = UNREAD_TOTAL_BYTES,
+                 send_timeout: float = 30.0, rate: int = DELIVERY_RATE, clock: Callable[[], float] | None = None):
+        self.per_host, self.total, self.send_timeout, self.rate = per_host, total, send_timeout, max(1, rate)
+        self._clock = clock or time.monotonic
+        self._cond = threading.Condition()
+        self._entries: dict[int, _Unread] = {}
+        self._next = 0
+        self._hosts: collections.Counter[str] = collections.Counter()
+        self._connections: collections.Counter[str] = collections.Counter()
+        self.held = 0
+        self._standing: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.cancelled = self.expired = self.refused = 0
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -------------------------------------------------------------- entries
+    def hold(self, connection: str, host: str, nbytes: int, cancel: Callable[[], object]) -> int:
+        """Enter a result of ``nbytes`` bytes handed to gRPC for ``connection`` on ``host``; ``cancel()`` ends its
+        call (``ServicerContext.cancel``). Returns the key for :meth:`release`."""
+        with self._cond:
+            self._next += 1
+            self._entries[self._next] = _Unread(connection, host, nbytes, self._clock(), cancel)
+            self._hosts[host] += nbytes
+            self._connections[connection] += nbytes
+            self.held += nbytes
+            self._start_reaper()
+            return self._next
+
+    def release(self, key: int) -> None:
+        """The call of ``key`` ended (delivered, or cancelled by either side)."""
+        with self._cond:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            if not entry.cancelled:  # a cancelled entry stopped counting when it was cancelled
+                self._drop(entry)
+                self._standing[entry.connection] = self._clock()
+                self._standing.move_to_end(entry.connection)
+                while len(self._standing) > STANDING_MEMORY:
+                    self._standing.popitem(last=False)
+            self._cond.notify_all()
+
+    def _drop(self, entry: _Unread) -> None:
+        for counter, key in ((self._hosts, entry.host), (self._connections, entry.connection)):
+            counter[key] -= entry.nbytes
+            if counter[key] <= 0:
+                del counter[key]
+        self.held -= entry.nbytes
+
+    def holding(self, connection: str, host: str) -> tuple[int, int]:
+        """(bytes undelivered of ``connection``, of ``host``)."""
+        with self._cond:
+            return self._connections[connection], self._hosts[host]
+
+    # -------------------------------------------------------------- rules
+    def _due(self, entry: _Unread, grace: float) -> float:
+        return entry.since + grace + entry.nbytes / self.rate
+
+    def _cancel(self, entry: _Unread) -> None:
+        """Under the lock: end ``entry``'s call; its bytes stop counting now (gRPC frees them as it resets it)."""
+        if entry.cancelled:
+            return
+        entry.cancelled = True
+        self._drop(entry)
+        self._standing.pop(entry.connection, None)  # a connection whose result was cut has no standing
+        try:
+            entry.cancel()
+        except Exception:  # noqa: BLE001 - the call already ended
+            pass
+
+    def _evict_overdue(self, host: str | None) -> None:
+        """Under the lock: cancel overdue results (of ``host``, or of every host for None), oldest first."""
+        now = self._clock()
+        for entry in list(self._entries.values()):
+            if (host is None or entry.host == host) and not entry.cancelled and now > self._due(entry, DELIVERY_GRACE_S):
+                self._cancel(entry)
+                self.cancelled += 1
+
+    def _has_standing(self, connection: str) -> bool:
+        if connection not in self._standing:
+            return False
+        now = self._clock()
+        return not any(e.connection == connection and now > self._due(e, DELIVERY_GRACE_S)
+                       for e in self._entries.values())
+
+    def _crowded(self, host: str) -> bool:
+        """Under the lock: ``host`` holds ``per_host`` bytes or more, or holds any while the server holds ``total``."""
+        held = self._hosts[host]
+        return held >= self.per_host or (held > 0 and self.held >= self.total)
+
+    def _make_room(self, host: str) -> None:
+        """Under the lock: cancel, oldest first, results of ``host``'s connections without standing that are past
+        ``ROOM_GRACE_S`` + their bytes at ``ROOM_RATE``, until ``host`` is no longer crowded."""
+        now = self._clock()
+        victims = sorted((e for e in self._entries.values()
+                          if e.host == host and not e.cancelled and e.connection not in self._standing
+                          and now > e.since + ROOM_GRACE_S + e.nbytes / ROOM_RATE), key=lambda e: e.since)
+        for entry in victims:
+            if not self._crowded(host):
+                break
+            self._cancel(entry)
+            self.cancelled += 1
+
+    def refusal(self, connection: str, host: str) -> str | None:
+        """Why a new call of ``connection`` on ``host`` must wait now (see the class docstring), or None."""
+        with self._cond:
+            return self._refusal(connection, host)
+
+    def _refusal(self, connection: str, host: str) -> str | None:
+        own = self._connections[connection]
+        if own >= self.per_host:
+            self._evict_overdue(host)
+            own = self._connections[connection]
+            if own >= self.per_host:
+                return (f"this connection holds {own} bytes of results the server computed and could not yet send, "
+                        f"{self.per_host} at most: read the results of your calls (the client's HTTP/2 receive "
+                        "window) before sending more")
+        if self._crowded(host) and not self._has_standing(connection):
+            self._evict_overdue(host)
+            self._make_room(host)
+            if self._crowded(host):
+                return (f"results computed for this client host ({self._hosts[host]} bytes; {self.held} for all "
+                        "hosts) are waiting to be read: calls on connections that read their results go first")
+        return None
+
+    def wait_room(self, connection: str, host: str, seconds: float) -> str | None:
+        """Wait up to ``seconds`` for :meth:`refusal` to clear; the refusal left at the end, or None."""
+        deadline = self._clock() + max(0.0, seconds)
+        with self._cond:
+            while True:
+                why = self._refusal(connection, host)
+                left = deadline - self._clock()
+                if why is None or left <= 0:
+                    if why is not None:
+                        self.refused += 1
+                    return why
+                self._cond.wait(min(left, 0.1))
+
+    # -------------------------------------------------------------- expiry
+    def _start_reaper(self) -> None:
+        if self._reaper is None and not self._stop.is_set():
+            self._reaper = threading.Thread(target=self._reap, name="advantage-result-ledger", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.25):
+            self.expire()
+
+    def expire(self) -> int:
+        """Cancel every result past its expiry (see the class docstring); how many."""
+        now = self._clock()
+        n = 0
+        with self._cond:
+            for entry in list(self._entries.values()):
+                if not entry.cancelled and now > self._due(entry, self.send_timeout):
+                    self._cancel(entry)
+                    n += 1
+            self.expired += n
+        return n
+
+    def close(self) -> None:
+        self._stop.set()
+        reaper = self._reaper
+        if reaper is not None:
+            reaper.join(2)

@@ -108,13 +108,23 @@ class ResultPayload:
         return adv, ret
 
     def pieces(self) -> list[Any]:
-        """The encoded result's pieces (headers and views of the result tensors), for streaming it."""
-        adv, ret = self.tensors()
-        return codec.result_pieces(adv, ret, {k: float(v) for k, v in self.result.metrics.items()},
-                                   self.result.layout, self.result.dense_shape)
+        """The encoded result's pieces (headers and views of the result tensors), for streaming it; made once."""
+        made = self.__dict__.get("_pieces")
+        if made is None:
+            adv, ret = self.tensors()
+            made = self.__dict__["_pieces"] = codec.result_pieces(
+                adv, ret, {k: float(v) for k, v in self.result.metrics.items()}, self.result.layout,
+                self.result.dense_shape)
+        return made
+
+    def nbytes(self) -> int:
+        """The encoded result's length in bytes (what gRPC will hold until the client has read it)."""
+        return codec.pieces_size(self.pieces())
 
     def encode(self) -> bytes:
-        return b"".join(self.pieces())
+        pieces = self.pieces()
+        self.__dict__.pop("_pieces", None)  # the views go with the payload's last use
+        return b"".join(pieces)
 
 
 def response_serializer(response_cls: type):
@@ -172,7 +182,7 @@ def tensor_fields(msg: Any) -> dict[str, Any]:
 
 
 class TransportMethods:
-    """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status`` of the
+    """The transport RPCs; expects ``self.core``, ``self.limits``, ``self.gate``, ``self._status``, ``self._wait_results`` and ``self._hold_result`` of the
     servicer it is mixed into."""
 
     #: overrides ``limits.max_stream_bytes`` when set (tests)
@@ -242,6 +252,7 @@ class TransportMethods:
         what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
         try:
+            self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
             with self.gate.admit(True, context.add_callback, lambda: self._make_room(context), self._caller(context)):
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
@@ -254,6 +265,7 @@ class TransportMethods:
                 _label_call(request.estimator)
                 pieces = self.compute_payload(request, context).pieces()
                 del request, data  # the request buffer goes before the result is sent
+                self._hold_result(context, codec.pieces_size(pieces))
                 t2 = time.perf_counter()
         except grpc.RpcError as exc:  # reading the request failed: the client cancelled or its deadline passed
             log.debug("%s: the client went away during the upload (%s)", what, exc)

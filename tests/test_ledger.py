@@ -1,0 +1,308 @@
+"""The ledger of what a caller holds beyond its places (issue #35 item 1): result bytes computed but not yet read.
+
+A client that never opens its HTTP/2 receive window (:class:`advantage_server.bench.rawh2.RawH2`, a raw connection
+that still answers PINGs) had each small request admitted, computed and answered; the place came back when the
+handler returned and the serialized result stayed in gRPC's core for good: 160 requests of 86 bytes (packed GRPO,
+``cu_seqlens [0, 2^21]``, 8 MiB of float32 advantages each) with ``--max-message-mb 16
+--max-concurrent-requests 2 --workers 1`` took the server's RSS up by 2.6 GiB (measured here on 2026-12-06 before
+the ledger; after it, +0.6 GiB). :class:`advantage_server.shares.ResultLedger` counts those bytes per connection
+and host, cuts results nobody reads, and makes callers without standing wait while their host holds too many.
+
+The unit tests drive the ledger with a fake clock; the end-to-end ones attack a real server process (RSS) and an
+in-process one (a same-host reader keeps being served while a fresh connection per call leaves its results unread).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from advantage_client import AdvantageClient
+from advantage_server import shares
+from advantage_server.bench.rawh2 import RawH2, big_result_request
+from advantage_server.shares import ResultLedger
+from test_server_cli import ServerProcess, free_port
+
+MiB = 1 << 20
+COMPUTE = "/advantage.v1.AdvantageService/ComputeAdvantage"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ledger(**kw) -> tuple[ResultLedger, Clock]:
+    clock = Clock()
+    return ResultLedger(per_host=kw.pop("per_host", 64 * MiB), total=kw.pop("total", 256 * MiB),
+                        send_timeout=kw.pop("send_timeout", 30.0), clock=clock, **kw), clock
+
+
+class Call:
+    """A stand-in for a call's ``ServicerContext.cancel``: counts the cancels."""
+
+    def __init__(self):
+        self.cancels = 0
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+def test_held_bytes_are_counted_per_connection_host_and_in_all_until_released():
+    book, _ = ledger()
+    a, b = Call(), Call()
+    ka = book.hold("ipv4:10.0.0.1:1", "ipv4:10.0.0.1", 10 * MiB, a.cancel)
+    kb = book.hold("ipv4:10.0.0.1:2", "ipv4:10.0.0.1", 5 * MiB, b.cancel)
+    assert book.holding("ipv4:10.0.0.1:1", "ipv4:10.0.0.1") == (10 * MiB, 15 * MiB)
+    assert book.held == 15 * MiB
+    book.release(ka)
+    book.release(ka)  # twice is harmless
+    assert book.holding("ipv4:10.0.0.1:1", "ipv4:10.0.0.1") == (0, 5 * MiB)
+    book.release(kb)
+    assert book.held == 0 and (a.cancels, b.cancels) == (0, 0)
+    book.close()
+
+
+def test_a_connection_holding_its_budget_waits_for_its_own_results():
+    book, clock = ledger()
+    call = Call()
+    book.hold("c1", "h", 64 * MiB, call.cancel)
+    why = book.refusal("c1", "h")
+    assert why is not None and "this connection holds 67108864 bytes" in why and "read the results" in why
+    clock.now += 0.5  # not overdue yet (1 s + 64 s at 1 MiB/s): nothing is cut
+    assert book.refusal("c1", "h") is not None and call.cancels == 0
+    clock.now += 70  # overdue: cut, and the connection may call again
+    assert book.refusal("c1", "h") is None
+    assert call.cancels == 1 and book.held == 0 and book.cancelled == 1
+
+
+def test_a_fresh_connection_of_a_crowded_host_cuts_results_nobody_reads_oldest_first():
+    book, clock = ledger(per_host=32 * MiB)
+    calls = [Call() for _ in range(4)]
+    for i, call in enumerate(calls):  # a fresh connection per call, 8 MiB each: the host holds 32 MiB
+        book.hold(f"attacker:{i}", "h", 8 * MiB, call.cancel)
+        clock.now += 0.01
+    assert book.refusal("newcomer", "h") is not None  # too young to be judged unread: the newcomer waits
+    assert [c.cancels for c in calls] == [0, 0, 0, 0]
+    clock.now += shares.ROOM_GRACE_S + 8 / 64  # past ROOM_GRACE_S + 8 MiB at ROOM_RATE
+    assert book.refusal("newcomer", "h") is None
+    assert [c.cancels for c in calls] == [1, 0, 0, 0]  # the oldest alone: the host is no longer crowded
+    assert book.holding("attacker:0", "h") == (0, 24 * MiB)
+    book.close()
+
+
+def test_a_connection_with_standing_is_admitted_whatever_its_host_leaves_unread():
+    book, _ = ledger(per_host=32 * MiB)
+    reader = Call()
+    book.release(book.hold("reader", "h", 1 * MiB, reader.cancel))  # delivered: the reader has standing
+    for i in range(4):
+        book.hold(f"attacker:{i}", "h", 8 * MiB, Call().cancel)
+    assert book.refusal("reader", "h") is None
+    assert book.refusal("fresh", "h") is not None
+    assert book.refusal("other-host", "h2") is None  # another host holds nothing: not crowded
+    book.close()
+
+
+def test_standing_is_lost_with_an_overdue_result():
+    book, clock = ledger(per_host=32 * MiB)
+    book.release(book.hold("reader", "h", MiB, Call().cancel))
+    book.hold("reader", "h", 2 * MiB, Call().cancel)  # then it stops reading
+    for i in range(4):
+        book.hold(f"attacker:{i}", "h", 8 * MiB, Call().cancel)
+    assert book.refusal("reader", "h") is None
+    clock.now += shares.DELIVERY_GRACE_S + 2.1  # its 2 MiB result is overdue (1 s + 2 s at 1 MiB/s)
+    assert not book._has_standing("reader")
+
+
+def test_past_the_total_only_hosts_that_hold_unread_results_wait():
+    book, _ = ledger(per_host=64 * MiB, total=96 * MiB)
+    for host in ("h1", "h2"):
+        for i in range(6):
+            book.hold(f"{host}:{i}", host, 8 * MiB, Call().cancel)
+    assert book.held == 96 * MiB
+    assert book.refusal("h1:new", "h1") is not None  # h1 holds unread results and the server is full
+    assert book.refusal("h3:new", "h3") is None  # a host that holds nothing is served
+    book.close()
+
+
+def test_results_not_delivered_within_the_send_timeout_are_cancelled():
+    book, clock = ledger(send_timeout=30.0)
+    slow, fine = Call(), Call()
+    book.hold("c1", "h", 4 * MiB, slow.cancel)
+    clock.now += 20
+    book.hold("c2", "h", 4 * MiB, fine.cancel)
+    clock.now += 14.5  # c1: 34.5 s > 30 s + 4 s at 1 MiB/s; c2: 14.5 s
+    assert book.expire() == 1
+    assert (slow.cancels, fine.cancels) == (1, 0) and book.expired == 1
+    assert book.holding("c1", "h") == (0, 4 * MiB)
+    assert book.refusal("c1", "h") is None  # the cut connection lost its standing, but its host is not crowded
+    book.close()
+
+
+def _compute(client: AdvantageClient) -> None:
+    rewards = np.array([1.0, 0.0, 0.5, 0.5], np.float32)
+    result = client.compute("grpo", {"normalize_rewards": False, "use_leave_one_out_baseline": False},
+                            prompt_ids=np.array([0, 0, 1, 1]), rewards=rewards, mask=np.ones((4, 3), np.float32),
+                            as_numpy=True)
+    np.testing.assert_allclose(result.advantages[:, 0], [0.5, -0.5, 0.0, 0.0])
+
+
+def test_unread_results_stay_within_the_bound_in_a_server_process(tmp_path):
+    """Issue #35 item 1 as reported: 160 unread 8 MiB results, one fresh raw connection each, against
+    ``--max-message-mb 16 --max-concurrent-requests 2 --workers 1``. Before the ledger the server's RSS grew by
+    2.5-2.6 GiB (1.8-2.1 GiB with the calls this paced), and kept it. Now the server cuts results nobody reads (the
+    attacker sees its streams reset), and once its trimmer has run its RSS is back within the host's budget and the
+    calls in progress (+0.6 GiB measured; the peak, +1.2-1.4 GiB, is mostly the computations' freed memory)."""
+    port = free_port()
+    srv = ServerProcess(tmp_path, port, "--max-message-mb", "16", "--max-concurrent-requests", "2", "--workers", "1",
+                        "--no-warmup")
+    conns: list[RawH2] = []
+    try:
+        srv.wait_listening()
+        with AdvantageClient(srv.address, timeout=30) as client:
+            _compute(client)  # compiled and warm before the baseline
+        proc = psutil.Process(srv.proc.pid)
+        base = proc.memory_info().rss
+        request = big_result_request(1 << 21)
+        peak = base
+        for i in range(160):
+            conn = RawH2("127.0.0.1", port)
+            conns.append(conn)
+            conn.call(COMPUTE, request)
+            time.sleep(0.03)
+            if i % 10 == 0:
+                peak = max(peak, proc.memory_info().rss)
+        for _ in range(10):
+            time.sleep(0.3)
+            peak = max(peak, proc.memory_info().rss)
+        resets = sum(c.resets for c in conns)
+        settled = proc.memory_info().rss
+        for _ in range(30):  # the server's MemoryTrimmer hands freed heap back within a few seconds
+            if settled - base < 900 * MiB:
+                break
+            time.sleep(0.5)
+            settled = proc.memory_info().rss
+        print(f"[ledger] 160 unread 8 MiB results: RSS +{(peak - base) / MiB:.0f} MiB at peak, "
+              f"+{(settled - base) / MiB:.0f} MiB settled; {resets} streams reset")
+        assert resets > 0, "no unread result was cut"
+        # unread results held for good: +1.8-2.6 GiB before the ledger; now the host's 256 MiB budget and the
+        # calls in progress, the rest of the peak being the computations' own freed memory, trimmed
+        assert settled - base < 900 * MiB, f"RSS still +{(settled - base) / MiB:.0f} MiB after the attack"
+        with AdvantageClient(srv.address, timeout=30) as client:  # a new client of the same host is served
+            _compute(client)
+    finally:
+        for conn in conns:
+            conn.close()
+        srv.proc.terminate()
+        srv.proc.wait(30)
+
+
+def test_a_same_host_reader_is_served_while_fresh_connections_leave_results_unread(make_server):
+    """The per-call-connection variant: the attacker opens a fresh connection for every call and never reads.
+    The reader (one long-lived client, as a trainer's is) keeps computing; every one of its calls succeeds, the
+    ledger holds no more than the host's budget plus the calls in progress, and a client that connects only now
+    is served too (it cuts the results nobody reads)."""
+    srv = make_server(max_concurrent_requests=2, workers=1, max_message_mb=16)
+    srv.results.per_host = 32 * MiB
+    host, port = srv.address.rsplit(":", 1)
+    stop, conns, peak = threading.Event(), [], [0]
+
+    def attack() -> None:
+        request = big_result_request(1 << 21)
+        while not stop.is_set() and len(conns) < 400:
+            conn = RawH2(host, int(port))
+            conns.append(conn)
+            conn.call(COMPUTE, request)
+            peak[0] = max(peak[0], srv.results.held)
+            time.sleep(0.01)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    try:
+        with AdvantageClient(srv.address, timeout=30) as reader:
+            _compute(reader)
+            attacker.start()
+            time.sleep(1.0)
+            for _ in range(20):
+                _compute(reader)
+            with AdvantageClient(srv.address, timeout=30) as newcomer:
+                _compute(newcomer)
+    finally:
+        stop.set()
+        attacker.join(10)
+        for conn in conns:
+            conn.close()
+    assert srv.results.cancelled > 0, "no unread result was cut"
+    # the host's budget, plus a result for each call that had passed the ledger before it filled: the places (2),
+    # the waiting room (2 per place) and one being handed over
+    assert peak[0] <= 32 * MiB + (3 * 2 + 1) * 8 * MiB, f"the ledger held {peak[0] / MiB:.0f} MiB"
+
+
+def test_a_result_larger_than_the_message_limit_is_refused_before_computing(make_server):
+    """Issue #35 item 6: a 90-byte packed request asking for 2^23 float32 advantages (32 MiB) from a server with
+    ``--max-message-mb 16`` was computed in full, logged OK, and then dropped by gRPC, whose RESOURCE_EXHAUSTED
+    named no flag. Now it is refused before computing, naming the flag and the transport that carries it; the
+    streaming transport returns the same result, and a result within the limit is unaffected."""
+    import grpc
+
+    from advantage_client import AdvantageServiceError
+
+    srv = make_server(max_message_mb=16)
+    config = {"normalize_rewards": False, "use_leave_one_out_baseline": False}
+    tokens = 1 << 23
+    with AdvantageClient(srv.address, timeout=60, transport="unary") as client:
+        with pytest.raises(AdvantageServiceError) as err:
+            client.compute("grpo", config, cu_seqlens=np.array([0, tokens]), prompt_ids=np.zeros(1, np.int64),
+                           rewards=np.ones(1, np.float32))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        message = str(err.value)
+        assert "--max-message-mb=16" in message and "transport='stream'" in message, message
+        assert "33555456 bytes" in message, message  # 2^23 x 4 + 1 KiB
+        small = client.compute("grpo", config, cu_seqlens=np.array([0, 1 << 20]), prompt_ids=np.zeros(1, np.int64),
+                               rewards=np.ones(1, np.float32), as_numpy=True)
+        assert small.advantages.shape == (1 << 20,) and not small.advantages.any()
+    with AdvantageClient(srv.address, timeout=60, transport="stream") as client:
+        big = client.compute("grpo", config, cu_seqlens=np.array([0, tokens]), prompt_ids=np.zeros(1, np.int64),
+                             rewards=np.ones(1, np.float32), as_numpy=True)
+        assert big.advantages.shape == (tokens,) and not big.advantages.any()
+
+
+def test_an_idle_connection_is_closed(make_server, monkeypatch):
+    """Issue #35 item 4: a TCP connection that sends the HTTP/2 preface and nothing else was kept for ever (13-15
+    KiB and a descriptor each; 2,592 of them made a token holder's call fail). Now a connection with no call open
+    for ``CONNECTION_IDLE_S`` gets GOAWAY and is closed (here shortened to 1 s), while a client channel that goes
+    on calling after such a close reconnects and is served."""
+    import socket
+
+    from advantage_server import server as server_mod
+
+    monkeypatch.setattr(server_mod, "CONNECTION_IDLE_S", 1)
+    srv = make_server()
+    host, port = srv.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9)[:3] + bytes((4, 0)) + bytes(4))  # empty SETTINGS
+        received, started = b"", time.monotonic()
+        while time.monotonic() - started < 10:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        took = time.monotonic() - started
+    finally:
+        sock.close()
+    kinds, pos = [], 0
+    while pos + 9 <= len(received):  # the server's frames: SETTINGS, ..., GOAWAY (type 7)
+        kinds.append(received[pos + 3])
+        pos += 9 + int.from_bytes(received[pos:pos + 3], "big")
+    assert 7 in kinds, kinds
+    assert took < 9, f"the idle connection was still open after {took:.1f} s"
+    with AdvantageClient(srv.address, timeout=30) as client:
+        _compute(client)
+        time.sleep(2.5)  # its connection is closed as idle meanwhile
+        _compute(client)
