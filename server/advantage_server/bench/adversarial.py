@@ -24,7 +24,9 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``stalled-uploader``: one connection with 16 stream uploads that send their first chunk and then stall;
 * ``watch-flood``: no token, 300 health ``Watch`` streams over 10 connections, reopened when refused;
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
-  unregistering another one in a loop.
+  unregistering another one in a loop;
+* ``unread-results``: a token holder that opens a fresh raw HTTP/2 connection every 20 ms (:mod:`rawh2`), sends
+  one 86-byte packed GRPO call whose result is 8 MiB, and never opens its receive window (issue #35 item 1).
 
 ``pin`` (``--adversarial-pin``, the bench's default; ``--no-adversarial-pin``): the attacker's processes run on
 the machine's last CPU, the server and the legitimate clients on the others (``os.sched_setaffinity``; at least 2
@@ -48,7 +50,7 @@ import threading
 import time
 from typing import Any, Callable
 
-ATTACKS = ("slow-loris", "stalled-uploader", "watch-flood", "shm-churn")
+ATTACKS = ("slow-loris", "stalled-uploader", "watch-flood", "shm-churn", "unread-results")
 TARGET_FRACTION = 0.90
 HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
 #: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
@@ -256,6 +258,23 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
         start(body, 0.01)
         threads.append(threading.Thread(target=lambda: (stop.wait(), [r.close() for r in held], client.close()),
                                         daemon=True))
+        threads[-1].start()
+    elif kind == "unread-results":  # issue #35 item 1: a fresh raw connection per call, never reading its result
+        import collections
+
+        from advantage_server.bench.rawh2 import RawH2, big_result_request
+        host, port = target.rsplit(":", 1)
+        request = big_result_request(1 << 21)  # 86 bytes asking for 8 MiB of result
+        held: collections.deque = collections.deque()
+
+        def body() -> None:
+            conn = RawH2(host.strip("[]"), int(port))
+            conn.call(f"/{SERVICE}/ComputeAdvantage", request, tuple(md))
+            held.append(conn)
+            while len(held) > 512:  # the attacker's own descriptors: the oldest connections go
+                held.popleft().close()
+        start(body, 0.02)
+        threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in list(held)]), daemon=True))
         threads[-1].start()
     else:
         raise ValueError(f"unknown attack {kind!r}")
