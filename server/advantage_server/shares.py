@@ -143,6 +143,11 @@ def wait_rank(stalled_hosts: Mapping[str, int], stalled_connections: Mapping[str
 #: :class:`ResultLedger`) wait for a place to deliver into; also what one connection may hold before its own new
 #: calls wait
 UNREAD_HOST_BYTES = 256 << 20
+#: result bytes not yet delivered that one host's connections *without standing* may hold before the host counts as
+#: crowded for them: each such byte was computed for a caller that has never shown it reads (measured: a fresh
+#: connection per call filling 256 MiB had the server computing 32 results of 8 MiB every window, a third of its
+#: CPU); a reader's connection has standing after its first result and is not held to it
+UNPROVEN_HOST_BYTES = 32 << 20
 #: the same, summed over every host: past it, only connections with standing are admitted
 UNREAD_TOTAL_BYTES = 1 << 30
 #: a result leaves at this rate or faster (bytes/s) from a client that reads it (the same 1 MiB/s that
@@ -156,6 +161,10 @@ ROOM_RATE = 64 << 20
 ROOM_GRACE_S = 0.25
 #: connections whose last delivery the ledger remembers (the oldest forgotten first)
 STANDING_MEMORY = 16384
+#: calls per second of connections without standing that a crowded host may still have admitted (its *probes*):
+#: enough for a new reader on that host to get its first result (and standing) within a second or so, too few for
+#: a caller that opens a fresh connection per call to keep the server computing results nobody reads
+PROBE_RATE = 4.0
 
 
 class _Unread:
@@ -181,14 +190,17 @@ class ResultLedger:
       its host holds ``per_host`` bytes or more, or the server ``total`` or more, overdue results are cancelled,
       oldest first, to make room;
     * **admission** (:meth:`refusal`, before a call takes a place): a connection holding ``per_host`` bytes or more
-      waits for its own results to leave. While its host is *crowded* (holds ``per_host`` or more, or holds any
-      while the server holds ``total``), a connection *without standing* first cuts its host's results of other
-      connections without standing that a reader would have taken by now (older than ``ROOM_GRACE_S`` + their
-      bytes at ``ROOM_RATE``), oldest first; if the host is still crowded it waits. Standing: the connection has
-      had a result delivered in full, and holds no overdue one. So a reader's connection (every client channel
-      that reads its results) is admitted whatever its neighbours leave unread, a new reader on the same host
-      gets in by cutting results nobody reads, and a caller opening a fresh connection per call gains nothing by
-      it: it has no standing, its host's results are counted together, and its own calls cut each other's.
+      (or any while the server holds ``total``) waits for its own results to leave. While its host is *crowded*
+      (holds ``per_host`` or more, or holds any while the server holds ``total``, or its connections without
+      standing hold ``UNPROVEN_HOST_BYTES``), a connection *without standing*
+      waits for the host's *probe*: ``PROBE_RATE`` calls a second, never to a connection's first call, each going
+      to the waiting connection of that host that has asked most often, and each cutting the host's oldest result of a connection without standing
+      that a reader would have taken by now (older than ``ROOM_GRACE_S`` + its bytes at ``ROOM_RATE``). Standing:
+      the connection has had a result delivered in full, and holds no overdue one. So a reader's connection (every
+      client channel that reads its results) is admitted whatever its neighbours leave unread; a new reader on
+      the same host, which retries on its connection, gets its first call in through a probe and has standing
+      from then on; and a caller opening a fresh connection per call gains nothing by it: it has no standing, its
+      host's results are counted together, and it gets a probe's few calls a second computed.
 
     Memory: at most ``total`` bytes plus what connections with standing add before their results turn overdue,
     plus the calls in progress (RELIABILITY.md, "The ledger"). Thread-safe."""
@@ -196,6 +208,7 @@ class ResultLedger:
     def __init__(self, per_host: int = UNREAD_HOST_BYTES, total: int = UNREAD_TOTAL_BYTES,
                  send_timeout: float = 30.0, rate: int = DELIVERY_RATE, clock: Callable[[], float] | None = None):
         self.per_host, self.total, self.send_timeout, self.rate = per_host, total, send_timeout, max(1, rate)
+        self.unproven = min(UNPROVEN_HOST_BYTES, per_host)
         self._clock = clock or time.monotonic
         self._cond = threading.Condition()
         self._entries: dict[int, _Unread] = {}
@@ -204,6 +217,9 @@ class ResultLedger:
         self._connections: collections.Counter[str] = collections.Counter()
         self.held = 0
         self._standing: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._tries: collections.OrderedDict[str, int] = collections.OrderedDict()  # calls asked per connection
+        self._probes: dict[str, float] = {}  # host -> when its last probe was taken
+        self._waiting: dict[str, tuple[str, int]] = {}  # connection -> (host, tries) of the calls in wait_room
         self.cancelled = self.expired = self.refused = 0
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
@@ -279,57 +295,99 @@ class ResultLedger:
                        for e in self._entries.values())
 
     def _crowded(self, host: str) -> bool:
-        """Under the lock: ``host`` holds ``per_host`` bytes or more, or holds any while the server holds ``total``."""
+        """Under the lock: ``host`` holds ``per_host`` bytes or more, or holds any while the server holds ``total``,
+        or its connections without standing hold ``unproven`` bytes or more."""
         held = self._hosts[host]
-        return held >= self.per_host or (held > 0 and self.held >= self.total)
+        if held >= self.per_host or (held > 0 and self.held >= self.total):
+            return True
+        return held >= self.unproven and sum(
+            e.nbytes for e in self._entries.values()
+            if e.host == host and not e.cancelled and e.connection not in self._standing) >= self.unproven
 
-    def _make_room(self, host: str) -> None:
-        """Under the lock: cancel, oldest first, results of ``host``'s connections without standing that are past
-        ``ROOM_GRACE_S`` + their bytes at ``ROOM_RATE``, until ``host`` is no longer crowded."""
+    def _cut_one(self, host: str) -> None:
+        """Under the lock: cancel the oldest result of ``host``'s connections without standing that a reader would
+        have taken by now (older than ``ROOM_GRACE_S`` + its bytes at ``ROOM_RATE``), if there is one."""
         now = self._clock()
-        victims = sorted((e for e in self._entries.values()
-                          if e.host == host and not e.cancelled and e.connection not in self._standing
-                          and now > e.since + ROOM_GRACE_S + e.nbytes / ROOM_RATE), key=lambda e: e.since)
-        for entry in victims:
-            if not self._crowded(host):
-                break
-            self._cancel(entry)
+        stale = [e for e in self._entries.values()
+                 if e.host == host and not e.cancelled and e.connection not in self._standing
+                 and now > e.since + ROOM_GRACE_S + e.nbytes / ROOM_RATE]
+        if stale:
+            self._cancel(min(stale, key=lambda e: e.since))
             self.cancelled += 1
 
-    def refusal(self, connection: str, host: str) -> str | None:
-        """Why a new call of ``connection`` on ``host`` must wait now (see the class docstring), or None."""
-        with self._cond:
-            return self._refusal(connection, host)
+    def _probe(self, host: str) -> bool:
+        """Under the lock: take ``host``'s probe (one call of a connection without standing per ``1 / PROBE_RATE``
+        seconds while the host is crowded); False when it was taken less than that ago."""
+        now = self._clock()
+        if now - self._probes.get(host, -1e9) < 1.0 / PROBE_RATE:
+            return False
+        self._probes[host] = now
+        if len(self._probes) > STANDING_MEMORY:
+            self._probes.pop(next(iter(self._probes)))
+        return True
 
-    def _refusal(self, connection: str, host: str) -> str | None:
+    def refusal(self, connection: str, host: str) -> str | None:
+        """Why a new call of ``connection`` on ``host`` must wait now (see the class docstring), or None. Takes the
+        host's probe when that is what lets the call in."""
+        with self._cond:
+            return self._refusal(connection, host, first=True)
+
+    def _refusal(self, connection: str, host: str, first: bool = False) -> str | None:
         own = self._connections[connection]
-        if own >= self.per_host:
+        if own >= self.per_host or (own and self.held >= self.total):
             self._evict_overdue(host)
             own = self._connections[connection]
-            if own >= self.per_host:
-                return (f"this connection holds {own} bytes of results the server computed and could not yet send, "
-                        f"{self.per_host} at most: read the results of your calls (the client's HTTP/2 receive "
-                        "window) before sending more")
-        if self._crowded(host) and not self._has_standing(connection):
-            self._evict_overdue(host)
-            self._make_room(host)
-            if self._crowded(host):
-                return (f"results computed for this client host ({self._hosts[host]} bytes; {self.held} for all "
-                        "hosts) are waiting to be read: calls on connections that read their results go first")
-        return None
+            if own >= self.per_host or (own and self.held >= self.total):
+                return (f"this connection holds {own} bytes of results the server computed and could not yet send "
+                        f"({self.per_host} at most, none while the server holds {self.total}): read the results of "
+                        "your calls (the client's HTTP/2 receive window) before sending more")
+        if not self._crowded(host) or self._has_standing(connection):
+            return None
+        self._evict_overdue(host)
+        if not self._crowded(host):
+            return None
+        # a connection without standing on a crowded host: one such call per probe period, the connection that
+        # has waited most often first (a client that retries on its connection, as a reader does, not a caller
+        # that opens a fresh one for every call)
+        tries = self._tries.get(connection, 0) + (1 if first else 0)  # this connection's asks, this one included
+        if first:
+            self._tries[connection] = tries
+            self._tries.move_to_end(connection)
+            while len(self._tries) > STANDING_MEMORY:
+                self._tries.popitem(last=False)
+        best = max((t for c, (h, t) in self._waiting.items() if h == host and c != connection), default=-1)
+        # never on a connection's first ask: a caller with a fresh connection per call gets nothing computed
+        if tries >= 2 and tries >= best and self._probe(host):
+            self._cut_one(host)
+            return None
+        return (f"results computed for this client host ({self._hosts[host]} bytes; {self.held} for all hosts) "
+                "are waiting to be read: calls on connections that read their results go first")
 
     def wait_room(self, connection: str, host: str, seconds: float) -> str | None:
-        """Wait up to ``seconds`` for :meth:`refusal` to clear; the refusal left at the end, or None."""
+        """Wait up to ``seconds`` for :meth:`refusal` to clear; the refusal left at the end, or None. A connection
+        on its first call (one :meth:`refusal` asked) is answered at once, without waiting: a caller that opens a
+        fresh connection per call then holds no thread of the server's pool for its refusals, and a reader, which
+        sends its call again on the same connection after the pushback, waits from its second ask on, ranked
+        before every first-time asker."""
         deadline = self._clock() + max(0.0, seconds)
         with self._cond:
-            while True:
+            if self._tries.get(connection, 0) <= 1:
                 why = self._refusal(connection, host)
-                left = deadline - self._clock()
-                if why is None or left <= 0:
-                    if why is not None:
-                        self.refused += 1
-                    return why
-                self._cond.wait(min(left, 0.1))
+                if why is not None:
+                    self.refused += 1
+                return why
+            self._waiting[connection] = (host, self._tries.get(connection, 0))
+            try:
+                while True:
+                    why = self._refusal(connection, host)
+                    left = deadline - self._clock()
+                    if why is None or left <= 0:
+                        if why is not None:
+                            self.refused += 1
+                        return why
+                    self._cond.wait(min(left, 0.05))
+            finally:
+                self._waiting.pop(connection, None)
 
     # -------------------------------------------------------------- expiry
     def _start_reaper(self) -> None:
