@@ -217,8 +217,10 @@ def test_a_trickling_upload_is_cut_and_its_place_comes_back(make_server, capsys)
             t0 = time.monotonic()
             responses = _trickle_stream(a, request, stop)
             time.sleep(0.3)
-            with pytest.raises(grpc.RpcError) as err:  # the trickle holds the only place
-                pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(build_request(
+            # the trickle holds the only place: a call on its own connection is refused (one on another connection
+            # of this host, holding nothing, would now cut the trickle for its place: issue #35 item 2)
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.AdvantageServiceStub(a).ComputeAdvantage(build_request(
                     "raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]]), timeout=10)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-concurrent-requests=1" in err.value.details()
@@ -454,3 +456,40 @@ def test_memfd_regions_count_against_their_process_whatever_the_connection(make_
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(make_server):
+    """Issue #35 item 2: a slow-loris opening a fresh connection per stalled call holds one pending call on each, and
+    a same-host newcomer could take a place back only from a connection holding two more than its own: it never
+    could, and got 0 calls. A newcomer whose connection holds nothing now cuts a stalled upload of another
+    connection of its host (here the only place, held by a call that never sends its body) and is served; that
+    connection, having never had a body arrive, is judged by its host's stalled uploads meanwhile."""
+    srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    stop = threading.Event()
+
+    def silent():
+        stop.wait(30)
+        return
+        yield  # a request iterator that never yields: the call's body never comes
+
+    with _channel(srv.address) as a, _channel(srv.address) as b:
+        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30)
+        try:
+            deadline = time.monotonic() + 10
+            while not srv.uploads._watched and time.monotonic() < deadline:  # admitted, waiting for its body
+                time.sleep(0.05)
+            time.sleep(0.3)  # stalled: no bytes for STALL_S
+            hosts, conns = srv.uploads.stalled()
+            peer = next(iter(srv.uploads._watched.values())).keys[0]
+            assert conns.get(peer) == 1 and conns.get("ipv4:127.0.0.1:1") == 1  # an unseen connection inherits
+            reply = pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(request, timeout=10)
+            np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
+                                          _in_process([1.0, 0.0], [[1.0], [1.0]]))
+            with pytest.raises(grpc.RpcError) as err:
+                stalled.result(timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "cut to give its place to another client" in err.value.details()
+            assert srv.uploads.evictions == 1
+        finally:
+            stop.set()

@@ -21,6 +21,7 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``slow-loris``: 8 connections, 24 loops of calls that never send their body (unary) or trickle it (a stream
   that declares 1 MiB and sends 64 bytes a second), reopened as soon as the server ends them; token holders
   (a tokenless caller is refused before admission);
+* ``slow-loris-fresh``: the same 24 loops, each call on a fresh connection of its own (issue #35 item 2);
 * ``stalled-uploader``: one connection with 16 stream uploads that send their first chunk and then stall;
 * ``watch-flood``: no token, 300 health ``Watch`` streams over 10 connections, reopened when refused;
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
@@ -50,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable
 
-ATTACKS = ("slow-loris", "stalled-uploader", "watch-flood", "shm-churn", "unread-results")
+ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "shm-churn", "unread-results")
 TARGET_FRACTION = 0.90
 HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
 #: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
@@ -231,6 +232,25 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
                     ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
                 else:
                     list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
+            start(body, 0.005)
+    elif kind == "slow-loris-fresh":  # issue #35 item 2: the slow-loris, a fresh connection for every call
+        for i in range(loops or 24):
+            mode = only or ("silent" if i % 2 == 0 else "trickle")
+
+            def body(i=i, mode=mode) -> None:
+                def chunks():
+                    if mode == "silent":
+                        stop.wait(60)
+                        return
+                    yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * 16).SerializeToString()
+                    while not stop.wait(1.0):
+                        yield pb.ComputeAdvantageChunk(data=b"\0" * 16).SerializeToString()
+                body.n = getattr(body, "n", 0) + 1
+                with _channel(target, f"fresh-{i}-{body.n}") as ch:
+                    if mode == "silent":
+                        ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
+                    else:
+                        list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
             start(body, 0.005)
     elif kind == "watch-flood":
         channels = [_channel(target, i) for i in range(10)]
