@@ -84,10 +84,19 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call but health checks unless it carries ``authorization: Bearer <token>``."""
+    """Refuses every call but health checks unless it carries ``authorization: Bearer <token>``.
+
+    A refusal with UNAUTHENTICATED and its message takes a thread of the server's pool (gRPC Python runs every
+    handler there). Those are budgeted: ``REFUSALS_PER_S`` a second (bursts of as many), enough for every
+    misconfigured client to read why; past the budget a tokenless call is answered UNIMPLEMENTED by gRPC itself in
+    its serve thread, with no pool thread and no handler (issue #35 item 3: about 1,000 outstanding tokenless
+    calls, each sent again as soon as it was refused, left token holders 5% of their goodput, pinned; gRPC Python
+    gives an interceptor no peer, so the budget is the server's, not a host's)."""
 
     #: at most one WARNING per this many seconds for refused calls (the next one says how many were not logged)
     WARN_INTERVAL = 10.0
+    #: UNAUTHENTICATED refusals answered a second through the pool (a token bucket of as many)
+    REFUSALS_PER_S = 50.0
 
     def __init__(self, token: str):
         if not token:
@@ -97,6 +106,20 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._next_warning = 0.0
         self._unlogged = 0
         self.refused = 0
+        self.dropped = 0  # tokenless calls past the budget, answered UNIMPLEMENTED by gRPC
+        self._tokens, self._filled = self.REFUSALS_PER_S, time.monotonic()
+
+    def _take(self) -> bool:
+        """One refusal from the budget (under the warning lock); False when it is spent."""
+        now = time.monotonic()
+        with self._warn_lock:
+            self._tokens = min(self.REFUSALS_PER_S, self._tokens + (now - self._filled) * self.REFUSALS_PER_S)
+            self._filled = now
+            if self._tokens < 1:
+                self.dropped += 1
+                return False
+            self._tokens -= 1
+            return True
 
     def _warn(self, method: str) -> None:
         """A WARNING for a refused call, rate-limited: a flood of tokenless calls is not a flood of log lines."""
@@ -124,6 +147,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
+        if not self._take():  # past the budget: gRPC answers UNIMPLEMENTED in its serve thread, no pool thread
+            return None
         self._warn(handler_call_details.method)
         return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                         "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "

@@ -23,6 +23,8 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
   (a tokenless caller is refused before admission);
 * ``slow-loris-fresh``: the same 24 loops, each call on a fresh connection of its own (issue #35 item 2);
 * ``stalled-uploader``: one connection with 16 stream uploads that send their first chunk and then stall;
+* ``tokenless-flood``: no token, 1,000 ``ComputeAdvantage`` calls outstanding over 10 connections, each sent
+  again as soon as it is refused (issue #35 item 3);
 * ``watch-flood``: no token, 300 health ``Watch`` streams over 10 connections, reopened when refused;
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
   unregistering another one in a loop;
@@ -51,7 +53,8 @@ import threading
 import time
 from typing import Any, Callable
 
-ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "shm-churn", "unread-results")
+ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "tokenless-flood", "shm-churn",
+           "unread-results")
 TARGET_FRACTION = 0.90
 HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
 #: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
@@ -252,6 +255,30 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
                     else:
                         list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
             start(body, 0.005)
+    elif kind == "tokenless-flood":  # issue #35 item 3: ~1,000 tokenless calls outstanding, each sent again at once
+        import grpc
+        request = pb.ComputeAdvantageRequest().SerializeToString()
+        channels = [_channel(target, f"anon-{i}") for i in range(10)]
+        lock = threading.Lock()
+
+        def again(ch) -> None:
+            if stop.is_set():
+                return
+            try:
+                future = ch.unary_unary(f"/{SERVICE}/ComputeAdvantage").future(request, timeout=30)
+            except Exception:  # noqa: BLE001 - the channel is closing
+                return
+            future.add_done_callback(lambda _f, ch=ch: again(ch))
+
+        def open_all() -> None:
+            for i in range(1000):
+                with lock:
+                    again(channels[i % 10])
+            stop.wait()
+            for ch in channels:
+                ch.close()
+        threads.append(threading.Thread(target=open_all, daemon=True))
+        threads[-1].start()
     elif kind == "watch-flood":
         channels = [_channel(target, i) for i in range(10)]
         for i in range(300):
@@ -440,7 +467,7 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
         before = window()
         for _ in range(max(1, rounds)):
             for kind in attacks:
-                attacker = _Proc(["attack", kind, address, "" if kind == "watch-flood" else token_file],
+                attacker = _Proc(["attack", kind, address, "" if kind in ("watch-flood", "tokenless-flood") else token_file],
                                  cpus=attacker_cpus)
                 try:
                     hit = window()
