@@ -118,7 +118,7 @@ class _Fake:
     def __init__(self, n: int):
         self.key, self.name, self.inode, self.size = f"k{n}", f"seg{n}", (0, n), 4096
         self.owner = self.connection = ""
-        self.in_use, self.closed, self.gone = 0, False, False
+        self.in_use, self.calls, self.closed, self.gone = 0, 0, False, False
 
     def check_size(self, field: str) -> None:
         pass

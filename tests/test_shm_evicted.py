@@ -28,8 +28,17 @@ def _gae(seed: int, B: int = 8, T: int = 64) -> dict[str, torch.Tensor]:
 
 
 def _evict_all(c: AdvantageClient, n: int) -> None:
-    """Register ``n`` regions on ``c`` (in a table of ``n``, every older idle region goes), then close them."""
-    made = [c.shared_memory(1 << 16) for _ in range(n)]
+    """Register ``n`` regions on ``c`` and use each in a call (in a table of ``n``, every older idle region goes: a
+    full table evicts regions no call has used first, issue #35 item 5), then close them."""
+    made = []
+    for _ in range(n):
+        region = c.shared_memory(1 << 16)
+        placed = {}
+        for name, value in _gae(0, B=2, T=4).items():
+            placed[name] = region.empty(tuple(value.shape), value.dtype)
+            placed[name].copy_(value)
+        region.compute("gae", None, **placed)
+        made.append(region)
     for region in made:
         region.close()
 
@@ -146,7 +155,7 @@ class _Fake:
     def __init__(self, n: int):
         self.key, self.name, self.inode, self.size = f"k{n}", f"seg{n}", (0, n), 4096
         self.owner = self.connection = ""
-        self.in_use, self.closed = 0, False
+        self.in_use, self.calls, self.closed = 0, 0, False
 
     def check_size(self, field: str) -> None:
         pass
@@ -177,4 +186,23 @@ def test_the_default_table_holds_64_processes_default_pools():
     so 64 shared-memory client processes on one host do not evict each other. Before: 256 (33 processes)."""
     table = regions.RegionTable(quota=64, sweep_period=3600)
     assert table.max_regions >= 64 * DEFAULT_SHM_REGIONS, table.max_regions
+    table.close()
+
+
+def test_a_full_table_evicts_regions_no_call_has_used_before_a_trainers():
+    """Issue #35 item 5: one process registered a small region on each of 1,024 connections; the table was full,
+    the trainer (a few regions, used by every call) was "the owner holding the most", and the attacker's
+    register/unregister loop evicted the trainer's regions (shm goodput 41-55%, NOT_FOUND at the caller). A full
+    table now evicts first from the regions no call has used, fairly between their owners; a region calls use
+    goes only when no such region is left."""
+    table = regions.RegionTable(quota=64, max_regions=6, sweep_period=3600)
+    fakes = [_Fake(i) for i in range(12)]
+    trainer = [table.add(fakes[i], "pid:trainer", "ct") for i in range(3)]
+    for rid in trainer:  # the trainer's calls use its regions
+        with table.hold(rid, table.get(rid, fakes[trainer.index(rid)].key, "f").key, "f"):
+            pass
+    for i in range(3, 12):  # the attacker: one region per connection, never used, registered in a loop
+        table.add(fakes[i], f"conn:{i}", f"c{i}")
+    assert not any(fakes[i].closed for i in range(3)), "a trainer's region was evicted"
+    assert sum(fakes[i].closed for i in range(3, 12)) == 6 and table.evicted == 6
     table.close()

@@ -253,6 +253,7 @@ class Region:
         self.owner = self.connection = ""
         #: calls using it now (:meth:`RegionTable.hold`): such a region is never evicted to make room
         self.in_use = 0
+        self.calls = 0  # calls that have used it (RegionTable.hold): a region no call has used is evicted first
 
     @property
     def mapped(self) -> bool:
@@ -581,16 +582,23 @@ class RegionTable:
         return region_id
 
     def _victim(self) -> str | None:
-        """The region a full table evicts (under the lock): an idle one (no call holds it) of the owner holding
-        the most regions, its least recently used; None when every region is in use. Among owners holding as
-        many, the one whose idle region was used least recently. A process within its fair share
-        (``max_regions`` / processes) so keeps its regions while another holds more than it."""
+        """The region a full table evicts (under the lock): an idle one (no call holds it), from those **no call
+        has ever used** if there is one, of the owner holding the most regions, its least recently used; None when
+        every region is in use. Among owners holding as many, the one whose idle
+        region was used least recently. A process within its fair share (``max_regions`` / processes) so keeps its
+        regions while another holds more than it; and a trainer's regions, which its calls use, are never evicted
+        for a client that registers regions it does not use (issue #35 item 5: one process registering a region
+        on each of 1,024 connections filled the table, made the trainer "the owner holding the most", and its
+        register/unregister loop evicted the trainer's regions: shm goodput 41-55%, NOT_FOUND at the caller)."""
         held = collections.Counter(r.owner for r in self._regions.values())
-        best, most = None, -1
-        for rid, r in self._regions.items():  # least recently used first
-            if not r.in_use and held[r.owner] > most:
-                best, most = rid, held[r.owner]
-        return best
+        for unused_only in (True, False):
+            best, most = None, -1
+            for rid, r in self._regions.items():  # least recently used first
+                if not r.in_use and (r.calls == 0 or not unused_only) and held[r.owner] > most:
+                    best, most = rid, held[r.owner]
+            if best is not None:
+                return best
+        return None
 
     # ------------------------------------------------------------------ lookups
     def get(self, region_id: str, key: str, field: str, check: bool = True) -> Region:
@@ -626,6 +634,7 @@ class RegionTable:
         region = self.get(region_id, key, field, check=False)
         with self._lock:
             region.in_use += 1
+            region.calls += 1
         try:
             region.check_size(field)
             yield region
