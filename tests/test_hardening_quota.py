@@ -462,8 +462,7 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
     """Issue #35 item 2: a slow-loris opening a fresh connection per stalled call holds one pending call on each, and
     a same-host newcomer could take a place back only from a connection holding two more than its own: it never
     could, and got 0 calls. A newcomer whose connection holds nothing now cuts a stalled upload of another
-    connection of its host (here the only place, held by a call that never sends its body) and is served; that
-    connection, having never had a body arrive, is judged by its host's stalled uploads meanwhile."""
+    connection of its host (here the only place, held by a call that never sends its body) and is served."""
     srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
@@ -480,9 +479,6 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
             while not srv.uploads._watched and time.monotonic() < deadline:  # admitted, waiting for its body
                 time.sleep(0.05)
             time.sleep(0.3)  # stalled: no bytes for STALL_S
-            hosts, conns = srv.uploads.stalled()
-            peer = next(iter(srv.uploads._watched.values())).keys[0]
-            assert conns.get(peer) == 1 and conns.get("ipv4:127.0.0.1:1") == 1  # an unseen connection inherits
             reply = pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(request, timeout=10)
             np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
                                           _in_process([1.0, 0.0], [[1.0], [1.0]]))

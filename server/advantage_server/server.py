@@ -364,9 +364,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         the call holds one of its client's pending places while its message arrives."""
         with self.uploads.watch(context, counted=counted):
             try:
-                data = next(requests)
-                self.uploads.prove(call_peer(context))  # judged by its own uploads from now on
-                return data
+                return next(requests)
             except StopIteration:
                 ended = False
             except grpc.RpcError as err:  # the call ended while its request was arriving (cancel, deadline, cut)

@@ -39,7 +39,6 @@ from advantage_server import logs
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult
 from advantage_server.admission import refusal_metadata
-from advantage_server.identity import call_peer
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
@@ -260,7 +259,6 @@ class TransportMethods:
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
                                         self.limits.upload_rate_window) as touch:
                     data = self._reassemble(self._chunks(request_iterator, touch), alive)
-                self.uploads.prove(call_peer(context))  # judged by its own uploads from now on
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
                 what = f"ComputeAdvantageStream {request.estimator}"

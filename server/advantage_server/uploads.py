@@ -29,30 +29,6 @@ STALLED_CACHE_S = 0.005
 CUT_WARN_INTERVAL = 10.0
 
 
-#: connections whose first full request body :class:`UploadWatch` remembers
-PROVEN_MEMORY = 16384
-
-
-class _Inherited(collections.Counter):
-    """Stalled uploads per connection (:meth:`UploadWatch.stalled`) where a connection that has never had a request
-    body arrive in full counts its *host's* (issue #35 item 2: every stall defence was looked up per connection, so
-    a slow-loris opening a fresh connection per stalled call escaped them all). ``get`` is what the waiting room
-    (:func:`advantage_server.shares.wait_rank`), the stalled cap and :meth:`UploadWatch.evict_for` ask."""
-
-    def __init__(self, counts: collections.Counter, hosts: collections.Counter, proven: frozenset):
-        super().__init__(counts)
-        self._hosts, self._known = hosts, proven
-
-    def get(self, key: str, default: int = 0) -> int:  # type: ignore[override]
-        own = super().get(key, 0)
-        if own or key in self._known:
-            return own or default
-        return self._hosts.get(peer_host(key), 0) or default
-
-    def copy(self) -> "_Inherited":
-        return _Inherited(self, self._hosts, self._known)
-
-
 class UploadCut(ResourceLimit):
     """The call's upload stalled (``--stream-idle-timeout``) or crawled (``--min-upload-rate-kib``) and was cut."""
 
@@ -160,9 +136,6 @@ class UploadWatch:
         self._cut_at: dict[tuple[str, ...], float] = {}
         self._stalled_cache: tuple[float, tuple[collections.Counter[str], collections.Counter[str]]] = (
             -math.inf, (collections.Counter(), collections.Counter()))
-        #: connections that have had a request body arrive in full (the oldest forgotten first): a connection that has
-        #: not inherits its host's stalled uploads (:class:`_Inherited`)
-        self._proven: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.cuts = 0       # calls cut, for either reason
@@ -183,8 +156,8 @@ class UploadWatch:
         now = time.monotonic()
         # a newcomer whose connection holds nothing may cut a stalled upload of another connection of its own host
         # that holds just one pending call (issue #35 item 2: a slow-loris opening a fresh connection per call holds
-        # one pending call on each, so a same-host neighbour, holding none, could never cut one and got 0 calls);
-        # between hosts, and inside one for a newcomer that holds pending calls, two more than the newcomer's
+        # one pending call on each, so a same-host neighbour, holding none, could never cut one); between hosts,
+        # and inside one for a newcomer that holds pending calls, two more than the newcomer's
         with self._lock:
             holds_nothing = self.shares.pending(*newcomer)[0] == 0
             best: tuple[Any, ...] | None = None
@@ -270,7 +243,7 @@ class UploadWatch:
         now = time.monotonic()
         if now - self._stalled_cache[0] < STALLED_CACHE_S:
             hosts, conns = self._stalled_cache[1]  # asked several times per call: a count 5 ms old is exact enough
-            return collections.Counter(hosts), conns.copy()  # copies: the cache stays as counted
+            return collections.Counter(hosts), collections.Counter(conns)  # copies: the cache stays as counted
         hosts: collections.Counter[str] = collections.Counter()
         conns: collections.Counter[str] = collections.Counter()
         with self._lock:
@@ -285,20 +258,8 @@ class UploadWatch:
                 if e.keys and e.stalled(now):
                     conns[e.keys[0]] += 1
                     hosts[e.keys[1]] += 1
-            conns = _Inherited(conns, hosts, frozenset(self._proven))
             self._stalled_cache = (now, (hosts, conns))
         return hosts, conns
-
-    def prove(self, peer: str) -> None:
-        """A request body of connection ``peer`` has arrived in full: from now on it is judged by its own uploads."""
-        with self._lock:
-            if peer in self._proven:
-                self._proven.move_to_end(peer)
-                return
-            self._proven[peer] = None
-            while len(self._proven) > PROVEN_MEMORY:
-                self._proven.popitem(last=False)
-            self._stalled_cache = (-math.inf, self._stalled_cache[1])
 
     def pending(self, peer: str) -> tuple[int, int]:
         """(calls of connection ``peer``, calls of its host) waiting for their body now; ``peer`` is a peer
