@@ -78,6 +78,7 @@ $(AREAL_STAMP): tests/installed/requirements-areal.txt tests/installed/constrain
 	@echo "make: installing areal==1.0.4 with its dependencies into $(AREAL_VENV) (Python 3.12; about 300 packages, PyPI's torch 2.10 bundles CUDA: several GB)"
 	$(PYTHON312) -m venv $(AREAL_VENV)
 	$(AREAL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r tests/installed/requirements-areal.txt -c tests/installed/constraints-areal.txt
+	@echo "make: installing the client beside AReaL: pip will print \"ERROR: pip's dependency resolver ... swanlab ... protobuf\"; expected (swanlab 0.6.12 pins protobuf < 7, the client needs >= 7.35.1; AReaL's code we test does not use swanlab) and not a failure"
 	$(AREAL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e ./client
 	rm -f $(AREAL_VENV)/.installed-*
 	touch $@

@@ -300,3 +300,18 @@ def test_empty_message_bytes_are_a_request_without_estimator(client, target):
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "estimator" in exc.value.details()
     assert_serves_next_request(client)
+
+
+def test_a_nan_reward_names_its_entry_and_how_many(client):
+    """Issue #37 item 6: a NaN reward's message named the input but neither which entry nor how many."""
+    import grpc
+    import numpy as np
+
+    from advantage_client import AdvantageServiceError
+
+    rewards = np.array([1.0, np.nan, 0.5, np.inf], np.float32)
+    with pytest.raises(AdvantageServiceError) as err:
+        client.compute("grpo", None, prompt_ids=np.array([0, 0, 1, 1]), rewards=rewards,
+                       mask=np.ones((4, 3), np.float32))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "contains NaN or infinity (2 of 4 values, the first at [1]: nan)" in str(err.value), str(err.value)

@@ -127,3 +127,19 @@ def test_errors_survive_pickling():
         err = pickle.loads(pickle.dumps(AdvantageServiceError(code, "msg", [("f", "d")])))
         assert type(err) is (InvalidArgumentError if code == grpc.StatusCode.INVALID_ARGUMENT else AdvantageServiceError)
         assert (err.code, str(err), err.field_violations) == (code, "msg", [("f", "d")])
+
+
+def test_a_file_path_given_as_the_token_names_token_file(tmp_path):
+    """Issue #37 item 6: a token file's path given as ``token=`` reached the server as the token and came back as
+    "missing or wrong bearer token" with no hint. The client now refuses it at once, naming ``token_file=``; a
+    token that merely contains a slash but names no file is sent as given."""
+    from advantage_client import AdvantageClient
+
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    with pytest.raises(ValueError) as err:
+        AdvantageClient("localhost:50051", token=str(path))
+    assert f"token_file={str(path)!r}" in str(err.value) and "s3cret" not in str(err.value)
+    from advantage_client.channel import auth_metadata
+    assert auth_metadata(token="a/b-not-a-file") == (("authorization", "Bearer a/b-not-a-file"),)
+    assert auth_metadata(token_file=path) == (("authorization", "Bearer s3cret"),)

@@ -313,7 +313,13 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
                          f"{type(token).__name__}")
     if token is None or not token.strip():  # an empty token counts as unset (as the environment's do)
         return ()
-    return (("authorization", f"Bearer {token.strip()}"),)
+    stripped = token.strip()
+    if ("/" in stripped or stripped.startswith("~")) and os.path.isfile(os.path.expanduser(stripped)):
+        # a file's path given as the token (issue #37 item 6): the server would answer "missing or wrong bearer
+        # token" with no hint; the path is no secret, the file's contents are never read or shown here
+        raise ValueError(f"token={stripped!r} names a file: token= is the bearer token itself; pass "
+                         f"token_file={stripped!r} to read the token from that file")
+    return (("authorization", f"Bearer {stripped}"),)
 
 
 def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,
