@@ -143,3 +143,20 @@ def test_a_file_path_given_as_the_token_names_token_file(tmp_path):
     from advantage_client.channel import auth_metadata
     assert auth_metadata(token="a/b-not-a-file") == (("authorization", "Bearer a/b-not-a-file"),)
     assert auth_metadata(token_file=path) == (("authorization", "Bearer s3cret"),)
+
+
+def test_a_private_key_given_as_tls_ca_is_refused_before_grpc_sees_it(tmp_path):
+    """Issue #37 item 6: a private key given as ``tls_ca`` printed 8 lines of gRPC core errors before the refusal.
+    The client now refuses it itself, naming the option and what belongs there, and never echoes the key."""
+    from advantage_client import AdvantageClient
+
+    key = tmp_path / "client.key"
+    key.write_text("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----\n")
+    with pytest.raises(ValueError) as err:
+        AdvantageClient("localhost:50051", tls_ca=str(key))
+    assert "tls_ca" in str(err.value) and "a private key, not a certificate" in str(err.value)
+    assert "MIIEvQ" not in str(err.value)
+    cert = tmp_path / "client.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="tls_key: .* holds no private key"):
+        AdvantageClient("localhost:50051", tls_ca=str(cert), tls_cert=str(cert), tls_key=str(cert))

@@ -294,6 +294,15 @@ def _pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
         raise ValueError(f"{what}: {where} holds no PEM block ('-----BEGIN ...'): give a PEM-encoded "
                          + ("private key" if what == "tls_key" else "certificate") + " (convert DER with openssl x509 "
                          "-inform der)")
+    if what != "tls_key" and b"-----BEGIN CERTIFICATE-----" not in data:
+        # a private key (or a CSR) where a certificate belongs: gRPC would print its core's errors, then refuse
+        kind = "a private key" if b"PRIVATE KEY-----" in data else "no certificate"
+        raise ValueError(f"{what}: {where} holds {kind}, not a certificate ('-----BEGIN CERTIFICATE-----'): "
+                         + ("give the CA certificate that signed the server's (e.g. ca.pem), not a key"
+                            if what == "tls_ca" else "give the client's certificate; its key goes in tls_key"))
+    if what == "tls_key" and b"PRIVATE KEY-----" not in data:
+        raise ValueError(f"{what}: {where} holds no private key ('-----BEGIN ... PRIVATE KEY-----'): give the "
+                         "client certificate's private key; the certificate goes in tls_cert")
     return data
 
 
