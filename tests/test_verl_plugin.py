@@ -17,6 +17,10 @@ whatever the input: ``grpo_vectorized`` and ``gdpo`` with reward components). Th
 rather than assumes; the edge cases of rules 2 and 3 are test_diff_verl.py's. ``norm_adv_by_std_in_grpo`` is given
 to ``compute_advantage`` and to the config with opposite values in half the batches, so each estimator is seen to
 read it where verl reads it.
+
+Checked on 2026-12-06 with the server's results scaled by x1.0001 (advantages and returns, in ``AdvantageCore.run``):
+all 14 names fail ``test_remote_name_equals_verl_name_through_compute_advantage``; before the tighter float32-internal
+tolerance, ``gdpo`` and ``grpo_vectorized`` passed (issue #36 item 6).
 """
 from __future__ import annotations
 
@@ -45,6 +49,12 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 
 from test_diff_verl import F32_INTERNAL, TOL, _finite, _pair_close  # noqa: E402  (the differential rule)
+
+#: where verl computes in float32 whatever the input (``grpo_vectorized``, ``gdpo`` with components): float32
+#: rounding noise is a few 1e-7 of the values, so rtol 1e-5 / atol 1e-6 still accepts verl's answer and fails a
+#: service off by x1.0001 (the float32 tolerance, 2e-4 / 2e-5, accepted that error: issue #36 item 6)
+F32_INTERNAL_TOL = "float32-internal"
+TOL.setdefault(F32_INTERNAL_TOL, (1e-5, 1e-6))
 from test_skyrl_plugin import CountingClient  # noqa: E402
 
 CORE = verl_ref.load()
@@ -158,7 +168,7 @@ def test_remote_name_equals_verl_name_through_compute_advantage(name, service):
             got = (remote.batch["advantages"], remote.batch["returns"])
             assert _finite(want), f"{name} seed {seed} {dtype}: verl not finite: the batch must stay in rule 1"
             assert _finite(got) and got[0].shape == want[0].shape
-            tol = torch.float32 if name in F32_INTERNAL or gdpo else dtype
+            tol = F32_INTERNAL_TOL if name in F32_INTERNAL or gdpo else dtype
             ok, why = _pair_close(got, want, tensors["response_mask"], tol)
             assert ok, f"remote_{name} != verl's {name} (seed {seed}, {dtype}, tolerance {TOL[tol]}): {why}"
             assert got[0].dtype == want[0].dtype or gdpo, (got[0].dtype, want[0].dtype)
