@@ -108,3 +108,13 @@ def test_readme_adoption_table_has_every_framework_and_its_tests():
         assert tests, f"{row[0]}: no test named in 'proven by'"
         missing = [t for t in tests if not (ROOT / t).is_file()]
         assert not missing, f"{row[0]}: the adoption table names tests that do not exist: {missing}"
+
+
+def test_the_readme_reads_in_two_minutes():
+    """Issue #37 item 4: the README is the front door: at most 150 lines, and no table cell over 300 characters (the
+    adoption table's AReaL row was one 2,853-character line; the full table lives in docs/frameworks.md)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    long = [(n + 1, len(cell)) for n, line in enumerate(lines) if line.startswith("|")
+            for cell in _cells(line) if len(cell) > 300]
+    assert not long, f"README table cells over 300 characters (line, length): {long}"
