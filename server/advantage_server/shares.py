@@ -191,8 +191,9 @@ class ResultLedger:
       oldest first, to make room;
     * **admission** (:meth:`refusal`, before a call takes a place): a connection holding ``per_host`` bytes or more
       (or any while the server holds ``total``) waits for its own results to leave. While its host is *crowded*
-      (holds ``per_host`` or more, or holds any while the server holds ``total``, or its connections without
-      standing hold ``UNPROVEN_HOST_BYTES``), a connection *without standing*
+      (leaving out its one connection holding the most, it holds ``per_host`` or more, or its connections without
+      standing hold ``UNPROVEN_HOST_BYTES``; or it holds any while the server holds ``total``), a connection
+      *without standing*
       waits for the host's *probe*: ``PROBE_RATE`` calls a second, never to a connection's first call, each going
       to the waiting connection of that host that has asked most often, and each cutting the host's oldest result of a connection without standing
       that a reader would have taken by now (older than ``ROOM_GRACE_S`` + its bytes at ``ROOM_RATE``). Standing:
@@ -295,14 +296,25 @@ class ResultLedger:
                        for e in self._entries.values())
 
     def _crowded(self, host: str) -> bool:
-        """Under the lock: ``host`` holds ``per_host`` bytes or more, or holds any while the server holds ``total``,
-        or its connections without standing hold ``unproven`` bytes or more."""
+        """Under the lock: whether ``host`` holds too much unread for its connections without standing. Not counting
+        its one connection holding the most (that connection is held to its own budget, and a newcomer of the host
+        is not charged for one stuck reader): it holds ``per_host`` bytes or more, or its connections without
+        standing hold ``unproven`` or more; or it holds any while the server holds ``total``."""
         held = self._hosts[host]
-        if held >= self.per_host or (held > 0 and self.held >= self.total):
+        if not held:
+            return False
+        if self.held >= self.total:
             return True
-        return held >= self.unproven and sum(
-            e.nbytes for e in self._entries.values()
-            if e.host == host and not e.cancelled and e.connection not in self._standing) >= self.unproven
+        by_conn: collections.Counter[str] = collections.Counter()
+        unproven: collections.Counter[str] = collections.Counter()
+        for e in self._entries.values():
+            if e.host == host and not e.cancelled:
+                by_conn[e.connection] += e.nbytes
+                if e.connection not in self._standing:
+                    unproven[e.connection] += e.nbytes
+        top = max(by_conn.values(), default=0)
+        top_unproven = max(unproven.values(), default=0)
+        return held - top >= self.per_host or sum(unproven.values()) - top_unproven >= self.unproven
 
     def _cut_one(self, host: str) -> None:
         """Under the lock: cancel the oldest result of ``host``'s connections without standing that a reader would
