@@ -373,3 +373,28 @@ def test_tokenless_refusals_past_the_budget_take_no_pool_thread():
     assert all(auth.intercept_service(lambda d: handler, Details(health)) is handler for _ in range(100))
     time.sleep(0.2)  # the budget refills at REFUSALS_PER_S a second
     assert auth.intercept_service(lambda d: handler, Details(compute)) not in (None, handler)
+
+
+def test_a_reader_over_its_own_budget_waits_for_its_results_and_a_slow_readers_are_not_cut_below_the_budget():
+    """Review findings (2026-12-06): a connection holding its own budget was refused at once instead of waiting for
+    its results to leave (the wait for a first ask also applied to it); and a crowd of results without standing,
+    below the host's budget, had a reader's overdue result cut (only past the host's budget or the total are
+    overdue results cut)."""
+    book = ResultLedger(per_host=8 * MiB, total=256 * MiB, send_timeout=30.0)
+    key = book.hold("c1", "h", 8 * MiB, Call().cancel)
+    threading.Timer(0.2, book.release, args=(key,)).start()
+    started = time.monotonic()
+    assert book.wait_room("c1", "h", 2.0) is None  # waited for its result to leave
+    assert 0.1 < time.monotonic() - started < 1.9
+    book.close()
+
+    book, clock = ledger(per_host=256 * MiB)
+    reader = Call()
+    book.release(book.hold("reader", "h", MiB, Call().cancel))
+    book.hold("reader", "h", 4 * MiB, reader.cancel)
+    for i in range(6):
+        book.hold(f"anon:{i}", "h", 8 * MiB, Call().cancel)  # 40 MiB without standing beside the largest
+    clock.now += 6.0  # the reader's 4 MiB result is overdue (1 s + 4 s at 1 MiB/s)
+    book.refusal("newcomer", "h")
+    assert reader.cancels == 0, "a reader's result was cut while its host held less than its budget"
+    book.close()

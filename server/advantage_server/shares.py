@@ -355,9 +355,10 @@ class ResultLedger:
                         "your calls (the client's HTTP/2 receive window) before sending more")
         if not self._crowded(host) or self._has_standing(connection):
             return None
-        self._evict_overdue(host)
-        if not self._crowded(host):
-            return None
+        if self._hosts[host] >= self.per_host or self.held >= self.total:  # only then are overdue results cut
+            self._evict_overdue(host)
+            if not self._crowded(host):
+                return None
         # a connection without standing on a crowded host: one such call per probe period, the connection that
         # has waited most often first (a client that retries on its connection, as a reader does, not a caller
         # that opens a fresh one for every call)
@@ -383,7 +384,9 @@ class ResultLedger:
         before every first-time asker."""
         deadline = self._clock() + max(0.0, seconds)
         with self._cond:
-            if self._tries.get(connection, 0) <= 1:
+            own = self._connections[connection]
+            over_own = own >= self.per_host or (own and self.held >= self.total)
+            if self._tries.get(connection, 0) <= 1 and not over_own:
                 why = self._refusal(connection, host)
                 if why is not None:
                     self.refused += 1
