@@ -42,6 +42,7 @@ compare the fractions, and see BENCHMARKS.md.
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import secrets
 import shutil
@@ -217,43 +218,35 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
         threads.append(t)
 
     kind, _, only = kind.partition(":")  # "slow-loris:silent" / "slow-loris:trickle": one kind of loop only
+
+    def stalled_call(ch, mode: str, piece: int) -> None:
+        """One call that never sends its body ("silent", unary), trickles ``piece`` bytes a second ("trickle") or
+        sends a first chunk and stops ("stall"), both streamed, each declaring a 1 MiB request."""
+        def chunks():
+            if mode == "silent":
+                stop.wait(60)
+                return
+            yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * piece).SerializeToString()
+            while not stop.wait(1.0 if mode == "trickle" else 60):
+                yield pb.ComputeAdvantageChunk(data=b"\0" * piece).SerializeToString()
+        if mode == "silent":
+            ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
+        else:
+            list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
+
     if kind in ("slow-loris", "stalled-uploader"):
         channels = [_channel(target, i) for i in range(connections or (8 if kind == "slow-loris" else 1))]
         for i in range(loops or (24 if kind == "slow-loris" else 16)):
-            ch = channels[i % len(channels)]
             mode = (only or ("silent" if i % 2 == 0 else "trickle")) if kind == "slow-loris" else "stall"
-
-            def body(ch=ch, mode=mode) -> None:
-                def chunks():
-                    if mode == "silent":
-                        stop.wait(60)
-                        return
-                    yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * 64).SerializeToString()
-                    while not stop.wait(1.0 if mode == "trickle" else 60):
-                        yield pb.ComputeAdvantageChunk(data=b"\0" * 64).SerializeToString()
-                if mode == "silent":
-                    ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
-                else:
-                    list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
-            start(body, 0.005)
+            start(lambda ch=channels[i % len(channels)], mode=mode: stalled_call(ch, mode, 64), 0.005)
     elif kind == "slow-loris-fresh":  # issue #35 item 2: the slow-loris, a fresh connection for every call
+        fresh = itertools.count()
         for i in range(loops or 24):
             mode = only or ("silent" if i % 2 == 0 else "trickle")
 
-            def body(i=i, mode=mode) -> None:
-                def chunks():
-                    if mode == "silent":
-                        stop.wait(60)
-                        return
-                    yield pb.ComputeAdvantageChunk(total_size=1 << 20, data=b"\0" * 16).SerializeToString()
-                    while not stop.wait(1.0):
-                        yield pb.ComputeAdvantageChunk(data=b"\0" * 16).SerializeToString()
-                body.n = getattr(body, "n", 0) + 1
-                with _channel(target, f"fresh-{i}-{body.n}") as ch:
-                    if mode == "silent":
-                        ch.stream_unary(f"/{SERVICE}/ComputeAdvantage")(chunks(), timeout=60, metadata=md)
-                    else:
-                        list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(chunks(), timeout=60, metadata=md))
+            def body(mode=mode) -> None:
+                with _channel(target, f"fresh-{next(fresh)}") as ch:
+                    stalled_call(ch, mode, 16)
             start(body, 0.005)
     elif kind == "tokenless-flood":  # issue #35 item 3: ~1,000 tokenless calls outstanding, each sent again at once
         import grpc
