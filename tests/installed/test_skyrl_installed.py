@@ -114,7 +114,9 @@ def _in_worker(kw: dict) -> dict:
 def test_readme_register_reaches_the_service_from_a_ray_task(service, monkeypatch):
     address, metrics = service
     monkeypatch.setenv("ADVANTAGE_SERVICE_TARGET", address)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": a cluster of this test's own, never one the machine already runs (a `ray start` left on
+    # 127.0.0.1:6379 made a bare ray.init() attach to it and refuse num_cpus: CI, 2026-12-06), nor $RAY_ADDRESS's.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"ADVANTAGE_SERVICE_TARGET": address,
                                           "PYTHONPATH": os.pathsep.join(filter(None, [
                                               str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH")]))}})
