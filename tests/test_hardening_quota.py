@@ -489,3 +489,48 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
             assert srv.uploads.evictions == 1
         finally:
             stop.set()
+
+
+def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_result(make_server):
+    """Issue #35 item 2, stalling judged per host: a slow-loris opening a fresh connection for every stalled call had
+    each call judged by a clean record of its own, so its calls filled every place (other host: 10% of unattacked
+    goodput). A connection that has had no result delivered now answers for its host: while its host holds stalled
+    uploads it may fill the server only to ``stalled_cap`` (half the places), so 6 fresh silent callers of one host
+    hold 2 of 4 places, not 4 (each newcomer past that cuts one of its host's stalled uploads instead), and a
+    connection of the same host that has had a result keeps its own record: served from a free place, cutting
+    nothing."""
+    srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
+    assert srv.gate.stalled_cap == 2
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    want = _in_process([1.0, 0.0], [[1.0], [1.0]])
+    stop = threading.Event()
+
+    def silent():
+        stop.wait(30)
+        return
+        yield  # a request iterator that never yields: the call's body never comes
+
+    reader = _channel(srv.address)
+    stub = pb_grpc.AdvantageServiceStub(reader)
+    np.testing.assert_array_equal(decode_result(stub.ComputeAdvantage(request, timeout=10), as_numpy=True).advantages,
+                                  want)  # this connection has had a result: it keeps its own record
+    fresh, calls = [], []
+    try:
+        for _ in range(6):
+            ch = _channel(srv.address)
+            fresh.append(ch)
+            calls.append(ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30))
+            time.sleep(0.3)  # admitted (or not), then stalled: no bytes for STALL_S
+        host_pending = max(srv.uploads.shares._hosts.values(), default=0)
+        cut = sum(1 for c in calls if c.done())
+        assert host_pending == srv.gate.stalled_cap, (host_pending, srv.uploads.evictions)
+        assert cut == 4 and srv.uploads.evictions == 4, (cut, srv.uploads.evictions)  # each newcomer cut one
+        before = srv.uploads.evictions
+        for _ in range(3):
+            reply = stub.ComputeAdvantage(request, timeout=10)
+            np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages, want)
+        assert srv.uploads.evictions == before  # a free place each time: nothing cut for the reader
+    finally:
+        stop.set()
+        for ch in (reader, *fresh):
+            ch.close()

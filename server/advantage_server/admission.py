@@ -37,7 +37,7 @@ import time
 from typing import Callable, Iterator, Mapping
 
 from advantage_server.errors import ResourceLimit
-from advantage_server.shares import wait_rank
+from advantage_server.shares import InheritedStalls, wait_rank
 
 #: calls outside ``--max-concurrent-requests`` (ListEstimators, RegisterSharedMemory,
 #: UnregisterSharedMemory, reflection streams) served at once; the next one is refused at once with
@@ -420,7 +420,12 @@ class RequestGate:
                     break
                 if cap < self.max_concurrent_requests and not self._is_full():
                     self.held_back += 1
-                    tried = True  # a staller is not given other callers' places: it waits below stalled_cap
+                    # a staller is not given other callers' places: it waits below stalled_cap. A connection that
+                    # only answers for its stalling host (no record of its own) may first cut a stalled upload of
+                    # that host once (make_room: evict_for lets a connection holding nothing do so)
+                    conns = self._counts()[1]
+                    own = conns.own(caller.connection) if isinstance(conns, InheritedStalls) and caller else 1
+                    tried = tried or bool(own)
                 retry = False
                 if tried:
                     if caller is not None:

@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import Any
+from typing import Any, Mapping
 
 import grpc
 import torch
@@ -67,7 +67,7 @@ from advantage_server.limits import (
 )
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import ResultLedger
+from advantage_server.shares import InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -225,9 +225,15 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         self.uploads = UploadWatch(self.limits.stream_idle_timeout, per_peer=self.limits.pending_per_peer,
                                    per_connection=self.limits.pending_per_connection)
         self.uploads.on_lent_exit = self.gate.repay
-        self.gate.stalled = self.uploads.stalled  # the waiting room's order (shares.wait_rank)
         #: result bytes computed but not yet delivered, per connection and host (issue #35: the ledger)
         self.results = ResultLedger(send_timeout=self.limits.stream_idle_timeout)
+        self.gate.stalled = self._stalled  # the waiting room's order (shares.wait_rank) and who fills to stalled_cap
+
+    def _stalled(self) -> tuple[Mapping[str, int], Mapping[str, int]]:
+        """Stalled uploads per host and per connection (:meth:`UploadWatch.stalled`), a connection that has not had a
+        result delivered answering for its host (:class:`~advantage_server.shares.InheritedStalls`)."""
+        hosts, conns = self.uploads.stalled()
+        return hosts, InheritedStalls(conns, hosts, self.results.proven, peer_host)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):

@@ -136,6 +136,37 @@ def wait_rank(stalled_hosts: Mapping[str, int], stalled_connections: Mapping[str
     return 1, stalled_hosts.get(host, 0), conn, arrived
 
 
+class InheritedStalls(dict):
+    """Stalled uploads per connection (:meth:`advantage_server.uploads.UploadWatch.stalled`'s second count), in
+    which a connection with no record of its own answers for its host. ``get(connection)`` is the connection's own
+    count when it has one, or when ``proven(connection)`` (it has had a result delivered: :meth:`ResultLedger.proven`);
+    else 1 while its host (``host_of(connection)``) holds a stalled upload, the least a staller holds. ``own()`` is
+    the connection's own count; iteration and ``values()`` are the own counts.
+
+    Issue #35 item 2, stalling judged per host: a slow-loris that opens a fresh connection for every stalled call had
+    each call judged by a clean record, and its calls filled every place (9% of unattacked goodput on the same host,
+    10% on another). Its fresh connections now count as stalling, so together they fill at most ``STALLED_FILL`` of
+    the places (:attr:`advantage_server.admission.RequestGate.stalled_cap`) and wait behind every prompt caller. A
+    neighbour whose connection has had a result keeps its own record. A new neighbour ranks with the fresh
+    connections, ahead of the host's connections holding more than one stalled upload, and, holding nothing, may cut
+    one stalled upload of its host to get its first call in (:meth:`advantage_server.uploads.UploadWatch.evict_for`)."""
+
+    def __init__(self, connections: Mapping[str, int], hosts: Mapping[str, int], proven: Callable[[str], bool],
+                 host_of: Callable[[str], str]):
+        super().__init__(connections)
+        self._hosts, self._proven, self._host_of = hosts, proven, host_of
+
+    def own(self, connection: str) -> int:
+        """The connection's own count (0 when it only answers for its host)."""
+        return dict.get(self, connection, 0)
+
+    def get(self, connection: str, default: int = 0) -> int:  # type: ignore[override]
+        own = dict.get(self, connection, 0)
+        if own or not self._hosts or self._proven(connection):
+            return own or default
+        return 1 if self._hosts.get(self._host_of(connection)) else default
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The ledger of what a caller holds beyond its places (issue #35): result bytes computed but not yet delivered.
 
@@ -224,6 +255,11 @@ class ResultLedger:
         self.cancelled = self.expired = self.refused = 0
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def proven(self, connection: str) -> bool:
+        """Whether ``connection`` has had a result delivered (and had none cut since): it reads what it asks for.
+        Lock-free (a dict lookup); :class:`InheritedStalls` asks it for each waiting call it ranks."""
+        return connection in self._standing
 
     # -------------------------------------------------------------- entries
     def hold(self, connection: str, host: str, nbytes: int, cancel: Callable[[], object]) -> int:
