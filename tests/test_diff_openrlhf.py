@@ -61,14 +61,17 @@ SETTINGS = settings(max_examples=N_EXAMPLES, derandomize=True, deadline=None, da
 
 #: OpenRLHF estimator -> (service estimator, fixed config)
 SERVICE = {
+    "gae": ("gae", {}),
     "reinforce": ("reinforce_plus_plus", {}),
     "rloo": ("rloo", {}),
     "reinforce_baseline": ("reinforce_plus_plus_baseline", {}),
     "group_norm": ("grpo", {"normalize_rewards": True}),
     "dr_grpo": ("grpo", {"normalize_rewards": False}),
 }
-KL_ESTIMATORS = ("reinforce", "rloo", "reinforce_baseline")  # the service folds KL in for these
-WHITENED = ("reinforce", "reinforce_baseline")
+KL_ESTIMATORS = tuple(SERVICE)  # the service folds KL in for every one (OpenRLHF's compute_reward)
+WHITENED = ("gae", "reinforce", "reinforce_baseline")  # OpenRLHF's batch whitening (no_std_norm: the mean only)
+#: --reward.clip_range values drawn: the default, narrower, wider, and lopsided
+CLIP_RANGES = ((-10.0, 10.0), (-10.0, 10.0), (-2.5, 2.5), (-20.0, 20.0), (-1.0, 4.0))
 U64 = float(np.finfo(np.float64).eps) / 2
 FLOAT32_LOST: dict[str, int] = {}
 
@@ -119,8 +122,15 @@ def batches(draw, estimator: str):
         case["kl"] = dict(logprobs=lp[0], reference_logprobs=lp[1],
                           estimator=draw(st.sampled_from(["k1", "k2", "k3"])),
                           coef=draw(st.sampled_from([0.01, 0.1, 1.0])))
-    if estimator == "reinforce":
+    if estimator in ("reinforce", "gae"):
         case["gamma"] = draw(st.sampled_from([1.0, 0.99, 0.5, 0.0]))
+    case["clip_range"] = draw(st.sampled_from(CLIP_RANGES))
+    case["no_std_norm"] = estimator in WHITENED and draw(st.booleans())
+    case["values"], case["lambd"] = None, 1.0
+    if estimator == "gae":
+        v = draw(st.lists(st.floats(-3, 3, allow_nan=False, width=32), min_size=B * T, max_size=B * T))
+        case["values"] = torch.tensor(v, dtype=dtype).reshape(B, T)
+        case["lambd"] = draw(st.sampled_from([1.0, 0.95, 0.5, 0.0]))
     return case
 
 
@@ -136,11 +146,13 @@ def last_bit(shape, pattern: int) -> torch.Tensor:
 
 def reference(estimator: str, case: dict, precise: bool, perturb: int | None = None, name: str | None = None):
     """The released code on ``case`` (float64 inputs moved by :func:`last_bit` ``perturb`` when precise)."""
-    rewards, kl, coef = case["rewards"], None, 0.0
+    rewards, kl, coef, values = case["rewards"], None, 0.0, case["values"]
     if precise:
         rewards = rewards.to(torch.float64)
+        values = None if values is None else values.to(torch.float64)
         if perturb is not None:
             rewards = rewards * last_bit(rewards.shape, perturb)
+            values = None if values is None else values * last_bit(values.shape, 2 - perturb if perturb else 0)
     if case["kl"] is not None:
         lp, ref = case["kl"]["logprobs"], case["kl"]["reference_logprobs"]
         if precise:
@@ -150,7 +162,9 @@ def reference(estimator: str, case: dict, precise: bool, perturb: int | None = N
         kl = openrlhf_ref.approx_kl(lp, ref, case["kl"]["estimator"], precise=precise)
         coef = case["kl"]["coef"]
     return openrlhf_ref.compute(name or estimator, rewards, case["mask"], case["n"], case["index"], case["sizes"],
-                                kl=kl, kl_coef=coef, gamma=case["gamma"], precise=precise)
+                                kl=kl, kl_coef=coef, gamma=case["gamma"], clip_range=case["clip_range"],
+                                no_std_norm=case["no_std_norm"], values=values, lambd=case["lambd"],
+                                precise=precise)
 
 
 def service(client, estimator: str, case: dict):
@@ -159,8 +173,15 @@ def service(client, estimator: str, case: dict):
     groups = np.array(case["index"], dtype=np.int64) // case["n"]
     prompt_ids = [f"uid-{g}" for g in groups] if case["uid_strings"] else groups
     tensors = dict(rewards=case["rewards"].numpy(), mask=case["mask"].numpy(), prompt_ids=prompt_ids)
+    config.update(reward_clip_min=case["clip_range"][0], reward_clip_max=case["clip_range"][1])
+    if estimator in WHITENED:
+        config["no_std_norm"] = case["no_std_norm"]
     if estimator == "reinforce":
         config["gamma"] = case["gamma"]
+    if estimator == "gae":  # no prompt groups: the critic's values, gamma and lambda
+        del tensors["prompt_ids"]
+        tensors["values"] = case["values"].numpy()
+        config.update(gae_gamma=case["gamma"], gae_lambda=case["lambd"])
     if case["kl"] is not None:
         config.update(use_kl_in_reward=True, reference_policy_kl_penalty=case["kl"]["coef"],
                       reference_policy_kl_type=case["kl"]["estimator"])
@@ -205,10 +226,6 @@ def check(client, estimator: str, case: dict) -> None:
     np_dtype = np.float32 if case["dtype"] == torch.float32 else np.float64
     for label, got, want, sd in (("advantages", adv, y64[0].numpy(), sens[0].numpy()),
                                  ("returns", ret, y64[1].numpy(), sens[1].numpy())):
-        if estimator in ("group_norm", "dr_grpo") and got is None:
-            # grpo returns no returns; OpenRLHF's returns are its advantages (``advantages = returns.clone()``)
-            np.testing.assert_array_equal(y64[0].numpy(), y64[1].numpy())
-            continue
         assert got is not None and got.shape == want.shape, (label, None if got is None else got.shape)
         assert np.isfinite(got).all(), f"{label}: non-finite service output"
         g, w = got[m], want[m]

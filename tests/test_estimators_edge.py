@@ -469,7 +469,7 @@ def test_tied_groups_with_epsilon_zero_give_zero_not_nan(name, config):
 @pytest.mark.parametrize("name,config,field", [
     ("rloo", {"semantics": "nemo_rl"}, "config.semantics"),
     ("reinforce_plus_plus_baseline", {"semantics": "trl"}, "config.semantics"),
-    ("gae", {"semantics": "openrlhf"}, "config.semantics"),
+    ("gae", {"semantics": "trl"}, "config.semantics"),
     ("grpo", {"semantics": "verl", "use_leave_one_out_baseline": False}, "config.use_leave_one_out_baseline"),
     ("grpo", {"semantics": "verl", "scale_rewards": "batch"}, "config.scale_rewards"),
     ("grpo", {"epsilon": -1.0}, "config.epsilon"),

@@ -39,38 +39,28 @@ OpenRLHF's own ``apply_length_penalties``), ``info["group_reward_std"]`` ``[B_i]
 advantages and returns in ``kl``'s dtype (``gae``: promoted with ``values``' dtype; OpenRLHF's whitening computes its
 mean and scale in float32 but writes into the advantages' own dtype).
 
-What the service computes (one batch for the whole list, so group baselines and the batch whitening see every
-experience; ``semantics = "openrlhf"``): ``reinforce`` -> ``reinforce_plus_plus`` (with ``gamma``),
-``rloo`` -> ``rloo``, ``reinforce_baseline`` -> ``reinforce_plus_plus_baseline``, ``group_norm`` / ``dr_grpo`` ->
-``grpo`` with ``normalize_rewards`` true / false, ``flash_reinforce`` -> ``grpo`` (false) with the whole batch as one
-group (OpenRLHF's rollout-batch mean). KL in the reward: the experience's per-token ``kl`` is sent as ``logprobs`` with
+What the service computes, all of it (one request for the whole list, so group baselines and the batch whitening see
+every experience; ``semantics = "openrlhf"`` throughout): ``gae`` -> ``gae``, ``reinforce`` ->
+``reinforce_plus_plus`` (with ``gamma``), ``rloo`` -> ``rloo``, ``reinforce_baseline`` ->
+``reinforce_plus_plus_baseline``, ``group_norm`` / ``dr_grpo`` -> ``grpo`` with ``normalize_rewards`` true / false,
+``flash_reinforce`` -> ``grpo`` (false) with the whole batch as one group (OpenRLHF's rollout-batch mean). Each gets
+``--reward.clip_range`` as ``reward_clip_min`` / ``reward_clip_max`` (unset: no clamp), the whitened ones
+``--algo.advantage.no_std_norm`` as ``no_std_norm``, ``gae`` the critic's ``values`` with ``gae_gamma`` /
+``gae_lambda``. KL in the reward: the experience's per-token ``kl`` is sent as ``logprobs`` with
 ``reference_logprobs`` 0 and ``reference_policy_kl_type = "k1"`` (k1 of that pair is the KL itself; the clamps are
-opened so nothing is clipped twice), ``reference_policy_kl_penalty`` = ``kl_ctl.value``.
+opened so nothing is clipped twice), ``reference_policy_kl_penalty`` = ``kl_ctl.value``. This module translates
+OpenRLHF's options and tensors into that request and the answer back into OpenRLHF's fields and dtypes; it computes
+no advantage or return itself (issue #36: the OpenRLHF semantics of ``gae``, ``no_std_norm``, the clip range and
+the group estimators' KL are the service's, differential-tested against the release by tests/test_diff_openrlhf.py).
 
-Composed, where the service has no OpenRLHF-semantics estimator (a second request, or a final step here):
-    * ``group_norm`` / ``dr_grpo`` / ``flash_reinforce`` with KL in the reward: the service's ``grpo`` (openrlhf)
-      does not fold KL in; the KL part is a second request, ``rloo`` (openrlhf) on zero rewards with the KL, whose
-      returns are exactly the reverse cumulative sum of ``-coef * kl`` over the mask; the two are added.
-    * ``gae``: the service's ``gae`` with ``semantics = "skyrl"`` (the unmasked recursion OpenRLHF's
-      ``get_advantages_and_returns`` runs, on values and rewards multiplied by the mask here, as OpenRLHF does),
-      ``normalize_advantages = false``, the reward clipped here to ``--reward.clip_range`` (gae has no baseline, so
-      this is OpenRLHF's clip); OpenRLHF's batch whitening of the GAE advantages (biased variance floored at 1e-8,
-      applied at every position) is done HERE in float64, because the service's gae has no ``openrlhf`` semantics
-      (its verl/skyrl whitening uses the unbiased variance plus 1e-8). Missing in the service: ``gae`` with
-      ``semantics = "openrlhf"``.
-    * ``--algo.advantage.no_std_norm`` with ``reinforce`` / ``reinforce_baseline``: the service's openrlhf
-      ``reinforce_plus_plus(_baseline)`` always divides by the std; the returns come from the service and the
-      mean-only normalisation ``returns - mean`` is done HERE in float64. Missing in the service: a
-      ``no_std_norm`` option for those two under ``semantics = "openrlhf"``.
 Logging fields computed here (not advantages): ``info["group_reward_std"]`` (OpenRLHF's ``std`` of each group) and
-``info["return"]``: from the service's returns at the row's first valid token (gamma 1) plus the KL of the masked
-positions, or, for ``reinforce`` / ``gae`` (no baseline), ``clip(r) - coef * sum(kl)``. A row with no action token
-under a baseline estimator gets ``info["return"]`` NaN (the service's answer carries no shaped reward for it;
-OpenRLHF's generation always gives at least one token).
+``info["return"]`` (OpenRLHF's ``reward.sum(-1)`` of the shaped token rewards): from the service's returns at the
+row's first valid token (gamma 1) plus the KL of the masked positions, or, for ``reinforce`` / ``gae`` (no baseline),
+``clip(r) - coef * sum(kl)``. A row with no action token under a baseline estimator gets ``info["return"]`` NaN (the
+service's answer carries no shaped reward for it; OpenRLHF's generation always gives at least one token).
 
-Raises ``ValueError`` for an unknown estimator (OpenRLHF raises ``Exception``) or a ``--reward.clip_range`` other
-than the default (-10, 10) for the estimators with a baseline (the service applies OpenRLHF's default clip after the
-baseline); ``TypeError`` for ``gae`` without ``values``; the client's errors (``AdvantageServiceError`` subclasses)
+Raises ``ValueError`` for an unknown estimator (OpenRLHF raises ``Exception``); ``TypeError`` for ``gae`` without
+``values``; the client's errors (``AdvantageServiceError`` subclasses)
 when the service fails. Tested by tests/test_openrlhf_dropin.py against OpenRLHF 0.11.2's own method.
 """
 from __future__ import annotations
@@ -90,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 #: OpenRLHF 0.11.2 ``--algo.advantage.estimator`` -> (service estimator, fixed config)
 ESTIMATORS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gae": ("gae", {"semantics": "skyrl", "normalize_advantages": False}),
+    "gae": ("gae", {"semantics": "openrlhf"}),
     "reinforce": ("reinforce_plus_plus", {"semantics": "openrlhf"}),
     "rloo": ("rloo", {"semantics": "openrlhf"}),
     "reinforce_baseline": ("reinforce_plus_plus_baseline", {"semantics": "openrlhf"}),
@@ -98,10 +88,9 @@ ESTIMATORS: dict[str, tuple[str, dict[str, Any]]] = {
     "dr_grpo": ("grpo", {"semantics": "openrlhf", "normalize_rewards": False}),
     "flash_reinforce": ("grpo", {"semantics": "openrlhf", "normalize_rewards": False}),
 }
-#: estimators OpenRLHF whitens over the batch
+#: estimators OpenRLHF whitens over the batch (``--algo.advantage.no_std_norm`` applies to them)
 WHITENED = ("gae", "reinforce", "reinforce_baseline")
-#: estimators whose service answer folds the KL in itself
-KL_IN_SERVICE = ("gae", "reinforce", "rloo", "reinforce_baseline")
+#: the clip range sent for OpenRLHF's ``--reward.clip_range`` unset (no clamp): finite, as config values must be
 _OPEN_CLAMP = 1e300
 _original: Any = None
 _target: Any = None
@@ -150,20 +139,6 @@ def _pad(t: Any, width: int, dtype: Any) -> Any:
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
 
 
-def _whiten(x: Any, mask: Any, no_std_norm: bool) -> Any:
-    """OpenRLHF 0.11.2's batch whitening (end of ``compute_advantages_and_returns``) in float64, ``[B, T]``: mean and
-    biased variance over the mask = 1 positions, ``(x - mean) * rsqrt(max(var, 1e-8))`` at every position, or
-    ``x - mean`` with ``--algo.advantage.no_std_norm``."""
-    import torch
-    m = mask.to(torch.float64)
-    count = m.sum()
-    mean = (x * m).sum() / count
-    if no_std_norm:
-        return x - mean
-    var = ((x - mean).pow(2) * m).sum() / count
-    return (x - mean) * var.clamp(min=1e-8).rsqrt()
-
-
 def compute_advantages_and_returns(maker: Any, experiences: List[Any], target: Any = None) -> List[Any]:
     """OpenRLHF 0.11.2 ``RemoteExperienceMaker.compute_advantages_and_returns(experiences)`` through the service.
 
@@ -204,10 +179,8 @@ def _compute(maker: Any, experiences: List[Any], target: Any) -> List[Any]:
         logger.warning(f"gamma is set to 1.0 for {estimator}")
         args.algo.advantage.gamma = 1.0
     gamma = float(args.algo.advantage.gamma)
-    clip = args.reward.clip_range
-    if estimator not in ("gae", "reinforce") and clip and tuple(float(c) for c in clip) != (-10.0, 10.0):
-        raise ValueError(f"--reward.clip_range {tuple(clip)}: the service applies OpenRLHF's default (-10, 10) after "
-                         f"the {estimator} baseline; other ranges are not offered")
+    clip = args.reward.clip_range  # OpenRLHF clamps only when it is set
+    low, high = (float(clip[0]), float(clip[1])) if clip else (-_OPEN_CLAMP, _OPEN_CLAMP)
 
     width = max(e.action_mask.shape[1] for e in experiences)
     mask = torch.cat([_pad(e.action_mask, width, torch.int64) for e in experiences])
@@ -218,51 +191,36 @@ def _compute(maker: Any, experiences: List[Any], target: Any) -> List[Any]:
     coef = coef if coef > 0.0 else 0.0
     use_kl = coef > 0.0 and bool(kl.any())
     rewards = raw.to(torch.float64)
-    if estimator in ("gae", "reinforce") and clip:
-        rewards = rewards.clamp(float(clip[0]), float(clip[1]))
-    clipped = rewards.clone()
 
-    client = _client_for(target)
     service, fixed = ESTIMATORS[estimator]
-    cfg: dict[str, Any] = dict(fixed)
+    cfg: dict[str, Any] = dict(fixed, reward_clip_min=low, reward_clip_max=high)
     tensors: dict[str, Any] = {"rewards": rewards, "mask": mask}
-    kl_cfg = dict(use_kl_in_reward=True, reference_policy_kl_penalty=coef, reference_policy_kl_type="k1",
-                  kl_input_clamp_value=_OPEN_CLAMP, kl_output_clamp_value=_OPEN_CLAMP)
-    kl_tensors = dict(logprobs=kl, reference_logprobs=torch.zeros_like(kl))
+    if estimator in WHITENED:
+        cfg["no_std_norm"] = bool(args.algo.advantage.no_std_norm)
     if estimator == "reinforce":
         cfg["gamma"] = gamma
     if estimator == "gae":
         if any(e.values is None for e in experiences):
             raise TypeError("gae needs each experience's `values` [B, A] (OpenRLHF's critic)")
-        values = torch.cat([_pad(e.values, width, torch.float64) for e in experiences]) * mask
+        tensors["values"] = torch.cat([_pad(e.values, width, torch.float64) for e in experiences])
         cfg.update(gae_gamma=gamma, gae_lambda=float(args.algo.advantage.lambd))
-        tensors["values"] = values
-    if estimator == "flash_reinforce":
+    elif estimator == "flash_reinforce":  # FlashREINFORCE: the whole rollout batch is one group
         tensors["prompt_ids"] = torch.zeros(len(order), dtype=torch.int64).numpy()
-    elif estimator not in ("gae", "reinforce"):
+    elif estimator != "reinforce":
         tensors["prompt_ids"] = (indices // n).numpy()
-    if use_kl and estimator in KL_IN_SERVICE:
-        cfg.update(kl_cfg)
-        tensors.update(kl_tensors)
-    out = client.compute(service, cfg, output_dtype="float64", **tensors)
+    if use_kl:  # the experience's per-token KL as a k1 pair, its clamps opened (module docstring)
+        cfg.update(use_kl_in_reward=True, reference_policy_kl_penalty=coef, reference_policy_kl_type="k1",
+                   kl_input_clamp_value=_OPEN_CLAMP, kl_output_clamp_value=_OPEN_CLAMP)
+        tensors.update(logprobs=kl, reference_logprobs=torch.zeros_like(kl))
+    out = _client_for(target).compute(service, cfg, output_dtype="float64", **tensors)
     advantages = torch.as_tensor(out.advantages, dtype=torch.float64)
-    returns = advantages.clone() if out.returns is None else torch.as_tensor(out.returns, dtype=torch.float64)
-    if use_kl and estimator not in KL_IN_SERVICE:  # the KL part: rloo on zero rewards (module docstring)
-        part = client.compute("rloo", {"semantics": "openrlhf", **kl_cfg}, output_dtype="float64",
-                              rewards=torch.zeros_like(rewards), mask=mask,
-                              prompt_ids=(indices // n).numpy(), **kl_tensors)
-        returns = returns + torch.as_tensor(part.returns, dtype=torch.float64)
-        advantages = returns.clone()
-    no_std_norm = bool(args.algo.advantage.no_std_norm)
-    if estimator == "gae" or (no_std_norm and estimator in WHITENED):
-        # OpenRLHF's batch whitening, here in float64 (module docstring: not in the service for these)
-        advantages = _whiten(advantages if estimator == "gae" else returns, mask, no_std_norm)
+    returns = torch.as_tensor(out.returns, dtype=torch.float64)
 
     # info["return"]: the row's shaped token rewards summed over every position (OpenRLHF's reward.sum(-1))
     valid = mask.bool()
     kl_all = coef * kl.sum(-1)
     if estimator in ("gae", "reinforce"):
-        total = clipped - kl_all
+        total = rewards.clamp(low, high) - kl_all  # a logging field: OpenRLHF's reward.sum(-1)
     else:
         first = valid.int().argmax(1)
         at_first = returns.gather(1, first[:, None])[:, 0]

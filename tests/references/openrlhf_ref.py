@@ -178,7 +178,8 @@ def approx_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_estim
 def compute(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, n_samples_per_prompt: int,
             index: Sequence[int], micro_batches: Sequence[int], *, kl: torch.Tensor | None = None,
             kl_coef: float = 0.0, gamma: float = 1.0, clip_range: tuple[float, float] | None = (-10.0, 10.0),
-            no_std_norm: bool = False, precise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            no_std_norm: bool = False, values: torch.Tensor | None = None, lambd: float = 1.0,
+            precise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[B, T]`` from the released ``compute_advantages_and_returns``.
 
     rewards: ``[B]`` one reward per sample, in the order the experiences hold them; mask ``[B, T]``
@@ -187,7 +188,8 @@ def compute(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, n_samples
     ``micro_batches``: sizes of the consecutive ``Experience`` micro-batches (summing to B);
     kl: the per-token ``experience.kl`` ``[B, T]`` (None: zeros of ``rewards``' dtype, OpenRLHF without a
     reference model); ``kl_coef``: ``--algo.kl.init_kl_coef`` (FixedKLController); gamma, clip_range,
-    no_std_norm: ``--algo.advantage.gamma``, ``--reward.clip_range``, ``--algo.advantage.no_std_norm``.
+    no_std_norm: ``--algo.advantage.gamma``, ``--reward.clip_range``, ``--algo.advantage.no_std_norm``;
+    values: the critic's ``experience.values`` ``[B, T]`` (``gae``), lambd: ``--algo.advantage.lambd``.
     Returns (advantages, returns), each ``[B, T]`` in experience order, in the dtype OpenRLHF leaves
     them in (float64 throughout with ``precise``). Raises what the released code raises.
     """
@@ -197,10 +199,11 @@ def compute(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, n_samples
     if precise:
         rewards = rewards.to(torch.float64)
         kl = kl.to(torch.float64) if kl is not None else None
+        values = values.to(torch.float64) if values is not None else None
     if kl is None:
         kl = torch.zeros(B, T, dtype=rewards.dtype)
     args = SimpleNamespace(
-        algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=gamma, lambd=1.0,
+        algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=gamma, lambd=lambd,
                                                        no_std_norm=no_std_norm)),
         rollout=SimpleNamespace(n_samples_per_prompt=n_samples_per_prompt),
         reward=SimpleNamespace(clip_range=clip_range, overlong_buffer_len=None, overlong_penalty_factor=1.0,
@@ -216,7 +219,7 @@ def compute(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, n_samples
         rows = slice(start, start + size)
         experiences.append(ppo_utils.Experience(
             rewards=rewards[rows].clone(), action_mask=mask[rows].bool(), kl=kl[rows].clone(),
-            index=list(index[rows]), info={}))
+            values=None if values is None else values[rows].clone(), index=list(index[rows]), info={}))
         start += size
     ctx = _float64_kept() if precise else contextlib.nullcontext()
     with ctx:

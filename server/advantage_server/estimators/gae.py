@@ -72,8 +72,8 @@ import torch
 from advantage_server.estimators import jit
 from advantage_server.estimators.inputs import MASK
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
-from advantage_server.estimators.rewards import place_rewards
-from advantage_server.estimators.whitening import masked_moments, whiten_unbiased
+from advantage_server.estimators.rewards import OpenRLHFRewardConfig, no_std_norm_field, place_rewards
+from advantage_server.estimators.whitening import masked_moments, whiten_openrlhf, whiten_unbiased
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 _CHUNK = 64
@@ -83,10 +83,11 @@ _NEMO_ONLY = "nemo_rl only"
 
 
 @dataclass(frozen=True)
-class GAEConfig(KLInRewardConfig):
+class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     gae_lambda: float | None = field(default=None, metadata={
-        "doc": "GAE lambda.", "range": (0.0, 1.0), "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0},
-        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl)"})
+        "doc": "GAE lambda.", "range": (0.0, 1.0),
+        "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0, "openrlhf": 1.0},
+        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf)"})
     gae_gamma: float = field(default=1.0, metadata={"doc": "Discount factor gamma.", "range": (0.0, 1.0)})
     normalize_advantages: bool = field(default=True, metadata={"doc": "Whiten the advantages over the valid tokens."})
     gae_lambda_value: float | None = field(default=None, metadata={
@@ -99,10 +100,13 @@ class GAEConfig(KLInRewardConfig):
         "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
         "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl or skyrl"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "skyrl"),
+        ("nemo_rl", "verl", "skyrl", "openrlhf"),
         "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0), "
-        "verl (compute_gae_advantage_return: masked positions whitened, not zeroed) or skyrl "
-        "(compute_gae_advantage_return: the recursion ignores the mask; masked positions whitened, not zeroed).")
+        "verl (compute_gae_advantage_return: masked positions whitened, not zeroed), skyrl "
+        "(compute_gae_advantage_return: the recursion ignores the mask; masked positions whitened, not zeroed) or "
+        "openrlhf (gae: values and rewards times the mask, skyrl's recursion, the batch whitening with the "
+        "biased variance).")
+    no_std_norm: bool | None = no_std_norm_field()
 
 
 # --------------------------------------------------------------------------- kernel
@@ -405,31 +409,58 @@ def _gae_fused(cfg: "GAEConfig", rewards: torch.Tensor, values: torch.Tensor, ma
     return AdvantageResult(adv, returns=ret, finite=bool(fin.all()))
 
 
-def skyrl_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
-    """``semantics = skyrl`` (module docstring): SkyRL's unmasked recursion, float64, whitened over the mask.
-
-    Inputs as :func:`gae`; ``bootstrap_values`` [B], when sent, is V after the last column (SkyRL: 0).
-    Returns advantages and returns ``[B, T]`` in the values' dtype. The returns are computed as
-    lambda-returns and A = G - V (module docstring, Kernel), so no value is added and subtracted again.
-    """
-    mask, values, raw = batch["mask"], batch["values"], batch["rewards"]
-    bootstrap = batch.get("bootstrap_values")
-    dtype = values.dtype
-    gamma, lam = cfg.gae_gamma, cfg.gae_lambda
-    v = values.to(torch.float64)
-    r = apply_kl(place_rewards(raw, mask).to(torch.float64), cfg, batch, mask=mask)
+def unmasked_gae(r: torch.Tensor, v: torch.Tensor, gamma: float, lam: float,
+                 bootstrap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's loop, which ignores the mask (SkyRL's and OpenRLHF's ``gae``), as (returns, advantages), float64
+    ``[B, T]`` each: token rewards ``r`` and values ``v`` float64 ``[B, T]``; ``bootstrap`` ``[B]`` is V after the
+    last column (None: 0). The returns are the lambda-returns, a :func:`discounted_reverse_cumsum`, and A = G - V
+    (module docstring, Kernel), so no value is added and subtracted again."""
     # x_t = r_t + gamma (1 - lambda) V_{t+1} (t < T - 1); x_{T-1} = r_{T-1} + gamma V_T (G_T = V_T: A_T = 0)
     x = r.clone()
     if lam != 1.0:
         x[:, :-1] += (gamma * (1.0 - lam)) * v[:, 1:]
     if bootstrap is not None:                                               # V after the last column (else 0)
         x[:, -1] += gamma * bootstrap.to(torch.float64)
-    g = torch.full((batch.B,), gamma * lam, dtype=torch.float64, device=v.device)
+    g = torch.full((r.shape[0],), gamma * lam, dtype=torch.float64, device=v.device)
     returns = discounted_reverse_cumsum(x, g)
-    adv = returns - v
+    return returns, returns - v
+
+
+def skyrl_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
+    """``semantics = skyrl`` (module docstring): SkyRL's unmasked recursion, float64, whitened over the mask.
+
+    Inputs as :func:`gae`; ``bootstrap_values`` [B], when sent, is V after the last column (SkyRL: 0).
+    Returns advantages and returns ``[B, T]`` in the values' dtype (:func:`unmasked_gae`).
+    """
+    mask, values, raw = batch["mask"], batch["values"], batch["rewards"]
+    r = apply_kl(place_rewards(raw, mask).to(torch.float64), cfg, batch, mask=mask)
+    returns, adv = unmasked_gae(r, values.to(torch.float64), cfg.gae_gamma, cfg.gae_lambda,
+                                batch.get("bootstrap_values"))
     if cfg.normalize_advantages:
         adv = whiten_unbiased(adv, mask)
-    return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
+    return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))
+
+
+def openrlhf_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
+    """``semantics = openrlhf`` (OpenRLHF 0.11.2 ``gae``: ``compute_reward``, ``get_advantages_and_returns`` and the
+    batch whitening of ``compute_advantages_and_returns``). A [B] reward (a [B, T] one elementwise) is clamped to
+    ``[reward_clip_min, reward_clip_max]`` and placed on the row's last mask = 1 position, minus penalty * KL_t on
+    the mask = 1 tokens with ``use_kl_in_reward``; rewards and values are multiplied by the mask, then
+    :func:`unmasked_gae` (OpenRLHF's loop over every position, V after the last column 0, or ``bootstrap_values``);
+    returns = A + the masked values; A whitened over the mask = 1 tokens of the batch with the biased variance,
+    ``(A - mean) * rsqrt(max(var, 1e-8))`` at every position, or ``A - mean`` with ``no_std_norm``
+    (:func:`~advantage_server.estimators.whitening.whiten_openrlhf`; none with ``normalize_advantages = false``).
+
+    Inputs as :func:`gae`. Returns advantages and returns ``[B, T]`` in the values' dtype.
+    """
+    mask, values = batch["mask"], batch["values"]
+    m = mask.to(torch.float64)
+    r = apply_kl(place_rewards(cfg.clip(batch["rewards"]), mask), cfg, batch, mask=mask) * m
+    returns, adv = unmasked_gae(r, values.to(torch.float64) * m, cfg.gae_gamma, cfg.gae_lambda,
+                                batch.get("bootstrap_values"))
+    if cfg.normalize_advantages:
+        adv = whiten_openrlhf(adv, mask, cfg.no_std_norm)
+    return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))
 
 
 def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -463,7 +494,7 @@ def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
         *KL_INPUTS,
     ],
     reference="arXiv:1506.02438; VAPO arXiv:2504.05118; NeMo RL GeneralizedAdvantageEstimator; "
-              "verl compute_gae_advantage_return",
+              "verl compute_gae_advantage_return; SkyRL compute_gae_advantage_return; OpenRLHF gae",
     produces_returns=True,
 )
 def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
@@ -475,6 +506,8 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
     """
     if cfg.semantics == "skyrl":
         return skyrl_gae(cfg, batch)
+    if cfg.semantics == "openrlhf":
+        return openrlhf_gae(cfg, batch)
     mask, values = batch["mask"], batch["values"]
     bootstrap = batch.get("bootstrap_values")
     raw = batch["rewards"]

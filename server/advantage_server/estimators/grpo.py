@@ -3,7 +3,7 @@
 Inputs: ``prompt_ids`` [B] (or [B, L] token rows), ``rewards`` [B] or [B, T] (token-level rewards are
 summed over all T positions, masked ones included), ``mask`` [B, T], optional ``std_rewards`` [B]
 (DAPO, arXiv:2503.14476: the std is computed on these values instead of on the rewards).
-Output: advantages [B, T]; no returns, no metrics.
+Output: advantages [B, T]; returns [B, T] under openrlhf semantics only; no metrics.
 
 Math, per sample i of prompt group g (n samples), r = reward, s = the values the std is taken on
 (``std_rewards`` when sent, else r), eps = ``epsilon``:
@@ -22,12 +22,13 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     verl's ``grpo_vectorized`` floors the group variance at eps (std >= sqrt(eps)): it differs only for
     groups whose sample variance is below eps without being 0; this estimator follows verl's ``grpo``.
 ``semantics = openrlhf`` (OpenRLHF 0.11.2 ``group_norm``; ``dr_grpo`` with ``normalize_rewards = false``)
-    A_i = (r_i - mean_g) / (std_g + eps), eps = 1e-9, std = sample std of s, clamped to +-10
-    (OpenRLHF's default ``--reward.clip_range``; group_norm reaches it only from 102 samples a prompt).
-    OpenRLHF puts A_i on the row's last mask = 1 token and takes the cumulative return (gamma 1):
-    A_{i,t} = A_i for t up to the row's last mask = 1 position, 0 after it (all 0 for a row with no
-    valid token). A group of one gets 0 (OpenRLHF divides 0 by a NaN std). OpenRLHF's KL-in-reward is
-    not applied here.
+    A_i = (r_i - mean_g) / (std_g + eps), eps = 1e-9, std = sample std of s, clamped to
+    [reward_clip_min, reward_clip_max] (OpenRLHF's ``--reward.clip_range``, default +-10; group_norm reaches
+    +-10 only from 102 samples a prompt). OpenRLHF puts A_i on the row's last mask = 1 token, minus
+    penalty * KL_t on every mask = 1 token with ``use_kl_in_reward`` (``compute_reward``), and takes the
+    cumulative return (gamma 1): returns = advantages = G_t = sum_{k >= t} of those token rewards times the
+    mask; without KL, A_i for t up to the row's last mask = 1 position and 0 after it (all 0 for a row with no
+    valid token). A group of one gets 0 (OpenRLHF divides 0 by a NaN std). Returns: G (openrlhf only).
 ``semantics = trl`` (TRL 1.16.0 ``GRPOTrainer``, ``multi_objective_aggregation = sum_then_normalize``)
     A_i = (r_i - mean_g) / (std_i + eps), eps = 1e-4 (TRL's constant), std by ``scale_rewards``:
     ``group`` (default) the group's sample std of s (0 for a group of one), ``batch`` the sample std of
@@ -58,19 +59,20 @@ from advantage_server.estimators.groups import (
     verl_group_stats, verl_std_plus_eps, zero_rows,
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig
 from advantage_server.estimators.rewards import (
-    OPENRLHF_REWARD_CLIP, last_valid_index, outcome_scores, sum_over_mask_field,
+    OpenRLHFRewardConfig, openrlhf_outcome, outcome_scores, sum_over_mask_field,
 )
 from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import (
-    AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
+    AdvantageResult, Batch, InputSpec, register, semantics_field,
 )
 
 _EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6}
 
 
 @dataclass(frozen=True)
-class GRPOConfig(EstimatorConfig):
+class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     normalize_rewards: bool = field(default=True, metadata={
         "doc": "Divide by the group std + epsilon (nemo_rl: groups with std 0 stay unscaled). verl's "
                "norm_adv_by_std_in_grpo; false = Dr. GRPO (OpenRLHF dr_grpo)."})
@@ -92,17 +94,23 @@ class GRPOConfig(EstimatorConfig):
     exclude_empty_responses: bool = exclude_empty_field(
         extra=" trl with scale_rewards = batch: the batch std is over the non-empty rows too.")
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
+    use_kl_in_reward: bool | None = field(default=None, metadata={
+        "doc": "Subtract penalty * KL(policy || reference) from every token's reward (OpenRLHF's compute_reward for "
+               "group_norm / dr_grpo). openrlhf only: NeMo RL, verl, TRL and SkyRL put GRPO's KL in the loss.",
+        "per_semantics": {"openrlhf": False}, "default_text": "false (openrlhf); not applicable otherwise"})
 
 
 @register("grpo", config=GRPOConfig,
           inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK,
                   InputSpec("std_rewards", ("[B]",), "float",
                             "DAPO: per-sample values the std is computed on instead of the rewards.",
-                            required=False)],
+                            required=False), *KL_INPUTS],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
                     "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
+          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
           per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
-                      ("semantics = openrlhf", UP_TO_LAST_VALID), ("semantics = trl", BROADCAST)),
+                      ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID),
+                      ("semantics = trl", BROADCAST)),
           # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch
           group_local=("semantics = nemo_rl or semantics = verl or semantics = skyrl or semantics = openrlhf or "
                        "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none",))
@@ -142,9 +150,9 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     if cfg.semantics == "openrlhf":
         if cfg.normalize_rewards:  # a tied group's 0 stays 0 with epsilon = 0 too (OpenRLHF: 0 / 0)
             adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
-        adv = adv.clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)  # compute_reward's default clip_range
-        upto = torch.arange(batch.T, device=mask.device)[None, :] <= last_valid_index(mask)[:, None]
-        return AdvantageResult(torch.where(upto, adv[:, None], 0.0).to(dtype))
+        # compute_reward (clip range, KL) and get_cumulative_returns with gamma 1; advantages = returns
+        adv, returns = openrlhf_outcome(adv, mask, cfg, batch, whiten=False)
+        return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
     # trl
     if cfg.scale_rewards == "batch":
         s = (std_rewards if std_rewards is not None else scores).to(torch.float64)

@@ -62,15 +62,15 @@ from advantage_server.estimators.groups import (
 )
 from advantage_server.estimators.inputs import MASK, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
-from advantage_server.estimators.rewards import OPENRLHF_REWARD_CLIP, outcome_scores, place_rewards
-from advantage_server.estimators.whitening import whiten_clamped, whiten_rows_clamped, whiten_unbiased
+from advantage_server.estimators.rewards import OpenRLHFRewardConfig, no_std_norm_field, outcome_scores, place_rewards
+from advantage_server.estimators.whitening import whiten_clamped, whiten_openrlhf, whiten_rows_clamped, whiten_unbiased
 from advantage_server.estimators.gae import discounted_reverse_cumsum
 from advantage_client.layout import BROADCAST
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 
 @dataclass(frozen=True)
-class ReinforcePlusPlusConfig(KLInRewardConfig):
+class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     minus_baseline: bool | None = field(default=None, metadata={
         "doc": "Subtract the per-prompt mean reward. nemo_rl only (use reinforce_plus_plus_baseline otherwise).",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
@@ -90,6 +90,7 @@ class ReinforcePlusPlusConfig(KLInRewardConfig):
     exclude_empty_responses: bool | None = exclude_empty_field(
         {"nemo_rl": False}, extra=" nemo_rl: the row is left out of the minus_baseline group mean and its "
                                   "whitened advantage is 0.")
+    no_std_norm: bool | None = no_std_norm_field()
 
 
 _PROMPT_IDS = replace(PROMPT_IDS, required=False,
@@ -202,7 +203,7 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
         adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
         return AdvantageResult(zero_rows(whiten_clamped(adv, mask), keep))
     if cfg.semantics == "openrlhf":
-        rewards = rewards.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
+        rewards = cfg.clip(rewards)  # --reward.clip_range
     tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)
     if cfg.semantics in ("verl", "skyrl"):  # skyrl: verl 0.8's recursion, always
         reset = cfg.semantics == "skyrl" or bool(cfg.reset_returns_at_holes)
@@ -211,5 +212,5 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
     else:  # openrlhf
         g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=mask.device)
         returns = discounted_reverse_cumsum(tokens * mask, g)
-        adv = whiten_clamped(returns, mask)
+        adv = whiten_openrlhf(returns, mask, cfg.no_std_norm)
     return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))

@@ -31,20 +31,23 @@ from advantage_server.estimators.groups import (
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
-from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
+from advantage_server.estimators.rewards import (
+    OpenRLHFRewardConfig, no_std_norm_field, openrlhf_outcome, outcome_scores, sum_over_mask_field,
+)
 from advantage_server.estimators.whitening import whiten_unbiased
 from advantage_client.layout import BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 
 @dataclass(frozen=True)
-class ReinforcePlusPlusBaselineConfig(KLInRewardConfig):
+class ReinforcePlusPlusBaselineConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     semantics: str | None = semantics_field(
         ("verl", "openrlhf"),
         "Reference reproduced: verl (compute_reinforce_plus_plus_baseline_outcome_advantage), openrlhf "
         "(reinforce_baseline).")
     exclude_empty_responses: bool = exclude_empty_field()
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
+    no_std_norm: bool | None = no_std_norm_field()
 
 
 def rppb_scalars(group: torch.Tensor, scores: torch.Tensor, semantics: str) -> torch.Tensor:
@@ -96,5 +99,5 @@ def reinforce_plus_plus_baseline(cfg: ReinforcePlusPlusBaselineConfig, batch: Ba
         m = mask.to(torch.float64)
         return AdvantageResult((whiten_unbiased(a[:, None] * m, mask) * m).to(dtype))
     adv, returns = openrlhf_outcome(zero_rows(rppb_scalars(group, outcome_scores(rewards), "openrlhf"), keep), mask,
-                                    cfg, batch)
+                                    cfg, batch, no_std_norm=cfg.no_std_norm)
     return AdvantageResult(zero_rows(adv, keep).to(dtype), returns=returns.to(dtype))

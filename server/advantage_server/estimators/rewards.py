@@ -2,15 +2,17 @@
 OpenRLHF's path from a shaped reward to (advantages, returns)."""
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from advantage_server.estimators import jit
+from advantage_server.errors import InvalidInput
 from advantage_server.estimators.kl import apply_kl
-from advantage_server.estimators.whitening import whiten_clamped
+from advantage_server.estimators.registry import EstimatorConfig
+from advantage_server.estimators.whitening import whiten_openrlhf
 
 def outcome_scores(rewards: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``[B]`` rewards, or ``[B, T]`` token-level rewards summed over all T positions -> float64 ``[B]``.
@@ -71,19 +73,54 @@ def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
 OPENRLHF_REWARD_CLIP = 10.0
 
 
-def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch,
-                     whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class OpenRLHFRewardConfig(EstimatorConfig):
+    """OpenRLHF's ``--reward.clip_range`` as two fields (``semantics = openrlhf`` only, as the per-semantics
+    default says): ``compute_reward`` clamps the shaped reward to ``[reward_clip_min, reward_clip_max]`` before it
+    puts it on the row's last action token. Mixed into the configs of the estimators with an openrlhf semantics."""
+
+    reward_clip_min: float | None = field(default=None, metadata={
+        "doc": "OpenRLHF --reward.clip_range, low end: the shaped reward is clamped to it. openrlhf only.",
+        "per_semantics": {"openrlhf": -OPENRLHF_REWARD_CLIP}, "default_text": "-10.0 (openrlhf); not applicable otherwise"})
+    reward_clip_max: float | None = field(default=None, metadata={
+        "doc": "OpenRLHF --reward.clip_range, high end. openrlhf only.",
+        "per_semantics": {"openrlhf": OPENRLHF_REWARD_CLIP}, "default_text": "10.0 (openrlhf); not applicable otherwise"})
+
+    def validate(self) -> None:
+        super().validate()
+        lo, hi = self.reward_clip_min, self.reward_clip_max
+        if lo is not None and hi is not None and not lo < hi:
+            raise InvalidInput("config.reward_clip_min", f"must be below reward_clip_max (OpenRLHF asserts "
+                                                         f"clip_range[0] < clip_range[1]), got {lo} and {hi}")
+
+    def clip(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``rewards`` in float64, clamped to the clip range."""
+        return rewards.to(torch.float64).clamp(self.reward_clip_min, self.reward_clip_max)
+
+
+def no_std_norm_field() -> Any:
+    """OpenRLHF's ``--algo.advantage.no_std_norm`` (``semantics = openrlhf`` only)."""
+    return field(default=None, metadata={
+        "doc": "OpenRLHF --algo.advantage.no_std_norm: the batch whitening subtracts the mean over the mask = 1 "
+               "tokens and does not divide by the std. openrlhf only.",
+        "per_semantics": {"openrlhf": False}, "default_text": "false (openrlhf); not applicable otherwise"})
+
+
+def openrlhf_outcome(shaped: torch.Tensor, mask: torch.Tensor, cfg, batch, whiten: bool = True,
+                     no_std_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """OpenRLHF's path from a shaped scalar reward ``[B]`` to (advantages, returns), float64 ``[B, T]`` each.
 
-    The shaped reward, clamped to +-10 (``compute_reward`` with the default ``--reward.clip_range``), sits
-    on the row's last mask = 1 position, minus the masked KL penalty when the config folds KL into the
-    reward; returns G = reverse cumulative sum of the token rewards times mask (``get_cumulative_returns``
-    with gamma 1, forced by OpenRLHF for the group estimators); advantages = G whitened over the mask = 1
-    tokens (biased variance, ``max(var, 1e-8)``), at every position (``reinforce_baseline``), or G itself
-    with ``whiten=False`` (``rloo``, ``group_norm``, ``dr_grpo``: OpenRLHF 0.11.2 whitens only ``gae``,
+    The shaped reward, clamped to ``[cfg.reward_clip_min, cfg.reward_clip_max]`` (``compute_reward`` with
+    ``--reward.clip_range``, default +-10), sits on the row's last mask = 1 position, minus the masked KL
+    penalty when the config folds KL into the reward; returns G = reverse cumulative sum of the token rewards
+    times mask (``get_cumulative_returns`` with gamma 1, forced by OpenRLHF for the group estimators);
+    advantages = G whitened over the mask = 1 tokens (biased variance, ``max(var, 1e-8)``; only the mean
+    subtracted with ``no_std_norm``), at every position (``reinforce_baseline``), or G itself with
+    ``whiten=False`` (``rloo``, ``group_norm``, ``dr_grpo``: OpenRLHF 0.11.2 whitens only ``gae``,
     ``reinforce`` and ``reinforce_baseline``).
     """
-    clipped = shaped.to(torch.float64).clamp(-OPENRLHF_REWARD_CLIP, OPENRLHF_REWARD_CLIP)
-    tokens = apply_kl(place_rewards(clipped, mask), cfg, batch, mask=mask)
+    tokens = apply_kl(place_rewards(cfg.clip(shaped), mask), cfg, batch, mask=mask)
     returns = reverse_cumsum(tokens * mask.to(torch.float64))
-    return (whiten_clamped(returns, mask) if whiten else returns), returns
+    if not whiten:
+        return returns, returns
+    return whiten_openrlhf(returns, mask, no_std_norm), returns

@@ -14,7 +14,7 @@ advantages twice).
     verl's ``rloo_vectorized`` computes the same numbers except for a group of one, which it gives 0.
 ``semantics = openrlhf`` (OpenRLHF 0.11.2 ``rloo``). Returns G.
     s_i = r_i; a group of one keeps a = s (baseline 0; OpenRLHF divides by n - 1 = 0 there);
-    a_i clamped to +-10 (OpenRLHF's default ``--reward.clip_range``) on the row's last mask = 1 position
+    a_i clamped to [reward_clip_min, reward_clip_max] (OpenRLHF's ``--reward.clip_range``, default +-10) on the row's last mask = 1 position
     minus penalty * KL_t * mask_t, G = reverse cumulative sum (gamma 1), A = G (OpenRLHF 0.11.2 does not
     whiten rloo advantages; releases that did are not reproduced).
 ``semantics = skyrl`` (SkyRL 0.4.0 ``compute_rloo_outcome_advantage``). No returns.
@@ -38,13 +38,15 @@ from advantage_server.estimators.groups import (
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_total
-from advantage_server.estimators.rewards import openrlhf_outcome, outcome_scores, sum_over_mask_field
+from advantage_server.estimators.rewards import (
+    OpenRLHFRewardConfig, openrlhf_outcome, outcome_scores, sum_over_mask_field,
+)
 from advantage_client.layout import BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
 
 @dataclass(frozen=True)
-class RLOOConfig(KLInRewardConfig):
+class RLOOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     semantics: str | None = semantics_field(
         ("verl", "openrlhf", "skyrl"),
         "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo), skyrl (compute_rloo_outcome_advantage).")

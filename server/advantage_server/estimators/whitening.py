@@ -57,6 +57,16 @@ def whiten_clamped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((x.to(torch.float64) - mean) * torch.rsqrt(var.clamp(min=1e-8))).to(x.dtype)
 
 
+def whiten_openrlhf(x: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False) -> torch.Tensor:
+    """OpenRLHF 0.11.2's batch whitening (the end of ``compute_advantages_and_returns``), ``[B, T]``:
+    :func:`whiten_clamped`, or with ``no_std_norm`` (``--algo.advantage.no_std_norm``) only ``x - mu``, mu the
+    mean over the mask = 1 positions (float64; no valid position: mu = 0), at every position."""
+    if not no_std_norm:
+        return whiten_clamped(x, mask)
+    mean, _ = masked_moments(x.to(torch.float64), mask, count_floor=1.0)
+    return (x.to(torch.float64) - mean).to(x.dtype)
+
+
 def whiten_rows_clamped(a: np.ndarray, mask: torch.Tensor) -> np.ndarray:
     """:func:`whiten_clamped` of the row-constant ``[B, T]`` matrix ``a[:, None]``, as its ``[B]`` rows.
 

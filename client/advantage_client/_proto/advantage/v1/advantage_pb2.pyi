@@ -431,6 +431,13 @@ class GRPOConfig(_message.Message):
     SCALE_REWARDS_FIELD_NUMBER: _builtins.int
     EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    USE_KL_IN_REWARD_FIELD_NUMBER: _builtins.int
+    REFERENCE_POLICY_KL_PENALTY_FIELD_NUMBER: _builtins.int
+    REFERENCE_POLICY_KL_TYPE_FIELD_NUMBER: _builtins.int
+    KL_INPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
+    KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """Divide by the std + epsilon. Default true. nemo_rl: groups whose std is 0
     are left unscaled.
@@ -463,6 +470,26 @@ class GRPOConfig(_message.Message):
     of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
     all T positions); [B] rewards are unaffected.
     """
+    use_kl_in_reward: _builtins.bool
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's KL in the reward of
+    group_norm / dr_grpo (compute_reward): -penalty * KL_t on every token, the
+    reward then summed from each token to the end (returns = advantages).
+    default false
+    """
+    reference_policy_kl_penalty: _builtins.float
+    """default 0.01"""
+    reference_policy_kl_type: Global___KLType.ValueType
+    """default k3"""
+    kl_input_clamp_value: _builtins.float
+    """default 20"""
+    kl_output_clamp_value: _builtins.float
+    """default 10"""
+    reward_clip_min: _builtins.float
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
+    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
+    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """
+    reward_clip_max: _builtins.float
     def __init__(
         self,
         *,
@@ -473,19 +500,38 @@ class GRPOConfig(_message.Message):
         scale_rewards: Global___ScaleRewards.ValueType = ...,
         exclude_empty_responses: _builtins.bool | None = ...,
         sum_rewards_over_mask: _builtins.bool | None = ...,
+        use_kl_in_reward: _builtins.bool | None = ...,
+        reference_policy_kl_penalty: _builtins.float | None = ...,
+        reference_policy_kl_type: Global___KLType.ValueType = ...,
+        kl_input_clamp_value: _builtins.float | None = ...,
+        kl_output_clamp_value: _builtins.float | None = ...,
+        reward_clip_min: _builtins.float | None = ...,
+        reward_clip_max: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_normalize_rewards", b"_normalize_rewards", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "normalize_rewards", b"normalize_rewards", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofReturnType__kl_input_clamp_value: _TypeAlias = _typing.Literal["kl_input_clamp_value"]  # noqa: Y015
+    _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
+    _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
+    _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
+    _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
+    _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
     _WhichOneofReturnType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["use_leave_one_out_baseline"]  # noqa: Y015
     _WhichOneofArgType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["_use_leave_one_out_baseline", b"_use_leave_one_out_baseline"]  # noqa: Y015
     @_typing.overload
@@ -493,9 +539,21 @@ class GRPOConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_input_clamp_value) -> _WhichOneofReturnType__kl_input_clamp_value | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_leave_one_out_baseline) -> _WhichOneofReturnType__use_leave_one_out_baseline | None: ...
 
@@ -642,6 +700,9 @@ class ReinforcePlusPlusConfig(_message.Message):
     GAMMA_FIELD_NUMBER: _builtins.int
     EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     RESET_RETURNS_AT_HOLES_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    NO_STD_NORM_FIELD_NUMBER: _builtins.int
     minus_baseline: _builtins.bool
     """Subtract the per-prompt mean reward. Default true for nemo_rl; not
     applicable to verl and openrlhf (use reinforce_plus_plus_baseline).
@@ -677,6 +738,17 @@ class ReinforcePlusPlusConfig(_message.Message):
     where a mask = 0 position inside the response resets the running return.
     Default false (verl 0.9.1 carries it across).
     """
+    reward_clip_min: _builtins.float
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
+    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
+    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """
+    reward_clip_max: _builtins.float
+    no_std_norm: _builtins.bool
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's
+    --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
+    the mask = 1 tokens and does not divide by the std. Default false.
+    """
     def __init__(
         self,
         *,
@@ -690,10 +762,13 @@ class ReinforcePlusPlusConfig(_message.Message):
         gamma: _builtins.float | None = ...,
         exclude_empty_responses: _builtins.bool | None = ...,
         reset_returns_at_holes: _builtins.bool | None = ...,
+        reward_clip_min: _builtins.float | None = ...,
+        reward_clip_max: _builtins.float | None = ...,
+        no_std_norm: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -705,10 +780,16 @@ class ReinforcePlusPlusConfig(_message.Message):
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__minus_baseline: _TypeAlias = _typing.Literal["minus_baseline"]  # noqa: Y015
     _WhichOneofArgType__minus_baseline: _TypeAlias = _typing.Literal["_minus_baseline", b"_minus_baseline"]  # noqa: Y015
+    _WhichOneofReturnType__no_std_norm: _TypeAlias = _typing.Literal["no_std_norm"]  # noqa: Y015
+    _WhichOneofArgType__no_std_norm: _TypeAlias = _typing.Literal["_no_std_norm", b"_no_std_norm"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reset_returns_at_holes: _TypeAlias = _typing.Literal["reset_returns_at_holes"]  # noqa: Y015
     _WhichOneofArgType__reset_returns_at_holes: _TypeAlias = _typing.Literal["_reset_returns_at_holes", b"_reset_returns_at_holes"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
     @_typing.overload
@@ -722,9 +803,15 @@ class ReinforcePlusPlusConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__minus_baseline) -> _WhichOneofReturnType__minus_baseline | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__no_std_norm) -> _WhichOneofReturnType__no_std_norm | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reset_returns_at_holes) -> _WhichOneofReturnType__reset_returns_at_holes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
 
@@ -784,6 +871,15 @@ class GAEConfig(_message.Message):
                bootstrap_values, when sent, is V after the last column T
                (SkyRL: 0); the nemo_rl-only fields do not apply
                (INVALID_ARGUMENT).
+      openrlhf OpenRLHF 0.11.2 gae (get_advantages_and_returns and the batch
+               whitening of compute_advantages_and_returns): a [B] reward
+               clamped to [reward_clip_min, reward_clip_max] on the row's last
+               mask = 1 position, -penalty * KL_t on every token; values and
+               rewards multiplied by the mask, then skyrl's recursion over every
+               position; returns = advantages + masked values; advantages
+               whitened over the mask = 1 tokens of the batch with the biased
+               variance, (A - mean) * rsqrt(max(var, 1e-8)) at every position
+               (no_std_norm: A - mean); gae_lambda defaults to 1.0.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -800,6 +896,9 @@ class GAEConfig(_message.Message):
     KL_INPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     SEMANTICS_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    NO_STD_NORM_FIELD_NUMBER: _builtins.int
     gae_lambda: _builtins.float
     """Default 0.95 (nemo_rl), 1.0 (verl, its algorithm.lam default; skyrl,
     its algorithm.lambd default).
@@ -830,7 +929,18 @@ class GAEConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl or skyrl"""
+    """nemo_rl (default), verl, skyrl or openrlhf"""
+    reward_clip_min: _builtins.float
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
+    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
+    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """
+    reward_clip_max: _builtins.float
+    no_std_norm: _builtins.bool
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's
+    --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
+    the mask = 1 tokens and does not divide by the std. Default false.
+    """
     def __init__(
         self,
         *,
@@ -846,10 +956,13 @@ class GAEConfig(_message.Message):
         kl_input_clamp_value: _builtins.float | None = ...,
         kl_output_clamp_value: _builtins.float | None = ...,
         semantics: Global___Semantics.ValueType = ...,
+        reward_clip_min: _builtins.float | None = ...,
+        reward_clip_max: _builtins.float | None = ...,
+        no_std_norm: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__gae_gamma: _TypeAlias = _typing.Literal["gae_gamma"]  # noqa: Y015
     _WhichOneofArgType__gae_gamma: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma"]  # noqa: Y015
@@ -865,10 +978,16 @@ class GAEConfig(_message.Message):
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__length_adaptive_alpha: _TypeAlias = _typing.Literal["length_adaptive_alpha"]  # noqa: Y015
     _WhichOneofArgType__length_adaptive_alpha: _TypeAlias = _typing.Literal["_length_adaptive_alpha", b"_length_adaptive_alpha"]  # noqa: Y015
+    _WhichOneofReturnType__no_std_norm: _TypeAlias = _typing.Literal["no_std_norm"]  # noqa: Y015
+    _WhichOneofArgType__no_std_norm: _TypeAlias = _typing.Literal["_no_std_norm", b"_no_std_norm"]  # noqa: Y015
     _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
     _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
     @_typing.overload
@@ -886,9 +1005,15 @@ class GAEConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__length_adaptive_alpha) -> _WhichOneofReturnType__length_adaptive_alpha | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__no_std_norm) -> _WhichOneofReturnType__no_std_norm | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
 
@@ -1127,6 +1252,9 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    NO_STD_NORM_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
     """verl (default) or openrlhf"""
     use_kl_in_reward: _builtins.bool
@@ -1153,6 +1281,17 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
     all T positions); [B] rewards are unaffected.
     """
+    reward_clip_min: _builtins.float
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
+    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
+    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """
+    reward_clip_max: _builtins.float
+    no_std_norm: _builtins.bool
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's
+    --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
+    the mask = 1 tokens and does not divide by the std. Default false.
+    """
     def __init__(
         self,
         *,
@@ -1164,10 +1303,13 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
         kl_output_clamp_value: _builtins.float | None = ...,
         exclude_empty_responses: _builtins.bool | None = ...,
         sum_rewards_over_mask: _builtins.bool | None = ...,
+        reward_clip_min: _builtins.float | None = ...,
+        reward_clip_max: _builtins.float | None = ...,
+        no_std_norm: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -1175,8 +1317,14 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
+    _WhichOneofReturnType__no_std_norm: _TypeAlias = _typing.Literal["no_std_norm"]  # noqa: Y015
+    _WhichOneofArgType__no_std_norm: _TypeAlias = _typing.Literal["_no_std_norm", b"_no_std_norm"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
@@ -1188,7 +1336,13 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__no_std_norm) -> _WhichOneofReturnType__no_std_norm | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
@@ -1228,6 +1382,8 @@ class RLOOConfig(_message.Message):
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     EXCLUDE_EMPTY_RESPONSES_FIELD_NUMBER: _builtins.int
     SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
     """verl (default), openrlhf or skyrl"""
     use_kl_in_reward: _builtins.bool
@@ -1254,6 +1410,12 @@ class RLOOConfig(_message.Message):
     of an empty response) is ignored (verl PR #6310). verl only (INVALID_ARGUMENT otherwise). Default false (verl sums
     all T positions); [B] rewards are unaffected.
     """
+    reward_clip_min: _builtins.float
+    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
+    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
+    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """
+    reward_clip_max: _builtins.float
     def __init__(
         self,
         *,
@@ -1265,10 +1427,12 @@ class RLOOConfig(_message.Message):
         kl_output_clamp_value: _builtins.float | None = ...,
         exclude_empty_responses: _builtins.bool | None = ...,
         sum_rewards_over_mask: _builtins.bool | None = ...,
+        reward_clip_min: _builtins.float | None = ...,
+        reward_clip_max: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -1278,6 +1442,10 @@ class RLOOConfig(_message.Message):
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
@@ -1290,6 +1458,10 @@ class RLOOConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
