@@ -88,6 +88,7 @@ def test_a_full_table_evicts_the_least_recently_used_region(make_server, monkeyp
     the segment again and resends, so the call answers exactly) and r0, r2, r3 answer exactly. Before: the
     fourth registration was RESOURCE_EXHAUSTED; then r1's call was INVALID_ARGUMENT."""
     monkeypatch.setattr(regions, "MAX_REGIONS", 3)
+    monkeypatch.setattr(regions, "RECENT_USE_S", 0.0)  # r0's call has just used it: with the default it is kept
     monkeypatch.delenv(shm_mod.MEMFD_ENV, raising=False)
     srv = make_server()
     g = torch.Generator().manual_seed(3)
@@ -119,6 +120,7 @@ class _Fake:
         self.key, self.name, self.inode, self.size = f"k{n}", f"seg{n}", (0, n), 4096
         self.owner = self.connection = ""
         self.in_use, self.calls, self.closed, self.gone = 0, 0, False, False
+        self.uid, self.used_at = 0, -1e18
 
     def check_size(self, field: str) -> None:
         pass
@@ -133,7 +135,7 @@ class _Fake:
 def test_a_region_in_use_by_a_call_is_never_evicted():
     """With both regions of a table of 2 held by calls, a registration is RESOURCE_EXHAUSTED (at the first step
     too) and closes nothing; once one call is done, that region (idle, least recently used) is evicted."""
-    table = regions.RegionTable(quota=64, max_regions=2, sweep_period=3600)
+    table = regions.RegionTable(quota=64, max_regions=2, sweep_period=3600, recent_use=0.0)
     a, b, c = _Fake(0), _Fake(1), _Fake(2)
     ida, idb = table.add(a, "x", "x"), table.add(b, "y", "y")
     with table.hold(idb, "k1", "f"):

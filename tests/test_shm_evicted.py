@@ -46,6 +46,7 @@ def _evict_all(c: AdvantageClient, n: int) -> None:
 @pytest.fixture
 def small_table(monkeypatch):
     monkeypatch.setattr(regions, "MAX_REGIONS", 2)
+    monkeypatch.setattr(regions, "RECENT_USE_S", 0.0)  # these tests evict regions their calls have just used
     monkeypatch.delenv(shm_mod.MEMFD_ENV, raising=False)
 
 
@@ -152,10 +153,11 @@ def test_the_server_tells_evicted_from_unknown_from_a_wrong_key(make_server, sma
 
 
 class _Fake:
-    def __init__(self, n: int):
+    def __init__(self, n: int, uid: int = 0):
         self.key, self.name, self.inode, self.size = f"k{n}", f"seg{n}", (0, n), 4096
         self.owner = self.connection = ""
         self.in_use, self.calls, self.closed = 0, 0, False
+        self.uid, self.used_at = uid, -1e18
 
     def check_size(self, field: str) -> None:
         pass
@@ -170,7 +172,7 @@ class _Fake:
 def test_a_full_table_evicts_from_the_process_holding_the_most():
     """Table of 4: process x registers one region first (the least recently used of all), process y three.
     A fifth registration evicts y's least recently used, never x's only one. Before: x's (global LRU)."""
-    table = regions.RegionTable(quota=64, max_regions=4, sweep_period=3600)
+    table = regions.RegionTable(quota=64, max_regions=4, sweep_period=3600, recent_use=0.0)
     fakes = [_Fake(i) for i in range(6)]
     ids = [table.add(fakes[0], "pid:x", "cx")] + [table.add(f, "pid:y", "cy") for f in fakes[1:4]]
     table.add(fakes[4], "pid:z", "cz")
@@ -195,7 +197,7 @@ def test_a_full_table_evicts_regions_no_call_has_used_before_a_trainers():
     register/unregister loop evicted the trainer's regions (shm goodput 41-55%, NOT_FOUND at the caller). A full
     table now evicts first from the regions no call has used, fairly between their owners; a region calls use
     goes only when no such region is left."""
-    table = regions.RegionTable(quota=64, max_regions=6, sweep_period=3600)
+    table = regions.RegionTable(quota=64, max_regions=6, sweep_period=3600, recent_use=0.0)
     fakes = [_Fake(i) for i in range(12)]
     trainer = [table.add(fakes[i], "pid:trainer", "ct") for i in range(3)]
     for rid in trainer:  # the trainer's calls use its regions
@@ -205,4 +207,43 @@ def test_a_full_table_evicts_regions_no_call_has_used_before_a_trainers():
         table.add(fakes[i], f"conn:{i}", f"c{i}")
     assert not any(fakes[i].closed for i in range(3)), "a trainer's region was evicted"
     assert sum(fakes[i].closed for i in range(3, 12)) == 6 and table.evicted == 6
+    table.close()
+
+
+def test_a_region_a_call_used_in_the_last_seconds_is_never_evicted():
+    """Issue #35 item 5: a full table never evicts a region a call used in the last RECENT_USE_S seconds, however
+    many regions its owner holds: a trainer's regions, used every step, stay registered while another client
+    registers in a loop (that registration is refused RESOURCE_EXHAUSTED instead). Before: the trainer, holding
+    the most, lost its least recently used region to the newcomer's registration."""
+    table = regions.RegionTable(quota=64, max_regions=3, sweep_period=3600)
+    assert table.recent_use == regions.RECENT_USE_S == 5.0
+    fakes = [_Fake(i) for i in range(5)]
+    trainer = [table.add(fakes[i], "pid:trainer", "ct") for i in range(3)]
+    for i, rid in enumerate(trainer):
+        with table.hold(rid, fakes[i].key, "f"):
+            pass
+    with pytest.raises(regions.ResourceLimit, match="used in the last 5 s"):
+        table.add(fakes[3], "pid:other", "co")
+    assert not any(f.closed for f in fakes[:3]) and table.evicted == 0
+    fakes[0].used_at -= regions.RECENT_USE_S + 1  # its last use is now older than RECENT_USE_S: it may go
+    table.add(fakes[4], "pid:other", "co")
+    assert fakes[0].closed and not fakes[1].closed and not fakes[2].closed and table.evicted == 1
+    table.close()
+
+
+def test_a_full_table_evicts_from_the_user_holding_the_most_before_the_owner_holding_the_most():
+    """Issue #35 item 5: owners (the connection of a POSIX segment, the process of a memfd) can be multiplied, a
+    user (the segment's owner UID) cannot. Table of 7: user 1000's trainer process holds 3 regions (the owner
+    holding the most); user 2000 holds 4, one on each of 4 connections. An eighth registration evicts user 2000's
+    least recently used region, and the trainer keeps its 3. Before (owners only): the trainer's region went."""
+    table = regions.RegionTable(quota=64, max_regions=7, sweep_period=3600, recent_use=0.0)
+    other = [_Fake(i, uid=2000) for i in range(4)]
+    trainer = [_Fake(i, uid=1000) for i in range(4, 7)]
+    for f in trainer:
+        table.add(f, "pid:1", "cp")
+    for i, f in enumerate(other):
+        table.add(f, f"c{i}", f"c{i}")
+    table.add(_Fake(7, uid=3000), "c7", "c7")
+    assert other[0].closed and table.evicted == 1
+    assert not any(f.closed for f in trainer) and not any(f.closed for f in other[1:])
     table.close()

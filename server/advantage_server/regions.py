@@ -14,9 +14,11 @@
   at most :data:`MAX_REGIONS` regions, :data:`MAX_REGIONS_PER_SEGMENT` per segment, and
   ``--max-shm-regions-per-client`` per owner (the process of a memfd, the connection of a POSIX segment)
   **and** per connection (so a client that registers the memfds of its forked children is still one
-  share); when the table is full, an idle region (no call is using it) is evicted to make room: the least
-  recently used one of the owner holding the most regions, so a process within its fair share keeps its
-  regions while another holds more; and a sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
+  share); when the table is full, an idle region (no call is using it, none used it in the last
+  :data:`RECENT_USE_S` seconds) is evicted to make room: one no call has ever used first, of the user (the
+  segment's owner UID) holding the most regions, then of its owner holding the most, its least recently used; so a
+  process within its fair share keeps its regions while another holds more, and a trainer's regions, which its
+  calls use, stay registered whatever another client registers; and a sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
   whose owner is gone (a memfd whose process exited or was killed, a POSIX name unlinked), so a killed
   client's memory is released within that bound.
 * :class:`RegionGone`: a call naming a region the table does not hold (evicted, or never registered here: the
@@ -38,6 +40,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 import weakref
 from typing import Any, Iterator
 
@@ -77,6 +80,9 @@ MEMFD_NAME = re.compile(r"memfd:([1-9][0-9]{0,9}):(0|[1-9][0-9]{0,9})")
 #: server environment variable: "0" turns the mapped (zero-copy) path for sealed memfds off (they are then
 #: read and written through the descriptor, like POSIX segments)
 MEMFD_MAP_ENV = "ADVANTAGE_SHM_MEMFD_MAP"
+#: seconds after a call used a region during which a full table never evicts it (issue #35 item 5): a trainer's
+#: regions, which its calls use every step, stay registered whatever another client registers
+RECENT_USE_S = 5.0
 #: seconds between two sweeps of the regions whose owner is gone (:meth:`RegionTable.sweep`): a killed
 #: client's region is released within about this long (plus one sweep's time)
 SWEEP_PERIOD = 5.0
@@ -248,12 +254,16 @@ class Region:
         self.key = key
         self.name = name
         self.inode = (st.st_dev, st.st_ino)
+        #: the user owning the segment (a memfd: its creating process's): what a client cannot multiply, however
+        #: many connections or processes it opens (:meth:`RegionTable._victim` evicts from the user holding the most)
+        self.uid = st.st_uid
         #: whom it counts against for --max-shm-regions-per-client (:func:`region_owner`), and the connection
         #: that registered it (:func:`client_identity`), charged too
         self.owner = self.connection = ""
         #: calls using it now (:meth:`RegionTable.hold`): such a region is never evicted to make room
         self.in_use = 0
         self.calls = 0  # calls that have used it (RegionTable.hold): a region no call has used is evicted first
+        self.used_at = -1e18  # time.monotonic() of the last call that used it (RegionTable.hold)
 
     @property
     def mapped(self) -> bool:
@@ -476,8 +486,11 @@ class RegionTable:
     ``max_regions x ~600`` bytes of memory.
     """
 
-    def __init__(self, quota: int, max_regions: int | None = None, sweep_period: float | None = None):
+    def __init__(self, quota: int, max_regions: int | None = None, sweep_period: float | None = None,
+                 recent_use: float | None = None):
         self.quota = quota
+        #: seconds after its last use during which a region is never evicted (:data:`RECENT_USE_S`)
+        self.recent_use = RECENT_USE_S if recent_use is None else recent_use
         self.max_regions = default_max_regions() if max_regions is None else max_regions
         self.sweep_period = SWEEP_PERIOD if sweep_period is None else sweep_period
         self._regions: collections.OrderedDict[str, Region] = collections.OrderedDict()
@@ -534,7 +547,8 @@ class RegionTable:
 
     def _full_error(self) -> ResourceLimit:
         return ResourceLimit(f"{self.max_regions} shared-memory regions are registered already and every one is "
-                             "in use by a call; retry when a call is done, or unregister some")
+                             f"in use by a call or was used in the last {self.recent_use:g} s; retry when a call is "
+                             "done, or unregister some")
 
     def check_room(self, owner: str, connection: str) -> None:
         """A registration's first step: RESOURCE_EXHAUSTED when ``owner`` or ``connection`` holds its quota,
@@ -582,20 +596,27 @@ class RegionTable:
         return region_id
 
     def _victim(self) -> str | None:
-        """The region a full table evicts (under the lock): an idle one (no call holds it), from those **no call
-        has ever used** if there is one, of the owner holding the most regions, its least recently used; None when
-        every region is in use. Among owners holding as many, the one whose idle
-        region was used least recently. A process within its fair share (``max_regions`` / processes) so keeps its
-        regions while another holds more than it; and a trainer's regions, which its calls use, are never evicted
-        for a client that registers regions it does not use (issue #35 item 5: one process registering a region
-        on each of 1,024 connections filled the table, made the trainer "the owner holding the most", and its
-        register/unregister loop evicted the trainer's regions: shm goodput 41-55%, NOT_FOUND at the caller)."""
+        """The region a full table evicts (under the lock), or None: an idle one (no call holds it) that no call
+        used in the last ``recent_use`` seconds (:data:`RECENT_USE_S`); from those **no call has ever used** if there is one; of the
+        user (the segment's owner UID) holding the most regions, then, within it, of the owner (process or
+        connection) holding the most; its least recently used. Among owners holding as many, the one whose idle
+        region was used least recently. None when every region is in use or recently used: the registration is
+        refused (RESOURCE_EXHAUSTED), not a region a trainer's calls are using.
+
+        Issue #35 item 5: one process registering a region on each of 1,024 connections filled the table, made the
+        trainer "the owner holding the most", and its register/unregister loop evicted the trainer's regions (shm
+        goodput 41-55%, NOT_FOUND at the caller). Connections and processes can be multiplied, a user cannot; and a
+        region in use, or used in the last seconds, is never the one to go."""
+        now = time.monotonic()
+        users = collections.Counter(r.uid for r in self._regions.values())
         held = collections.Counter(r.owner for r in self._regions.values())
         for unused_only in (True, False):
-            best, most = None, -1
+            best, most = None, (-1, -1)
             for rid, r in self._regions.items():  # least recently used first
-                if not r.in_use and (r.calls == 0 or not unused_only) and held[r.owner] > most:
-                    best, most = rid, held[r.owner]
+                if r.in_use or now - r.used_at < self.recent_use or (unused_only and r.calls):
+                    continue
+                if (users[r.uid], held[r.owner]) > most:
+                    best, most = rid, (users[r.uid], held[r.owner])
             if best is not None:
                 return best
         return None
@@ -635,6 +656,7 @@ class RegionTable:
         with self._lock:
             region.in_use += 1
             region.calls += 1
+            region.used_at = time.monotonic()
         try:
             region.check_size(field)
             yield region
