@@ -47,6 +47,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from advantage_client import wire
+from advantage_server.admission import Overloaded
 from advantage_server.errors import InvalidInput, ResourceLimit
 
 #: RegisterSharedMemory's challenge (bytes the client must write at offset 0 of its segment), and how many
@@ -83,6 +84,10 @@ MEMFD_MAP_ENV = "ADVANTAGE_SHM_MEMFD_MAP"
 #: seconds after a call used a region during which a full table never evicts it (issue #35 item 5): a trainer's
 #: regions, which its calls use every step, stay registered whatever another client registers
 RECENT_USE_S = 5.0
+#: registrations a second one user (the segment's owner UID) may make, in bursts of twice as many; past it a
+#: registration is refused with an admission refusal's retry pushback (the client registers again after it). A
+#: trainer registers its pool once; a client registering and unregistering in a loop is held to this rate
+REGISTRATIONS_PER_S = 32.0
 #: seconds between two sweeps of the regions whose owner is gone (:meth:`RegionTable.sweep`): a killed
 #: client's region is released within about this long (plus one sweep's time)
 SWEEP_PERIOD = 5.0
@@ -499,8 +504,10 @@ class RegionTable:
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
-        #: regions evicted to make room, and forgotten by a sweep (their owner gone)
-        self.evicted = self.swept = 0
+        #: regions evicted to make room, and forgotten by a sweep (their owner gone); registrations refused for their
+        #: user's rate (:data:`REGISTRATIONS_PER_S`)
+        self.evicted = self.swept = self.rate_refused = 0
+        self._rates: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when counted)
         #: evicted region id -> sha256 of its key, the newest last (at most GONE_MEMORY x max_regions)
         self._gone: collections.OrderedDict[str, bytes] = collections.OrderedDict()
 
@@ -545,6 +552,25 @@ class RegionTable:
                     "the operator to raise the flag")
         return None
 
+    def _rate_error(self, uid: int) -> ResourceLimit | None:
+        """Take one registration of user ``uid`` from its budget (:data:`REGISTRATIONS_PER_S`, a token bucket of
+        twice as many); when it is spent, an :class:`~advantage_server.admission.Overloaded` with a retry pushback
+        (under the lock)."""
+        now = time.monotonic()
+        tokens, at = self._rates.get(uid, (2 * REGISTRATIONS_PER_S, now))
+        tokens = min(2 * REGISTRATIONS_PER_S, tokens + (now - at) * REGISTRATIONS_PER_S)
+        if tokens < 1:
+            self._rates[uid] = (tokens, now)
+            self.rate_refused += 1
+            return Overloaded(f"this user's shared-memory registrations exceed {REGISTRATIONS_PER_S:g} a second (the "
+                              "most one user may make); retry after the server's pushback (AdvantageClient does), "
+                              "and keep regions registered rather than registering them again",
+                              pushback_ms=int(1000 * (1 - tokens) / REGISTRATIONS_PER_S) + 1)
+        self._rates[uid] = (tokens - 1, now)
+        if len(self._rates) > MAX_CHALLENGES:
+            self._rates.pop(next(iter(self._rates)))
+        return None
+
     def _full_error(self) -> ResourceLimit:
         return ResourceLimit(f"{self.max_regions} shared-memory regions are registered already and every one is "
                              f"in use by a call or was used in the last {self.recent_use:g} s; retry when a call is "
@@ -570,7 +596,9 @@ class RegionTable:
         region.owner, region.connection = owner, connection
         evicted = None
         with self._lock:
-            err = self._quota_error(owner, connection)
+            err = self._rate_error(region.uid)
+            if err is None:
+                err = self._quota_error(owner, connection)
             if err is None and sum(r.inode == region.inode for r in self._regions.values()) >= MAX_REGIONS_PER_SEGMENT:
                 err = ResourceLimit(f"segment {region.name!r} is registered {MAX_REGIONS_PER_SEGMENT} times already "
                                     "(the most per segment); unregister a region of it, or use another segment")
