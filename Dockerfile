@@ -5,7 +5,7 @@
 # Both run the `advantage-server` console script the tests start, as an unprivileged user (uid 10001):
 #   50051 gRPC (advantage.v1, health, reflection; TLS/token when configured)
 #   50052 gRPC health only, plaintext (HEALTHCHECK and kubelet probes)
-#    9090 Prometheus metrics (GET /metrics)
+#    9464 Prometheus metrics (GET /metrics; not 9090, Prometheus's own port)
 # A CPU-only torch (cpu target; 1.5 GB instead of 5.5 GB, since PyPI's torch bundles CUDA): a CPU wheel of the
 # pinned torch==2.13.0 is 2.13.0+cpu, which pip prefers over PyPI's 2.13.0 once it sees it. Either
 #   --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu     (PyTorch's CPU wheel index), or
@@ -58,11 +58,11 @@ RUN pip install --no-cache-dir --disable-pip-version-check --no-deps /tmp/wheels
 # every kernel signature compiled into the image's cache (readable by the server's user)
 RUN python -m advantage_server.warmup && chmod -R a+rX /opt/advantage/numba-cache
 USER 10001:10001
-EXPOSE 50051 50052 9090
+EXPOSE 50051 50052 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
     CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--device", "cpu"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9464", "--metrics-host", "0.0.0.0", "--device", "cpu"]
 
 # ---------------------------------------------------------------- GPU image (torch with CUDA from the base)
 FROM ${TORCH_CUDA_IMAGE} AS gpu
@@ -76,8 +76,8 @@ RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
 # every kernel signature compiled into the image's cache (CPU kernels: no GPU needed at build time)
 RUN python -m advantage_server.warmup && chmod -R a+rX /opt/advantage/numba-cache
 USER 10001:10001
-EXPOSE 50051 50052 9090
+EXPOSE 50051 50052 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["advantage-healthcheck", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["advantage-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--device", "auto"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--health-port", "50052", "--metrics-port", "9464", "--metrics-host", "0.0.0.0", "--device", "auto"]

@@ -69,7 +69,7 @@ LOCAL_WHEELS = pathlib.Path("/opt/wheels")
 #: the image's user (Dockerfile: ``USER 10001:10001``)
 IMAGE_UID = 10001
 #: container ports (the image's CMD)
-GRPC, HEALTH, METRICS = 50051, 50052, 9090
+GRPC, HEALTH, METRICS = 50051, 50052, 9464
 #: fast reconnects while the server is not listening yet (gRPC's default backoff after a refused
 #: connection is 1 s, which would add up to a second to the start figure)
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),

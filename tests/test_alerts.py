@@ -47,6 +47,17 @@ def test_promtool_accepts_the_rules():
 
 
 @needs_promtool
+def test_the_local_prometheus_config_is_valid_and_loads_the_rules():
+    """deploy/prometheus/prometheus.yml (docs/observability.md's local scrape, issue #37 item 5): promtool accepts it,
+    with alerts.yaml found beside it, and it scrapes port 9464, not Prometheus's own 9090."""
+    proc = promtool("check", "config", "prometheus.yml")
+    assert proc.returncode == 0 and "SUCCESS: 1 rule files found" in proc.stdout, proc.stdout + proc.stderr
+    import yaml
+    config = yaml.safe_load((RULES_DIR / "prometheus.yml").read_text())
+    assert config["scrape_configs"][0]["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
+
+
+@needs_promtool
 def test_promtool_unit_tests_pass():
     proc = promtool("test", "rules", RULE_TESTS.name)
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr

@@ -96,7 +96,7 @@ def test_targets_run_the_console_script_as_non_root(target):
     user = last(stage, "USER").split(":")
     assert all(part.isdigit() and int(part) > 0 for part in user), f"USER {user}: numeric, non-root"
     exposed = set(last(stage, "EXPOSE").split())
-    assert {"50051", "50052", "9090"} <= exposed
+    assert {"50051", "50052", "9464"} <= exposed
     healthcheck = last(stage, "HEALTHCHECK")
     command = exec_form(healthcheck[healthcheck.index("CMD") + 3:].strip())
     assert command[0] == "advantage-healthcheck"
@@ -123,7 +123,7 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
     cmd = exec_form(last(stage, "CMD"))
     healthcheck = last(stage, "HEALTHCHECK")
     check = exec_form(healthcheck[healthcheck.index("CMD") + 3:].strip())
-    ports = {p: free_port() for p in ("50051", "50052", "9090")}
+    ports = {p: free_port() for p in ("50051", "50052", "9464")}
     args = [str(ports.get(a, a)) for a in cmd]
     for flag in ("--host", "--port", "--metrics-host"):  # the helper passes --host 127.0.0.1 and the port itself
         i = args.index(flag)
@@ -132,7 +132,7 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
     srv = ServerProcess(tmp_path, ports["50051"], *args, name="image-cmd")
     try:
         srv.wait_listening()
-        assert f"health on port {ports['50052']}" in srv.stderr and f"metrics on port {ports['9090']}" in srv.stderr
+        assert f"health on port {ports['50052']}" in srv.stderr and f"metrics on port {ports['9464']}" in srv.stderr
         host_check = [str(pathlib.Path(sys.executable).with_name(check[0])), *check[1:]]
         addr = host_check.index("--address") + 1
         host_check[addr] = host_check[addr].replace(":50052", f":{ports['50052']}")
@@ -142,7 +142,7 @@ def test_image_cmd_and_healthcheck_against_a_real_server(tmp_path):
         image_check = load_image_check()
         detail, figures = image_check.golden_check(srv.address)
         assert figures["golden_cases"] == len(list((ROOT / "tests" / "golden" / "nemo-rl").glob("*.json"))) >= 29
-        metrics_url = f"http://127.0.0.1:{ports['9090']}/metrics"
+        metrics_url = f"http://127.0.0.1:{ports['9464']}/metrics"
         image_check.metrics_check(metrics_url, figures["golden_cases"])
         with pytest.raises(AssertionError, match="advantage_requests_total"):
             image_check.metrics_check(metrics_url, figures["golden_cases"] - 1)

@@ -33,6 +33,7 @@ from test_server_cli import free_port
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 ADAPTER = ROOT / "deploy" / "prometheus" / "prometheus-adapter.yaml"
+LOCAL_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install prometheus)")
 JOB = "advantage-service"
@@ -41,9 +42,14 @@ JOB = "advantage-service"
 class Prometheus:
     def __init__(self, tmp: pathlib.Path, target: str):
         self.port = free_port()
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "rule_files": [str(RULES)],
-                  "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [target]}]}]}
+        # deploy/prometheus/prometheus.yml, the local setup docs/observability.md gives, with the live server as its
+        # target, its rule file's path made absolute, and a 1 s interval (the test's patience, not the file's 15 s)
+        config = yaml.safe_load(LOCAL_CONFIG.read_text())
+        assert config["rule_files"] == ["alerts.yaml"] and [j["job_name"] for j in config["scrape_configs"]] == [JOB]
+        assert config["scrape_configs"][0]["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(RULES)]
+        config["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (tmp / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(

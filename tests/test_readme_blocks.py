@@ -71,6 +71,7 @@ EXPECTED = {
     "docs/ray.md": {"skipped": 1},
     "docs/references.md": {"python": 1},
     "docs/server-flags.md": {},
+    "docs/tls.md": {"skipped": 1},
     "docs/transports.md": {},
 }
 
