@@ -680,9 +680,20 @@ def train(cfg: LMConfig) -> list[TrainResult]:
 
 
 # --------------------------------------------------------------------------- plots
-def plot_curves(results: list[TrainResult], path: str, n_digits: int = 3) -> None:
-    """Held-out greedy accuracy against RL wall time (left) and samples (right), one line per run; the
-    warm start is the point at 0. Needs matplotlib (``pip install 'advantage-service[demo]'``)."""
+def thousands(x: float, _pos: object = None) -> str:
+    """A tick label for a count: ``0``, ``500``, ``50k``, ``175k``, ``1.2M`` (short, so the ticks of a panel do not
+    run together as ``175000200000`` did)."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if abs(x) >= 1e3:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:.0f}"
+
+
+def plot_curves(results: list[TrainResult], path: str, n_digits: int = 3, target: float = 0.9) -> None:
+    """Held-out greedy accuracy against RL wall time (left) and samples (right), one line per run. Each run
+    starts at 0 from its supervised warm start (marked, with its accuracy); the dashed line is the ``target``
+    accuracy, labelled. Counts are written ``50k``. Needs matplotlib (``pip install 'advantage-service[demo]'``)."""
     try:
         import matplotlib
     except ImportError:
@@ -690,19 +701,29 @@ def plot_curves(results: list[TrainResult], path: str, n_digits: int = 3) -> Non
     matplotlib.use("Agg")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100, sharey=True)
     for r in results:
         wall = [0.0] + [row[2] for row in r.curve]
         samples = [0] + [row[1] for row in r.curve]
         acc = [100 * r.warm_accuracy] + [100 * row[4] for row in r.curve]
-        axes[0].plot(wall, acc, lw=1.8, label=r.estimator)
-        axes[1].plot(samples, acc, lw=1.8, label=r.estimator)
+        line, = axes[0].plot(wall, acc, lw=1.8, label=r.estimator)
+        axes[1].plot(samples, acc, lw=1.8, label=r.estimator, color=line.get_color())
+    warm = 100 * results[0].warm_accuracy if results else 0.0
     for ax, label in zip(axes, ("RL wall time (s)", "sampled completions")):
-        ax.axhline(90, color="grey", ls="--", lw=1)
+        ax.axhline(100 * target, color="grey", ls="--", lw=1)
+        ax.text(0.01, 100 * target + 1.5, f"target {100 * target:.0f}%", transform=ax.get_yaxis_transform(),
+                color="grey", fontsize=8)
+        ax.plot([0], [warm], marker="o", color="black", ms=5, zorder=3)
+        ax.annotate(f"supervised warm start ({warm:.0f}%)", (0, warm), xytext=(8, -14), textcoords="offset points",
+                    fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylim(0, 100)
+        ax.set_xlim(left=0)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
         ax.grid(alpha=0.3)
+    axes[1].xaxis.set_major_formatter(FuncFormatter(thousands))
     axes[0].set_ylabel("held-out greedy accuracy (%)")
     axes[1].legend(loc="lower right", fontsize=8)
     names = ", ".join(r.estimator for r in results)
@@ -741,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
               f"rpc {100 * r.rpc_seconds / r.wall_seconds:.1f}% (waiting {100 * r.wait_seconds / r.wall_seconds:.1f}%)",
               flush=True)
     if cfg.plot:
-        plot_curves(results, cfg.plot, cfg.n_digits)
+        plot_curves(results, cfg.plot, cfg.n_digits, cfg.target_accuracy)
         print(f"learning curve written to {cfg.plot}", flush=True)
     return 0
 
