@@ -18,9 +18,10 @@ import time
 
 import numpy as np
 import psutil
+import grpc
 import pytest
 
-from advantage_client import AdvantageClient
+from advantage_client import AdvantageClient, AdvantageServiceError
 from advantage_server import shares
 from advantage_server.bench.rawh2 import RawH2, big_result_request
 from advantage_server.shares import ResultLedger
@@ -344,6 +345,42 @@ def test_an_idle_connection_is_closed(make_server, monkeypatch):
         _compute(client)
         time.sleep(2.5)  # its connection is closed as idle meanwhile
         _compute(client)
+
+
+def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_server, monkeypatch):
+    """Issue #35 item 4, the total cap below the descriptor limit: a server holds at most ``max_connections`` client
+    connections (gRPC's ``grpc.max_allowed_incoming_connections``; here 4). With 4 idle connections open (the HTTP/2
+    preface, nothing else), a new client is closed as it arrives (UNAVAILABLE); once one of them closes, the client
+    is served. Before: every connection was taken until descriptors ran out (then a token holder's call ended
+    DEADLINE_EXCEEDED). The bound leaves the shared-memory regions' and the process's own descriptors free."""
+    import socket
+
+    from advantage_server import server as server_mod
+
+    assert server_mod.max_connections(None) == server_mod.MAX_CONNECTIONS == 16384
+    assert server_mod.max_connections(2600) == 2600 - 256 - 2 * 1024 and server_mod.max_connections(1024) == 64
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 4)
+    srv = make_server()
+    host, port = srv.address.rsplit(":", 1)
+    idle = []
+    for _ in range(4):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0)) + bytes(4))  # empty SETTINGS
+        idle.append(sock)
+    time.sleep(0.5)
+    request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    try:
+        with AdvantageClient(srv.address, timeout=5, retry=False) as client:
+            with pytest.raises(AdvantageServiceError) as err:
+                client.compute("grpo", None, **request)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        idle.pop().close()
+        time.sleep(0.5)
+        with AdvantageClient(srv.address, timeout=10) as client:
+            assert client.compute("grpo", None, **request).advantages.shape == (2, 1)
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def test_tokenless_refusals_past_the_budget_take_no_pool_thread():

@@ -102,14 +102,36 @@ CONNECTION_IDLE_S = 300
 #: ``CONNECTION_AGE_GRACE_S`` more to end (then cut): no connection, however busy, is held for ever
 CONNECTION_AGE_S = 3600
 CONNECTION_AGE_GRACE_S = 600
+#: client connections one server holds open at once, at most (gRPC's ``grpc.max_allowed_incoming_connections``:
+#: beyond it a new connection is closed as it arrives, and its client sees UNAVAILABLE and retries; the
+#: connections already open are untouched). About 15 KiB each (an idle one, measured): 16,384 hold ~240 MiB. Fewer
+#: where the descriptor limit is lower (:func:`max_connections`), so connections never take the descriptors that
+#: shared-memory regions, log files and the metrics port need (issue #35 item 4: 2,592 idle connections at a
+#: descriptor limit of 2,600 made a token holder's call end DEADLINE_EXCEEDED)
+MAX_CONNECTIONS = 16384
+#: descriptors kept out of the connections' share: the process's own files and sockets (listeners, the metrics and
+#: health ports, logs, libraries), on top of the shared-memory regions' (2 per region of the default table)
+RESERVED_DESCRIPTORS = 256
 
 
-def connection_options() -> list[tuple[str, int]]:
+def max_connections(descriptors: int | None) -> int:
+    """The connections a server holds open at once, at most: :data:`MAX_CONNECTIONS`, or, where the soft descriptor
+    limit ``descriptors`` (after :func:`raise_descriptor_limit`; None: unknown) leaves less, that limit less
+    :data:`RESERVED_DESCRIPTORS` and two descriptors per shared-memory region of the default table; at least 64."""
+    if descriptors is None:
+        return MAX_CONNECTIONS
+    from advantage_server.regions import MAX_REGIONS
+    return min(MAX_CONNECTIONS, max(64, descriptors - RESERVED_DESCRIPTORS - 2 * MAX_REGIONS))
+
+
+def connection_options(descriptors: int | None = None) -> list[tuple[str, int]]:
     """gRPC server options bounding a connection's life (:data:`CONNECTION_IDLE_S`, :data:`CONNECTION_AGE_S`,
-    :data:`CONNECTION_AGE_GRACE_S`); read when a server is created."""
+    :data:`CONNECTION_AGE_GRACE_S`) and how many are open at once (:func:`max_connections` of the soft descriptor
+    limit ``descriptors``); read when a server is created."""
     return [("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
             ("grpc.max_connection_age_ms", int(CONNECTION_AGE_S * 1000)),
-            ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
+            ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000)),
+            ("grpc.max_allowed_incoming_connections", max_connections(descriptors))]
 
 
 def raise_descriptor_limit() -> tuple[int, int] | None:
@@ -636,6 +658,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     observer = ObservabilityInterceptor(SERVICE_NAME, estimator_fields(_SERVICE), metrics)
     auth = TokenAuthInterceptor(auth_token) if auth_token else None
     pool = futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage")
+    descriptors = raise_descriptor_limit()
     options = [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -643,10 +666,9 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         # calls of any kind one client connection may have open at once (health Watch streams included)
         ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
         *_KEEPALIVE_OPTIONS,
-        *connection_options(),
+        *connection_options(descriptors[0] if descriptors else None),
         *flow_control_options(stream_window_mb),
     ]
-    raise_descriptor_limit()
     servicer = AdvantageServicer(core, limits)
     server = grpc.server(pool, interceptors=[observer, *([auth] if auth else [])], options=options,
                          maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
