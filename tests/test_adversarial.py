@@ -296,7 +296,12 @@ def test_the_adversarial_section_reports_a_fraction_per_attack_and_place():
         assert other["fraction"] is None and other["note"] == result["other_host"]
     else:
         assert other["base_calls_s"] > 0 and other["fraction"] is not None
-    assert any(line.startswith("watch-flood | same host") for line in render(result))
+    # the server's peak RSS growth under the attack, against RELIABILITY.md's bound for the bench's flags
+    assert result["idle_rss"] > 50 << 20 and result["memory_bound"] > 1 << 30, result
+    assert same["rss_growth"] is not None and -result["idle_rss"] < same["rss_growth"] < result["memory_bound"]
+    lines = render(result)
+    assert any(line.startswith("watch-flood | same host") and " MiB" in line for line in lines), lines
+    assert "against the memory bound" in lines[1], lines[1]
     if not result["other_host"].startswith("skipped"):  # the section's namespace (named after this pid) is gone
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         assert f"advb-{os.getpid() % 100000}" not in names, names

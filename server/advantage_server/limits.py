@@ -319,3 +319,4 @@ class MemoryTrimmer:
                 # often (1, 2, 4, ... 30 s), never giving up, so memory freed after a burst comes back too
                 wait = min(max(2 * wait, self.interval), 30.0)
             next_try = now + wait
+

@@ -67,7 +67,7 @@ from advantage_server.limits import (
 )
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import InheritedStalls, ResultLedger
+from advantage_server.shares import UNREAD_TOTAL_BYTES, InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -122,6 +122,19 @@ def max_connections(descriptors: int | None) -> int:
         return MAX_CONNECTIONS
     from advantage_server.regions import MAX_REGIONS
     return min(MAX_CONNECTIONS, max(64, descriptors - RESERVED_DESCRIPTORS - 2 * MAX_REGIONS))
+
+
+def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB) -> int:
+    """RELIABILITY.md's peak memory bound, in bytes: how far a server with ``limits`` may grow above its idle RSS,
+    whatever its callers do. With C = ``max_concurrent_requests``, R = max(message, stream) bytes, M = message
+    bytes, W = ``workers``, E = ``max_batch_elements``, F = the stream window:
+    ``3 C R + 3 x 8 M + W x 64 B x E + 1,024 x 17 KiB`` (Watch streams) ``+ 2 C F`` (waiting calls' windows)
+    ``+ UNREAD_TOTAL_BYTES`` (results not yet delivered) ``+ MAX_CONNECTIONS x 15 KiB`` (open connections)
+    ``+ 100 MiB``. The adversarial benchmark prints each attack's peak RSS growth against it."""
+    c, m = limits.max_concurrent_requests, limits.max_message_bytes
+    r = max(m, limits.max_stream_bytes)
+    return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + 1024 * (17 << 10)
+            + 2 * c * (stream_window_mb << 20) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
 
 
 def connection_options(descriptors: int | None = None) -> list[tuple[str, int]]:

@@ -384,6 +384,47 @@ class _Proc:
             self.proc.wait(10)
 
 
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (``VmRSS`` of /proc/<pid>/status; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0
+
+
+class _RssPeak:
+    """The largest resident size of process ``pid`` while the block runs, sampled every 50 ms (``.peak``)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, _rss(pid), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _rss(self.pid))
+
+    def __enter__(self) -> "_RssPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss(self.pid))
+
+
+def server_memory_bound() -> int:
+    """RELIABILITY.md's peak memory bound (:func:`advantage_server.server.memory_bound`) for the bench's server flags
+    (``SERVER_FLAGS``, the rest at their defaults)."""
+    from advantage_server.limits import Limits
+    from advantage_server.server import memory_bound
+    return memory_bound(Limits(max_concurrent_requests=int(SERVER_FLAGS[1]), stream_idle_timeout=float(SERVER_FLAGS[3])))
+
+
 def _server(host: str, token_file: str, log, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port(host)
     proc = subprocess.Popen([sys.executable, "-m", "advantage_server.cli", "--host", host, "--port", str(port),
@@ -458,14 +499,20 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
         seen: dict[tuple[str, str], list[tuple[float, int]]] = {}
         errors: dict[tuple[str, str], dict[str, int]] = {}
         before = window()
+        idle_rss = _rss(server.pid)  # after the first window alone: warm, as the attacked windows find it
+        out["idle_rss"], out["memory_bound"] = idle_rss, server_memory_bound()
+        peaks: dict[str, int] = {}
         for _ in range(max(1, rounds)):
             for kind in attacks:
-                attacker = _Proc(["attack", kind, address, "" if kind in ("watch-flood", "tokenless-flood") else token_file],
-                                 cpus=attacker_cpus)
-                try:
-                    hit = window()
-                finally:
-                    attacker.close()
+                with _RssPeak(server.pid) as rss:
+                    attacker = _Proc(["attack", kind, address,
+                                      "" if kind in ("watch-flood", "tokenless-flood") else token_file],
+                                     cpus=attacker_cpus)
+                    try:
+                        hit = window()
+                    finally:
+                        attacker.close()
+                peaks[kind] = max(peaks.get(kind, 0), rss.peak - idle_rss)
                 after = window()
                 for where in workers:
                     seen.setdefault((kind, where), []).append(
@@ -478,7 +525,7 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
             for where in ("same host", "other host"):
                 if where not in workers:
                     out["rows"].append({"attack": kind, "where": where, "base_calls_s": None, "attack_calls_s": None,
-                                        "fraction": None, "meets": None, "rounds": [], "errors": {},
+                                        "fraction": None, "meets": None, "rounds": [], "errors": {}, "rss_growth": None,
                                         "note": other_reason})
                     continue
                 pairs = seen[(kind, where)]
@@ -487,6 +534,7 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
                 frac = a / b if b else None
                 out["rows"].append({"attack": kind, "where": where, "base_calls_s": b, "attack_calls_s": a,
                                     "fraction": frac, "meets": None if frac is None else frac >= TARGET_FRACTION,
+                                    "rss_growth": peaks.get(kind),
                                     "rounds": [p[1] / p[0] if p[0] else None for p in pairs],
                                     "errors": errors.get((kind, where), {}),
                                     "note": f"{clients} clients, {seconds:g} s windows"
@@ -512,9 +560,12 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = ["", f"adversarial: legitimate goodput under attack / without (target >= {TARGET_FRACTION:.0%}); "
              f"server {result.get('server', '?')} ({' '.join(SERVER_FLAGS)}, --auth-token-file); "
              f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"
-             + ("; attacker pinned to the last CPU, the rest to the others" if result.get("pinned") else "")]
+             + ("; attacker pinned to the last CPU, the rest to the others" if result.get("pinned") else "")
+             + (f"; server RSS {result['idle_rss'] / 2**20:.0f} MiB after the first window alone, peak growth "
+                f"under each attack below against the memory bound {result['memory_bound'] / 2**30:.0f} GiB "
+                "(RELIABILITY.md)" if result.get("memory_bound") else "")]
     header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", "each round", ">= 90%",
-              "errors / note"]
+              "server RSS peak growth", "errors / note"]
     table = []
     for r in result["rows"]:
         f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
@@ -523,6 +574,7 @@ def render(result: dict[str, Any]) -> list[str]:
                       "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
                       "/".join("-" if x is None else f"{100 * x:.0f}" for x in r.get("rounds", [])) or "-",
                       "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
+                      "-" if r.get("rss_growth") is None else f"{r['rss_growth'] / 2**20:+.0f} MiB",
                       "; ".join(filter(None, [errs, r["note"]]))])
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
     lines.append(" | ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
