@@ -84,10 +84,12 @@ MEMFD_MAP_ENV = "ADVANTAGE_SHM_MEMFD_MAP"
 #: seconds after a call used a region during which a full table never evicts it (issue #35 item 5): a trainer's
 #: regions, which its calls use every step, stay registered whatever another client registers
 RECENT_USE_S = 5.0
-#: registrations a second one user (the segment's owner UID) may make, in bursts of twice as many; past it a
-#: registration is refused with an admission refusal's retry pushback (the client registers again after it). A
-#: trainer registers its pool once; a client registering and unregistering in a loop is held to this rate
-REGISTRATIONS_PER_S = 32.0
+#: registrations a second one user (the segment's owner UID) may make, in bursts of ``REGISTRATION_BURST``; past
+#: it a registration is refused with an admission refusal's retry pushback (the client registers again after it).
+#: The burst fills the default table at once (64 client processes starting together register their pools of 8
+#: without a wait); a client registering and unregistering in a loop is held to the rate
+REGISTRATIONS_PER_S = 256.0
+REGISTRATION_BURST = MAX_REGIONS
 #: seconds between two sweeps of the regions whose owner is gone (:meth:`RegionTable.sweep`): a killed
 #: client's region is released within about this long (plus one sweep's time)
 SWEEP_PERIOD = 5.0
@@ -554,11 +556,11 @@ class RegionTable:
 
     def _rate_error(self, uid: int) -> ResourceLimit | None:
         """Take one registration of user ``uid`` from its budget (:data:`REGISTRATIONS_PER_S`, a token bucket of
-        twice as many); when it is spent, an :class:`~advantage_server.admission.Overloaded` with a retry pushback
+        :data:`REGISTRATION_BURST`); when it is spent, an :class:`~advantage_server.admission.Overloaded` with a retry pushback
         (under the lock)."""
         now = time.monotonic()
-        tokens, at = self._rates.get(uid, (2 * REGISTRATIONS_PER_S, now))
-        tokens = min(2 * REGISTRATIONS_PER_S, tokens + (now - at) * REGISTRATIONS_PER_S)
+        tokens, at = self._rates.get(uid, (float(REGISTRATION_BURST), now))
+        tokens = min(float(REGISTRATION_BURST), tokens + (now - at) * REGISTRATIONS_PER_S)
         if tokens < 1:
             self._rates[uid] = (tokens, now)
             self.rate_refused += 1
