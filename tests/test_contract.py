@@ -76,11 +76,12 @@ def full_batch(info, seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def all_paths_config(info) -> dict:
+def all_paths_config(info, semantics: str | None = None) -> dict:
     """A config with every optional path switched on: every bool field true (use_kl_in_reward,
-    minus_baseline, normalization, leave-one-out) that applies under the default semantics (a field
-    listed "false (verl); not applicable otherwise" is left unset for a nemo_rl default)."""
-    semantics = next((f.default_value for f in info.config_fields if f.name == "semantics"), None)
+    minus_baseline, normalization, leave-one-out) that applies under ``semantics`` (default: the estimator's
+    default semantics; a field listed "false (verl); not applicable otherwise" is left unset for nemo_rl)."""
+    if semantics is None:
+        semantics = next((f.default_value for f in info.config_fields if f.name == "semantics"), None)
 
     def applies(f) -> bool:
         if semantics is None or "not applicable" not in f.default_value:
@@ -174,10 +175,15 @@ def test_listing_names_exactly_the_estimators(listing):
 @pytest.mark.parametrize("name", sorted(EXPECTED_NAMES))
 def test_estimator_reads_exactly_its_declared_inputs(listing, monkeypatch, name):
     info = listing[name]
-    config = all_paths_config(info)
     tensors = full_batch(info)
-    read, result = run_with_spy(monkeypatch, name, config, tensors)
-    assert result.advantages.shape == (B, T)
+    # every input an estimator declares is read under some semantics with every option on (an input only one
+    # semantics reads, e.g. grpo's logprobs for openrlhf's KL in the reward, counts), and none it does not declare
+    read, configs = set(), []
+    for semantics in semantics_configs(info):
+        config, seen, result = run_all_paths(monkeypatch, name, info, semantics, tensors)
+        assert result.advantages.shape == (B, T)
+        read |= seen
+        configs.append(config)
     undeclared = {k for k in read if declared_name(info, k) is None}
     assert not undeclared, f"{name} reads inputs it does not declare: {sorted(undeclared)}"
     not_sent = read - set(tensors)
@@ -185,7 +191,7 @@ def test_estimator_reads_exactly_its_declared_inputs(listing, monkeypatch, name)
     read_declared = {declared_name(info, k) for k in read}
     declared = {s.name for s in info.inputs}
     assert read_declared == declared, (
-        f"{name}: declared {sorted(declared)} but read {sorted(read_declared)} under {config}; "
+        f"{name}: declared {sorted(declared)} but read {sorted(read_declared)} under {configs}; "
         f"never read: {sorted(declared - read_declared)}")
     if name == "gdpo":
         assert set(GDPO_COMPONENTS) <= read, "every reward/<name> component must be read"
@@ -200,7 +206,7 @@ def semantics_configs(info) -> list[dict]:
 def run_all_paths(monkeypatch, name: str, info, semantics: dict, tensors: dict):
     """Run with every bool field true that applies under ``semantics``: a field the semantics does not use
     is refused naming it (the error contract), and is then left unset."""
-    config = {**all_paths_config(info), **semantics}
+    config = {**all_paths_config(info, semantics.get("semantics")), **semantics}
     for _ in range(len(config) + 1):
         try:
             read, result = run_with_spy(monkeypatch, name, config, tensors)
@@ -331,6 +337,10 @@ def test_config_fields_match_the_proto_message(listing, name):
 
 
 NEMO_DEFAULTS = {
+    # OpenRLHF 0.11.2's --reward.clip_range and --algo.advantage.no_std_norm defaults (openrlhf semantics only)
+    "reward_clip_min": -10.0,
+    "reward_clip_max": 10.0,
+    "no_std_norm": False,
     "normalize_rewards": True,
     "use_leave_one_out_baseline": True,
     "minus_baseline": True,
@@ -399,7 +409,8 @@ PER_SEMANTICS_TEXT = {
     ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",
     ("reinforce_plus_plus", "minus_baseline"): "true (nemo_rl); not applicable otherwise",
     ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl); not applicable to nemo_rl",
-    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl)",
+    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf)",
+    ("grpo", "use_kl_in_reward"): "false (openrlhf); not applicable otherwise",
     ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl or skyrl",
     ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("rloo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
@@ -408,6 +419,19 @@ PER_SEMANTICS_TEXT = {
     ("reinforce_plus_plus", "reset_returns_at_holes"): "false (verl); not applicable otherwise",
     ("gdpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable to verl",
     ("gdpo", "epsilon"): "1e-06 (verl); not applicable to nemo_rl",
+    ("gae", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
+    ("gae", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("grpo", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
+    ("grpo", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("rloo", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
+    ("rloo", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("gae", "no_std_norm"): "false (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus", "no_std_norm"): "false (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "no_std_norm"): "false (openrlhf); not applicable otherwise",
 }
 
 
@@ -446,7 +470,8 @@ def test_every_default_listed():
 
 # ------------------------------------------------------------------ returns / metrics contract
 ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "areal"}
-RETURNS_WHEN = {"reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl",
+RETURNS_WHEN = {"grpo": "semantics = openrlhf",
+                "reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl",
                 "reinforce_plus_plus_baseline": "semantics = openrlhf",
                 "rloo": "semantics = openrlhf"}
 
@@ -459,7 +484,7 @@ def test_returns_and_metrics_match_the_listing(client, listing, name):
     assert not (info.produces_returns and info.returns_when)
     assert bool(info.metrics) == (name == "opd")
     for semantics in semantics_configs(info):
-        config = {**all_paths_config(info), **semantics}
+        config = {**all_paths_config(info, semantics.get("semantics")), **semantics}
         if semantics and semantics["semantics"] != default_of(info, "semantics"):
             config = {"semantics": semantics["semantics"]}  # the other semantics do not take the NeMo-only bools
         result = client.compute(name, config, as_numpy=True, **full_batch(info, seed=1))

@@ -24,8 +24,9 @@ The rule (the same for every batch):
       spacing(y64) the gap between the batch dtype's numbers at y64 (round to nearest is off by at most
       half of it, about u |y64|, u the batch dtype's unit roundoff: per position, not relative to the
       batch's largest value), u64 |y64|max the float64 arithmetic of the two computations (a few roundings
-      each, relative to the batch's scale, |y64|max over the compared positions; 16 is a margin over that
-      count), and s, per position, the largest change of y64 when every float64 input moves by about its
+      each, relative to the batch's scale, |y64|max over the compared positions, for ``gae`` at least the
+      largest |value|, which both computations add and subtract: OpenRLHF's A + V loses a reward of 3e-21
+      beside a value of 1; 16 is a margin over that count), and s, per position, the largest change of y64 when every float64 input moves by about its
       last bit (all by (1 + 3 u64), or alternately by (1 +- 2 u64)): the reference's own sensitivity to
       its inputs' last bit, large only where the answer is ill-conditioned (near-ties, returns that are
       small differences of large terms). The released code in the batch's dtype is not the comparison
@@ -230,6 +231,8 @@ def check(client, estimator: str, case: dict) -> None:
         assert np.isfinite(got).all(), f"{label}: non-finite service output"
         g, w = got[m], want[m]
         scale = float(np.abs(w).max()) if w.size else 0.0
+        if case["values"] is not None:  # gae: both computations add and subtract the values (y = A + V, A = ... - V)
+            scale = max(scale, float(case["values"].abs().max()))
         # per position (module docstring): one rounding to the batch's dtype (half its spacing at y64),
         # float64 arithmetic relative to the batch's scale, and the reference's own last-bit sensitivity
         tol = np.spacing(np.abs(w).astype(np_dtype)).astype(np.float64) / 2 + 16 * U64 * scale + 16 * sd[m]

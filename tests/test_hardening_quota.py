@@ -458,11 +458,15 @@ def test_memfd_regions_count_against_their_process_whatever_the_connection(make_
             os.close(fd)
 
 
-def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(make_server):
+def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(make_server, monkeypatch):
     """Issue #35 item 2: a slow-loris opening a fresh connection per stalled call holds one pending call on each, and
     a same-host newcomer could take a place back only from a connection holding two more than its own: it never
     could, and got 0 calls. A newcomer whose connection holds nothing now cuts a stalled upload of another
     connection of its host (here the only place, held by a call that never sends its body) and is served."""
+    from advantage_server import server as server_mod
+
+    # a newcomer (no result yet) cuts only an upload stalled this long (1 s by default; shortened here)
+    monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)
     srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
@@ -491,7 +495,7 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
             stop.set()
 
 
-def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_result(make_server):
+def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_result(make_server, monkeypatch):
     """Issue #35 item 2, stalling judged per host: a slow-loris opening a fresh connection for every stalled call had
     each call judged by a clean record of its own, so its calls filled every place (other host: 10% of unattacked
     goodput). A connection that has had no result delivered now answers for its host: while its host holds stalled
@@ -499,6 +503,9 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
     hold 2 of 4 places, not 4 (each newcomer past that cuts one of its host's stalled uploads instead), and a
     connection of the same host that has had a result keeps its own record: served from a free place, cutting
     nothing."""
+    from advantage_server import server as server_mod
+
+    monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)  # 1 s by default: the test's calls are 0.3 s apart
     srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
     assert srv.gate.stalled_cap == 2
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
@@ -534,3 +541,43 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
         stop.set()
         for ch in (reader, *fresh):
             ch.close()
+
+
+def test_a_newcomer_cuts_only_an_upload_stalled_for_a_second(make_server):
+    """A connection with no result yet (a newcomer, or a slow-loris's fresh connection) cuts only an upload that has
+    been without bytes for ``NEWCOMER_CUT_STALL_S`` (1 s): 64 client processes starting at once on 2 cores had their
+    first bodies stall past ``STALL_S`` (0.1 s) and cut each other (tests/test_shm_many_processes.py). Here the one
+    place is held by a silent call: a newcomer 0.3 s later is refused without cutting it; one after 1.2 s cuts it
+    and is served."""
+    from advantage_server import server as server_mod
+
+    assert server_mod.NEWCOMER_CUT_STALL_S == 1.0
+    srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    stop = threading.Event()
+
+    def silent():
+        stop.wait(30)
+        return
+        yield  # a request iterator that never yields: the call's body never comes
+
+    with _channel(srv.address) as a:
+        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30)
+        try:
+            deadline = time.monotonic() + 10
+            while not srv.uploads._watched and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            with _channel(srv.address) as b:
+                with pytest.raises(grpc.RpcError) as err:  # 0.3 s stalled: not cut for a newcomer
+                    pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(request, timeout=0.6)
+            assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert srv.uploads.evictions == 0 and not stalled.done()
+            time.sleep(max(0.0, 1.2 - 0.9))
+            with _channel(srv.address) as c:
+                reply = pb_grpc.AdvantageServiceStub(c).ComputeAdvantage(request, timeout=10)
+            np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
+                                          _in_process([1.0, 0.0], [[1.0], [1.0]]))
+            assert srv.uploads.evictions == 1
+        finally:
+            stop.set()

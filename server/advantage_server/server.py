@@ -102,6 +102,11 @@ CONNECTION_IDLE_S = 300
 #: ``CONNECTION_AGE_GRACE_S`` more to end (then cut): no connection, however busy, is held for ever
 CONNECTION_AGE_S = 3600
 CONNECTION_AGE_GRACE_S = 600
+#: seconds without request bytes an upload must have been stalled before a connection that has not yet had a result
+#: delivered (:meth:`ResultLedger.proven`) may cut it for its call (a proven connection: ``shares.STALL_S``). 64
+#: client processes starting at once on 2 cores had their first calls' bodies stall past STALL_S and cut each
+#: other (tests/test_shm_many_processes.py); a slow-loris's calls stall for seconds
+NEWCOMER_CUT_STALL_S = 1.0
 #: client connections one server holds open at once, at most (gRPC's ``grpc.max_allowed_incoming_connections``:
 #: beyond it a new connection is closed as it arrives, and its client sees UNAVAILABLE and retries; the
 #: connections already open are untouched). About 15 KiB each (an idle one, measured): 16,384 hold ~240 MiB. Fewer
@@ -356,7 +361,10 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         body than the caller's) and take over its place at once (:meth:`RequestGate.lend`: the cut call gives it
         back, :meth:`RequestGate.repay`, as its upload block ends); the admission, next in this thread, takes it. Never while draining: the call
         is refused anyway, and the uploads in progress keep their places to finish."""
-        if not self.gate.draining and self.uploads.evict_for(context):
+        # a connection that has not had a result yet (a newcomer, or a slow-loris's fresh connection) cuts only an
+        # upload stalled for NEWCOMER_CUT_STALL_S: a prompt client's body slowed by a loaded server is not one
+        stall = 0.0 if self.results.proven(call_peer(context)) else NEWCOMER_CUT_STALL_S
+        if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
     def _wait_results(self, context: grpc.ServicerContext) -> None:

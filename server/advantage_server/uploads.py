@@ -146,11 +146,12 @@ class UploadWatch:
         #: :meth:`advantage_server.admission.RequestGate.repay`: the place it lent to the newcomer is accounted)
         self.on_lent_exit: Callable[[], None] | None = None
 
-    def evict_for(self, context: Any) -> bool:
+    def evict_for(self, context: Any, min_stall: float = 0.0) -> bool:
         """The server is full and ``context``'s call is waiting for a place: cut the pending upload the fair
         shares pick (:meth:`PendingShares.rank`: a group holding more pending calls than the caller's, between
         hosts first, then between the connections of the caller's host; the most stalled of its uploads), with
-        RESOURCE_EXHAUSTED saying why. True when one was cut (its place frees within moments)."""
+        RESOURCE_EXHAUSTED saying why. ``min_stall``: only an upload without bytes for at least this many seconds
+        (besides being stalled) is cut. True when one was cut (its place frees within moments)."""
         peer = call_peer(context)
         newcomer = (peer, peer_host(peer))
         now = time.monotonic()
@@ -162,7 +163,7 @@ class UploadWatch:
             holds_nothing = self.shares.pending(*newcomer)[0] == 0
             best: tuple[Any, ...] | None = None
             for e in self._watched.values():
-                if not e.keys or not e.stalled(now):
+                if not e.keys or not e.stalled(now) or now - e.touched < min_stall:
                     continue  # only a stalled upload is cut: a body that is arriving promptly never is
                 rank = self.shares.rank(e.keys, newcomer)
                 if rank is None or rank[1] < (1 if holds_nothing and rank[0] == 0 else 2):
