@@ -465,7 +465,7 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
     connection of its host (here the only place, held by a call that never sends its body) and is served."""
     from advantage_server import server as server_mod
 
-    # a newcomer (no result yet) cuts only an upload stalled this long (1 s by default; shortened here)
+    # a newcomer (no result yet) cuts only an upload stalled this long (0.5 s by default; shortened here)
     monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)
     srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
@@ -505,7 +505,7 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
     nothing."""
     from advantage_server import server as server_mod
 
-    monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)  # 1 s by default: the test's calls are 0.3 s apart
+    monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)  # 0.5 s by default: the test's calls are 0.3 s apart
     srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
     assert srv.gate.stalled_cap == 2
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
@@ -545,13 +545,13 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
 
 def test_a_newcomer_cuts_only_an_upload_stalled_for_a_second(make_server):
     """A connection with no result yet (a newcomer, or a slow-loris's fresh connection) cuts only an upload that has
-    been without bytes for ``NEWCOMER_CUT_STALL_S`` (1 s): 64 client processes starting at once on 2 cores had their
-    first bodies stall past ``STALL_S`` (0.1 s) and cut each other (tests/test_shm_many_processes.py). Here the one
-    place is held by a silent call: a newcomer 0.3 s later is refused without cutting it; one after 1.2 s cuts it
-    and is served."""
+    been without bytes for ``NEWCOMER_CUT_STALL_S`` (0.5 s): 64 client processes starting at once on 2 cores had
+    their first bodies stall past ``STALL_S`` (0.1 s) and cut each other (tests/test_shm_many_processes.py). Here the
+    one place is held by a silent call: a newcomer 0.3 s later is refused without cutting it (its own wait ends
+    before the upload has been silent 0.5 s); one after 1.2 s cuts it and is served."""
     from advantage_server import server as server_mod
 
-    assert server_mod.NEWCOMER_CUT_STALL_S == 1.0
+    assert server_mod.NEWCOMER_CUT_STALL_S == 0.5
     srv = make_server(max_concurrent_requests=1, stream_idle_timeout=30.0)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
@@ -570,10 +570,10 @@ def test_a_newcomer_cuts_only_an_upload_stalled_for_a_second(make_server):
             time.sleep(0.3)
             with _channel(srv.address) as b:
                 with pytest.raises(grpc.RpcError) as err:  # 0.3 s stalled: not cut for a newcomer
-                    pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(request, timeout=0.6)
+                    pb_grpc.AdvantageServiceStub(b).ComputeAdvantage(request, timeout=0.15)
             assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
             assert srv.uploads.evictions == 0 and not stalled.done()
-            time.sleep(max(0.0, 1.2 - 0.9))
+            time.sleep(0.8)
             with _channel(srv.address) as c:
                 reply = pb_grpc.AdvantageServiceStub(c).ComputeAdvantage(request, timeout=10)
             np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,

@@ -261,3 +261,24 @@ def test_unknown_estimator_raises(installed):
     maker.args.algo.advantage.estimator = maker.advantage_estimator = "ppo"
     with pytest.raises(ValueError, match="Unkown advantage_estimator"):
         maker.compute_advantages_and_returns(experiences(case))
+
+
+def test_install_outside_a_ray_worker_warns_naming_the_setup_hook(monkeypatch):
+    """Issue #36 item 1: ``install()`` in the driver (the module docstring's one line, before OpenRLHF's
+    ``train(args)``) patched only the driver's class, and OpenRLHF 0.11.2 runs the experience maker in its
+    PPOTrainer Ray actor: it silently did nothing. It now warns, naming Ray's worker setup hook; in a Ray worker
+    (where the hook runs it) it does not."""
+    monkeypatch.setattr(dropin, "_experience_maker_class", lambda: EM.RemoteExperienceMaker)
+    was, target = dropin.installed(EM.RemoteExperienceMaker), dropin._target  # the module fixture's install, if any
+    try:
+        with pytest.warns(RuntimeWarning, match="worker_process_setup_hook"):
+            dropin.install("localhost:1")
+        monkeypatch.setattr(dropin, "_in_ray_worker", lambda: True)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dropin.install("localhost:1")
+    finally:
+        dropin.uninstall()
+        if was:
+            dropin.install(target, maker_class=EM.RemoteExperienceMaker)

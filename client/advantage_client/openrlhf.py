@@ -68,6 +68,8 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import sys
+import warnings
 from typing import Any, List
 
 from advantage_client.verl import _client_for
@@ -100,10 +102,34 @@ def _experience_maker_class() -> Any:
     return importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker").RemoteExperienceMaker
 
 
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (an actor's or a task's process), read without importing Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return ray._private.worker.global_worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001 - another Ray: no claim
+        return False
+
+
+#: the warning of an install() that cannot reach OpenRLHF's experience maker
+NOT_IN_WORKER = ("advantage_client.openrlhf.install() patched RemoteExperienceMaker in this process only, which is not "
+                 "a Ray worker: OpenRLHF 0.11.2's train_ppo_ray builds the experience maker inside its PPOTrainer Ray "
+                 "actor, where this has no effect. Give it to Ray as the workers' setup hook instead: "
+                 "ray.init(runtime_env={'worker_process_setup_hook': 'advantage_client.openrlhf.install', 'env_vars': "
+                 "{'ADVANTAGE_SERVICE_TARGET': ...}}), or ray job submit --runtime-env-json with the same keys "
+                 "(docs/frameworks.md)")
+
+
 def install(target: Any = None, maker_class: Any = None) -> None:
     """Make ``RemoteExperienceMaker.compute_advantages_and_returns`` (of ``maker_class``, default the installed
-    OpenRLHF's) compute through the service at ``target`` (see the module docstring). Idempotent."""
+    OpenRLHF's) compute through the service at ``target`` (see the module docstring). Idempotent. Called for the
+    installed OpenRLHF in a process that is not a Ray worker (a driver script), it warns (``RuntimeWarning``,
+    :data:`NOT_IN_WORKER`): OpenRLHF runs the maker in a Ray actor, which only the setup hook reaches."""
     global _original, _target
+    if maker_class is None and not _in_ray_worker():
+        warnings.warn(NOT_IN_WORKER, RuntimeWarning, stacklevel=2)
     cls = maker_class if maker_class is not None else _experience_maker_class()
     current = cls.__dict__["compute_advantages_and_returns"]
     if not getattr(current, "advantage_service", False):

@@ -105,8 +105,9 @@ CONNECTION_AGE_GRACE_S = 600
 #: seconds without request bytes an upload must have been stalled before a connection that has not yet had a result
 #: delivered (:meth:`ResultLedger.proven`) may cut it for its call (a proven connection: ``shares.STALL_S``). 64
 #: client processes starting at once on 2 cores had their first calls' bodies stall past STALL_S and cut each
-#: other (tests/test_shm_many_processes.py); a slow-loris's calls stall for seconds
-NEWCOMER_CUT_STALL_S = 1.0
+#: other (tests/test_shm_many_processes.py); a slow-loris's calls stall for seconds. 1 s took bench
+#: slow-loris-fresh from ~80% to ~66%; 0.5 s keeps the 64 processes uncut, also beside a busy loop
+NEWCOMER_CUT_STALL_S = 0.5
 #: client connections one server holds open at once, at most (gRPC's ``grpc.max_allowed_incoming_connections``:
 #: beyond it a new connection is closed as it arrives, and its client sees UNAVAILABLE and retries; the
 #: connections already open are untouched). About 15 KiB each (an idle one, measured): 16,384 hold ~240 MiB. Fewer
