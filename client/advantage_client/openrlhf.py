@@ -68,6 +68,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import os
 import sys
 import warnings
 from typing import Any, List
@@ -76,7 +77,8 @@ from advantage_client.verl import _client_for
 
 # torch is imported where it is used: every advantage_client module imports without it (tests/test_client_only.py)
 
-__all__ = ["ESTIMATORS", "install", "uninstall", "installed", "compute_advantages_and_returns"]
+__all__ = ["ESTIMATORS", "install", "uninstall", "installed", "compute_advantages_and_returns", "main",
+           "with_setup_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,60 @@ _target: Any = None
 
 def _experience_maker_class() -> Any:
     return importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker").RemoteExperienceMaker
+
+
+#: the module OpenRLHF 0.11.2's users run (``python -m openrlhf.cli.train_ppo_ray ...``), and Ray's worker setup hook
+#: that installs this drop-in in every worker of the job (the PPOTrainer actor's included)
+OPENRLHF_CLI = "openrlhf.cli.train_ppo_ray"
+SETUP_HOOK = "advantage_client.openrlhf.install"
+#: this process's environment variables a worker's client reads, forwarded to the workers
+FORWARDED_ENV = ("ADVANTAGE_SERVICE_TARGET", "ADVANTAGE_SERVICE_TLS_CA", "ADVANTAGE_SERVICE_TOKEN_FILE")
+
+
+def with_setup_hook(runtime_env: dict | None) -> dict:
+    """``runtime_env`` (a Ray runtime environment; None: empty) with :data:`SETUP_HOOK` as its
+    ``worker_process_setup_hook`` and this process's :data:`FORWARDED_ENV` variables added to its ``env_vars``
+    (the ones it already sets, OpenRLHF's ``TOKENIZERS_PARALLELISM``, ``NCCL_DEBUG`` and
+    ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` among them, kept). Raises ``ValueError`` when it names another setup
+    hook (Ray runs one per job: combine them in a function of your own that calls :func:`install`)."""
+    env = dict(runtime_env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook not in (None, SETUP_HOOK):
+        raise ValueError(f"the runtime environment already has worker_process_setup_hook={hook!r}; Ray runs one per "
+                         f"job: call advantage_client.openrlhf.install() from it instead")
+    env["worker_process_setup_hook"] = SETUP_HOOK
+    env_vars = dict(env.get("env_vars") or {})
+    for key in FORWARDED_ENV:
+        if os.environ.get(key):
+            env_vars.setdefault(key, os.environ[key])
+    env["env_vars"] = env_vars
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m advantage_client.openrlhf <train_ppo_ray's arguments>``: OpenRLHF's own CLI module
+    (:data:`OPENRLHF_CLI`), unchanged, with its arguments; its ``ray.init`` is given :func:`with_setup_hook`'s
+    runtime environment, so Ray installs this drop-in in every worker (the PPOTrainer actor's experience maker
+    included) and hands them ``$ADVANTAGE_SERVICE_TARGET`` (and the TLS/token variables), and OpenRLHF's own
+    environment variables stay. The one change to an OpenRLHF launch: ``python -m openrlhf.cli.train_ppo_ray ...``
+    becomes ``python -m advantage_client.openrlhf ...`` (also as a ``ray job submit`` entrypoint). Raises what
+    OpenRLHF raises; ``ValueError`` from :func:`with_setup_hook`."""
+    import runpy
+
+    import ray
+
+    original = ray.init
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        kwargs["runtime_env"] = with_setup_hook(kwargs.get("runtime_env"))
+        return original(*args, **kwargs)
+
+    ray.init = init
+    sys.argv = [OPENRLHF_CLI, *(sys.argv[1:] if argv is None else argv)]
+    try:
+        runpy.run_module(OPENRLHF_CLI, run_name="__main__", alter_sys=True)
+    finally:
+        ray.init = original
 
 
 def _in_ray_worker() -> bool:
@@ -264,3 +320,7 @@ def _compute(maker: Any, experiences: List[Any], target: Any) -> List[Any]:
         experience.info["return"] = total[rows].to(kl_dtype)
         experience.kl = None
     return experiences
+
+
+if __name__ == "__main__":  # python -m advantage_client.openrlhf <train_ppo_ray's arguments>
+    main()
