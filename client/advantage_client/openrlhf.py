@@ -1,17 +1,18 @@
 """OpenRLHF drop-in: OpenRLHF 0.11.2's ``RemoteExperienceMaker.compute_advantages_and_returns`` with the advantages
 and returns computed by the service.
 
-Adoption, one line in the process that runs the experience maker, before the trainer is built::
+Adoption at OpenRLHF's own entry point, one change to the launch command (the server: ``$ADVANTAGE_SERVICE_TARGET``)::
 
-    import advantage_client.openrlhf; advantage_client.openrlhf.install()   # server: $ADVANTAGE_SERVICE_TARGET
+    python -m advantage_client.openrlhf <the arguments>    # was: python -m openrlhf.cli.train_ppo_ray <the arguments>
 
-OpenRLHF 0.11.2's ``train_ppo_ray.py`` builds ``PPOTrainer`` as a Ray actor (``PPOTrainer.remote``), so the line must
-run in Ray's worker processes: give Ray the function as its worker setup hook, one config value of the runtime
-environment: ``ray.init(runtime_env={"worker_process_setup_hook": "advantage_client.openrlhf.install", "env_vars":
-{"ADVANTAGE_SERVICE_TARGET": "host:50051", ...}})`` before calling OpenRLHF's ``train(args)`` (which then skips its
-own ``ray.init``; keep its ``env_vars``). Ray runs the hook in every worker of the job (vLLM's too), and ``install()``
-imports OpenRLHF's ``experience_maker`` (with its Ray launcher) there. That Ray path is not exercised by
-tests/test_openrlhf_dropin.py, which runs the method in-process.
+:func:`main` runs OpenRLHF's CLI module unchanged and gives its ``ray.init`` this drop-in as Ray's
+``worker_process_setup_hook`` (:func:`with_setup_hook`; OpenRLHF's own ``env_vars`` kept, the service's variables
+forwarded): OpenRLHF 0.11.2 builds the experience maker inside its ``PPOTrainer`` Ray actor, so the install must run
+in Ray's workers, and the hook runs it in every one. A launch that calls ``ray.init`` itself (or ``ray job submit
+--runtime-env-json``) gives the same two keys: ``{"worker_process_setup_hook": "advantage_client.openrlhf.install",
+"env_vars": {"ADVANTAGE_SERVICE_TARGET": "host:50051"}}``. ``install()`` called in a driver, which cannot reach the
+actor, warns. tests/test_openrlhf_launch.py runs the launch command; tests/test_openrlhf_dropin.py runs the method
+in-process.
 
 ``install(target=None)`` replaces ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker
 .compute_advantages_and_returns`` by :func:`compute_advantages_and_returns` (``uninstall()`` puts OpenRLHF's back).
