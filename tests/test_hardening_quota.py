@@ -28,6 +28,13 @@ SERVICE = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def _silent(stop: threading.Event):
+    """A request iterator that never yields until ``stop`` (at most 30 s): the call's body never comes."""
+    stop.wait(30)
+    return
+    yield
+
+
 def _channel(address: str) -> grpc.Channel:
     """A channel on a connection of its own (one client, as the server's quotas see clients)."""
     return grpc.insecure_channel(address, options=OWN_CONNECTION)
@@ -471,13 +478,8 @@ def test_a_new_connection_holding_nothing_cuts_a_stalled_upload_of_its_own_host(
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
 
-    def silent():
-        stop.wait(30)
-        return
-        yield  # a request iterator that never yields: the call's body never comes
-
     with _channel(srv.address) as a, _channel(srv.address) as b:
-        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30)
+        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30)
         try:
             deadline = time.monotonic() + 10
             while not srv.uploads._watched and time.monotonic() < deadline:  # admitted, waiting for its body
@@ -512,11 +514,6 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
     want = _in_process([1.0, 0.0], [[1.0], [1.0]])
     stop = threading.Event()
 
-    def silent():
-        stop.wait(30)
-        return
-        yield  # a request iterator that never yields: the call's body never comes
-
     reader = _channel(srv.address)
     stub = pb_grpc.AdvantageServiceStub(reader)
     np.testing.assert_array_equal(decode_result(stub.ComputeAdvantage(request, timeout=10), as_numpy=True).advantages,
@@ -526,7 +523,7 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
         for _ in range(6):
             ch = _channel(srv.address)
             fresh.append(ch)
-            calls.append(ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30))
+            calls.append(ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30))
             time.sleep(0.3)  # admitted (or not), then stalled: no bytes for STALL_S
         host_pending = max(srv.uploads.shares._hosts.values(), default=0)
         cut = sum(1 for c in calls if c.done())
@@ -556,13 +553,8 @@ def test_a_newcomer_cuts_only_an_upload_stalled_for_a_second(make_server):
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
 
-    def silent():
-        stop.wait(30)
-        return
-        yield  # a request iterator that never yields: the call's body never comes
-
     with _channel(srv.address) as a:
-        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30)
+        stalled = a.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30)
         try:
             deadline = time.monotonic() + 10
             while not srv.uploads._watched and time.monotonic() < deadline:
