@@ -53,7 +53,7 @@ class _Call(threading.Thread):
     """One limited call through ``gate``: admitted (``admitted`` set), holds its place until ``release`` is set;
     ``outcome`` is "ok", or the refusal's class name."""
 
-    def __init__(self, gate: RequestGate, caller: Caller, make_room=lambda: None):
+    def __init__(self, gate: RequestGate, caller: Caller, make_room=lambda held=False: None):
         super().__init__(daemon=True)
         self.gate, self.caller, self.make_room = gate, caller, make_room
         self.admitted, self.release = threading.Event(), threading.Event()
@@ -325,7 +325,7 @@ def test_a_prompt_waiting_caller_cuts_a_holder_that_stalls_while_it_waits(long_w
     assert holder.admitted.wait(5)
     tries = []
 
-    def make_room():  # the holder counts as stalled from the third look on: its place is lent to the caller
+    def make_room(held=False):  # the holder counts as stalled from the third look on: its place is lent to the caller
         tries.append(time.monotonic())
         if len(tries) >= 3:
             gate.lend()
@@ -347,7 +347,7 @@ def test_a_caller_that_leaves_the_room_to_cut_keeps_its_arrival_rank(long_wait):
     holder = _Call(gate, Caller("ipv4:10.0.0.3:1", "10.0.0.3"))
     assert holder.admitted.wait(5)
     tries: list[float] = []
-    first = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"), make_room=lambda: tries.append(time.monotonic()))
+    first = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"), make_room=lambda held=False: tries.append(time.monotonic()))
     _wait_for(lambda: gate.waiting == 1)
     later = _Call(gate, Caller("ipv4:10.0.0.4:1", "10.0.0.4"), make_room=None)  # waits without looking to cut
     _wait_for(lambda: gate.waiting == 2)

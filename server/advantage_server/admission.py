@@ -379,12 +379,13 @@ class RequestGate:
 
     @contextlib.contextmanager
     def admit(self, limited: bool, on_termination: Callable[[Callable[[], None]], bool] | None = None,
-              make_room: Callable[[], object] | None = None, caller: Caller | None = None) -> Iterator[None]:
+              make_room: Callable[[bool], object] | None = None, caller: Caller | None = None) -> Iterator[None]:
         """Hold one place for a call; ``limited`` calls count against ``max_concurrent_requests``.
 
         Raises :class:`Draining` after :meth:`start_draining`, :class:`Overloaded` when a limited call gets no
-        place. ``make_room`` (the servicer's: take a place back by the fair shares and :meth:`lend` it): called
-        outside the gate's lock when a limited call finds every place taken; the call then tries once more (a
+        place. ``make_room(held)`` (the servicer's: take a place back by the fair shares and :meth:`lend` it): called
+        outside the gate's lock when a limited call finds every place taken (``held``: or every place its
+        connection may fill, ``stalled_cap``, while others are free); the call then tries once more (a
         place that freed between the two is taken too). Then, with a ``caller``, it waits for a freed place in
         the waiting room (``ADMISSION_WAIT_S``, ``STALLED_WAIT_S`` for a stalling connection, never past its
         deadline; see the module docstring) before it is refused; a caller whose connection does not stall calls
@@ -418,14 +419,16 @@ class RequestGate:
                 if not self._is_full(cap):
                     self._limited += 1
                     break
-                if cap < self.max_concurrent_requests and not self._is_full():
+                # a connection that only answers for its stalling host (no stalled upload of its own:
+                # shares.InheritedStalls) is held below stalled_cap too, but may cut a stalled upload of its host
+                # (make_room; evict_for: one silent since admission while places are free, NEWCOMER_CUT_STALL_S)
+                conns = self._counts()[1]
+                inherited = cap < self.max_concurrent_requests and caller is not None and \
+                    isinstance(conns, InheritedStalls) and not conns.own(caller.connection)
+                held = cap < self.max_concurrent_requests and not self._is_full()
+                if held:
                     self.held_back += 1
-                    # a staller is not given other callers' places: it waits below stalled_cap. A connection that
-                    # only answers for its stalling host (no record of its own) may first cut a stalled upload of
-                    # that host once (make_room: evict_for lets a connection holding nothing do so)
-                    conns = self._counts()[1]
-                    own = conns.own(caller.connection) if isinstance(conns, InheritedStalls) and caller else 1
-                    tried = tried or bool(own)
+                    tried = tried or not inherited  # a staller is not given other callers' places: it waits
                 retry = False
                 if tried:
                     if caller is not None:
@@ -434,7 +437,7 @@ class RequestGate:
                             wait_end, arrived = now + self._wait_budget(caller), now
                         # a prompt caller looks again for a stalled upload to cut every EVICT_RETRY_S: the places'
                         # holders may not have been stalled yet when it came (a slow-loris's fresh calls)
-                        retry = make_room is not None and cap == self.max_concurrent_requests and \
+                        retry = make_room is not None and (cap == self.max_concurrent_requests or inherited) and \
                             wait_end - now > EVICT_RETRY_S
                         outcome = self._wait_for_place(caller, now + EVICT_RETRY_S if retry else wait_end, arrived)
                         if outcome == "granted":
@@ -446,13 +449,20 @@ class RequestGate:
                             raise Draining("the server is shutting down and takes no new calls; retry on another "
                                            "replica")
                         self.refusals += 1
+                        if held:
+                            raise Overloaded(
+                                f"this connection holds calls that stopped sending their request bodies (or, before "
+                                f"its first result, its host does), and such calls may fill only "
+                                f"{self.stalled_cap} of the --max-concurrent-requests={self.max_concurrent_requests} "
+                                "places; none freed while this call waited. Send each request in full as soon as "
+                                "its call starts; retry after the server's pushback")
                         raise Overloaded(
                             f"the server is at its concurrency limit: --max-concurrent-requests="
                             f"{self.max_concurrent_requests} requests are already in progress and no place freed "
                             "while this call waited; retry after the server's pushback (grpc-retry-pushback-ms: "
                             "AdvantageClient does), or add replicas")
             tried = True
-            make_room()  # outside the lock: it cuts another client's stalled upload and reserves its place
+            make_room(held)  # outside the lock: it cuts another client's stalled upload and reserves its place
         with self._cond:
             self._in_flight += 1
 

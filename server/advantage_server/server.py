@@ -316,7 +316,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                 if limited:
                     self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
                 with self.gate.admit(limited, context.add_callback,
-                                     (lambda: self._make_room(context)) if limited else None,
+                                     (lambda held: self._make_room(context, held)) if limited else None,
                                      self._caller(context) if limited else None), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
                     data = self._receive(requests, context, counted=limited)
@@ -355,7 +355,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         return grpc.stream_unary_rpc_method_handler(handle, request_deserializer=None,
                                                     response_serializer=transport.response_serializer(response_cls))
 
-    def _make_room(self, context: grpc.ServicerContext) -> None:
+    def _make_room(self, context: grpc.ServicerContext, held: bool = False) -> None:
         """A limited call found every ``--max-concurrent-requests`` place taken (:meth:`RequestGate.admit` calls
         this once, outside its lock): take a place back by the fair shares (:meth:`UploadWatch.evict_for`: the
         most stalled upload of a host, or a connection of the caller's host, holding more calls waiting for their
@@ -364,8 +364,10 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         is refused anyway, and the uploads in progress keep their places to finish."""
         # a connection that has not had a result yet (a newcomer, or a slow-loris's fresh connection) cuts only an
         # upload stalled for NEWCOMER_CUT_STALL_S: a prompt client's body slowed by a loaded server is not one
+        # ``held``: places are free, this caller is held below stalled_cap: only a call that has sent no request
+        # byte at all is cut (a client pausing a stream it has begun keeps its place while there is room)
         stall = 0.0 if self.results.proven(call_peer(context)) else NEWCOMER_CUT_STALL_S
-        if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall):
+        if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall, silent_only=held):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
     def _wait_results(self, context: grpc.ServicerContext) -> None:

@@ -253,7 +253,8 @@ class TransportMethods:
         t0 = t1 = t2 = time.perf_counter()
         try:
             self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
-            with self.gate.admit(True, context.add_callback, lambda: self._make_room(context), self._caller(context)):
+            with self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
+                                 self._caller(context)):
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
