@@ -470,6 +470,8 @@ def test_tied_groups_with_epsilon_zero_give_zero_not_nan(name, config):
     ("rloo", {"semantics": "nemo_rl"}, "config.semantics"),
     ("reinforce_plus_plus_baseline", {"semantics": "trl"}, "config.semantics"),
     ("gae", {"semantics": "trl"}, "config.semantics"),
+    ("rloo", {"semantics": "openrlhf", "reward_clip_min": 20.0}, "config.reward_clip_min"),  # max: default 10
+    ("grpo", {"semantics": "openrlhf", "reward_clip_min": 1.0, "reward_clip_max": 1.0}, "config.reward_clip_min"),
     ("grpo", {"semantics": "verl", "use_leave_one_out_baseline": False}, "config.use_leave_one_out_baseline"),
     ("grpo", {"semantics": "verl", "scale_rewards": "batch"}, "config.scale_rewards"),
     ("grpo", {"epsilon": -1.0}, "config.epsilon"),

@@ -358,7 +358,8 @@ def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_serve
     from advantage_server import server as server_mod
 
     assert server_mod.max_connections(None) == server_mod.MAX_CONNECTIONS == 16384
-    assert server_mod.max_connections(2600) == 2600 - 256 - 2 * 1024 and server_mod.max_connections(1024) == 64
+    assert server_mod.max_connections(2600) == (2600 - 256) // 2 and server_mod.max_connections(2048) == 896
+    assert server_mod.max_connections(256) == 64 and server_mod.max_connections(1 << 20) == 16384
     monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 4)
     srv = make_server()
     host, port = srv.address.rsplit(":", 1)

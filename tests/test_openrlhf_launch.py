@@ -94,3 +94,27 @@ def test_the_launcher_keeps_a_runtime_environments_own_settings(monkeypatch):
                    "pip": ["x"], "worker_process_setup_hook": "advantage_client.openrlhf.install"}
     with pytest.raises(ValueError, match="install"):
         dropin.with_setup_hook({"worker_process_setup_hook": "mypkg.setup"})
+
+
+def test_the_launcher_under_ray_job_submit_adds_nothing_the_job_gives(monkeypatch):
+    """Fresh-eyes review: under ``ray job submit --runtime-env-json '{"env_vars": {"ADVANTAGE_SERVICE_TARGET": ...}}'``
+    the driver has that variable, and Ray refuses a ``ray.init`` runtime environment repeating any key or variable
+    name of the job's ("Failed to merge the Job's runtime env ... because of a conflict"). The launcher reads the
+    job's (``$RAY_JOB_CONFIG_JSON_ENV_VAR``) and adds only what it lacks; Ray's own merge accepts the result."""
+    import json
+
+    from advantage_client import openrlhf as dropin
+    from ray.runtime_env.runtime_env import _merge_runtime_env as merge  # ray.init's merge with the job's env
+
+    monkeypatch.setenv("ADVANTAGE_SERVICE_TARGET", "svc:50051")
+    job = {"env_vars": {"ADVANTAGE_SERVICE_TARGET": "svc:50051"}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": job}))
+    openrlhf_env = {"env_vars": {"NCCL_DEBUG": "WARN"}}
+    mine = dropin.with_setup_hook(openrlhf_env, dropin._job_runtime_env())
+    assert mine == {"env_vars": {"NCCL_DEBUG": "WARN"}, "worker_process_setup_hook": dropin.SETUP_HOOK}
+    assert merge(job, mine, override=False) is not None
+    assert merge(job, dropin.with_setup_hook(openrlhf_env), override=False) is None  # the conflict
+    hooked = {"worker_process_setup_hook": dropin.SETUP_HOOK, "env_vars": {"ADVANTAGE_SERVICE_TARGET": "svc:50051"}}
+    assert dropin.with_setup_hook(openrlhf_env, hooked) == openrlhf_env  # the job gives both: nothing added
+    with pytest.raises(ValueError, match="install"):
+        dropin.with_setup_hook(openrlhf_env, {"worker_process_setup_hook": "mypkg.setup"})

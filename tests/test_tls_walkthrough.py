@@ -88,5 +88,12 @@ def test_the_pages_failures_are_what_it_says(walkthrough):
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and "token_file=" in str(err.value), err.value
     with pytest.raises(ValueError, match="token_file="):
         AdvantageClient(address, tls_ca=str(work / "server.crt"), token=str(work / "token"))
+    here = os.getcwd()
+    os.chdir(work)
+    try:  # the page's own setup: the file is "token" in the current directory
+        with pytest.raises(ValueError, match="token_file='token'"):
+            AdvantageClient(address, tls_ca="server.crt", token="token")
+    finally:
+        os.chdir(here)
     with pytest.raises(ValueError, match="tls_ca"):
         AdvantageClient(address, tls_ca=str(work / "server.key"), token_file=str(work / "token"))

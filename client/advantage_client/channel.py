@@ -323,7 +323,7 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
     if token is None or not token.strip():  # an empty token counts as unset (as the environment's do)
         return ()
     stripped = token.strip()
-    if ("/" in stripped or stripped.startswith("~")) and os.path.isfile(os.path.expanduser(stripped)):
+    if os.path.isfile(os.path.expanduser(stripped)):  # a path, or a bare name of a file here ("token")
         # a file's path given as the token (issue #37 item 6): the server would answer "missing or wrong bearer
         # token" with no hint; the path is no secret, the file's contents are never read or shown here
         raise ValueError(f"token={stripped!r} names a file: token= is the bearer token itself; pass "

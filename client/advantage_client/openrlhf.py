@@ -113,23 +113,38 @@ SETUP_HOOK = "advantage_client.openrlhf.install"
 FORWARDED_ENV = ("ADVANTAGE_SERVICE_TARGET", "ADVANTAGE_SERVICE_TLS_CA", "ADVANTAGE_SERVICE_TOKEN_FILE")
 
 
-def with_setup_hook(runtime_env: dict | None) -> dict:
+def _job_runtime_env() -> dict:
+    """The runtime environment of the Ray job this process is the driver of (``ray job submit
+    --runtime-env-json``: Ray hands it to the driver in ``$RAY_JOB_CONFIG_JSON_ENV_VAR``), else empty."""
+    import json
+    try:
+        return dict(json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
+def with_setup_hook(runtime_env: dict | None, job: dict | None = None) -> dict:
     """``runtime_env`` (a Ray runtime environment; None: empty) with :data:`SETUP_HOOK` as its
     ``worker_process_setup_hook`` and this process's :data:`FORWARDED_ENV` variables added to its ``env_vars``
     (the ones it already sets, OpenRLHF's ``TOKENIZERS_PARALLELISM``, ``NCCL_DEBUG`` and
-    ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` among them, kept). Raises ``ValueError`` when it names another setup
-    hook (Ray runs one per job: combine them in a function of your own that calls :func:`install`)."""
-    env = dict(runtime_env or {})
-    hook = env.get("worker_process_setup_hook")
-    if hook not in (None, SETUP_HOOK):
-        raise ValueError(f"the runtime environment already has worker_process_setup_hook={hook!r}; Ray runs one per "
-                         f"job: call advantage_client.openrlhf.install() from it instead")
-    env["worker_process_setup_hook"] = SETUP_HOOK
+    ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` among them, kept). ``job``: the runtime environment of the Ray job
+    (``ray job submit --runtime-env-json``); Ray refuses a ``ray.init`` that repeats any of its keys or variable
+    names, so what the job already gives (the hook, a variable) is not added again. Raises ``ValueError`` when either
+    names another setup hook (Ray runs one per job: call :func:`install` from yours)."""
+    env, job = dict(runtime_env or {}), dict(job or {})
+    for hook in (env.get("worker_process_setup_hook"), job.get("worker_process_setup_hook")):
+        if hook not in (None, SETUP_HOOK):
+            raise ValueError(f"the runtime environment already has worker_process_setup_hook={hook!r}; Ray runs one "
+                             "per job: call advantage_client.openrlhf.install() from it instead")
+    if "worker_process_setup_hook" not in job:
+        env["worker_process_setup_hook"] = SETUP_HOOK
     env_vars = dict(env.get("env_vars") or {})
+    given = set(job.get("env_vars") or {})
     for key in FORWARDED_ENV:
-        if os.environ.get(key):
+        if os.environ.get(key) and key not in given:
             env_vars.setdefault(key, os.environ[key])
-    env["env_vars"] = env_vars
+    if env_vars:
+        env["env_vars"] = env_vars
     return env
 
 
@@ -148,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     original = ray.init
 
     def init(*args: Any, **kwargs: Any) -> Any:
-        kwargs["runtime_env"] = with_setup_hook(kwargs.get("runtime_env"))
+        kwargs["runtime_env"] = with_setup_hook(kwargs.get("runtime_env"), _job_runtime_env())
         return original(*args, **kwargs)
 
     ray.init = init

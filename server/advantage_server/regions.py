@@ -17,8 +17,10 @@
   share); when the table is full, an idle region (no call is using it, none used it in the last
   :data:`RECENT_USE_S` seconds) is evicted to make room: one no call has ever used first, of the user (the
   segment's owner UID) holding the most regions, then of its owner holding the most, its least recently used; so a
-  process within its fair share keeps its regions while another holds more, and a trainer's regions, which its
-  calls use, stay registered whatever another client registers; and a sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
+  process within its fair share keeps its regions while another holds more, and a region a call used in the last
+  5 s is never the one to go (a trainer calling less often than that is protected only by its fair share and by
+  the regions no call has used going first; the user level helps only between clients of different users); and a
+  sweep every :data:`SWEEP_PERIOD` seconds (and at every (un)registration) forgets the regions
   whose owner is gone (a memfd whose process exited or was killed, a POSIX name unlinked), so a killed
   client's memory is released within that bound.
 * :class:`RegionGone`: a call naming a region the table does not hold (evicted, or never registered here: the

@@ -116,18 +116,18 @@ NEWCOMER_CUT_STALL_S = 0.5
 #: descriptor limit of 2,600 made a token holder's call end DEADLINE_EXCEEDED)
 MAX_CONNECTIONS = 16384
 #: descriptors kept out of the connections' share: the process's own files and sockets (listeners, the metrics and
-#: health ports, logs, libraries), on top of the shared-memory regions' (2 per region of the default table)
+#: health ports, logs, libraries); the connections and the shared-memory regions share the rest half and half
 RESERVED_DESCRIPTORS = 256
 
 
 def max_connections(descriptors: int | None) -> int:
     """The connections a server holds open at once, at most: :data:`MAX_CONNECTIONS`, or, where the soft descriptor
-    limit ``descriptors`` (after :func:`raise_descriptor_limit`; None: unknown) leaves less, that limit less
-    :data:`RESERVED_DESCRIPTORS` and two descriptors per shared-memory region of the default table; at least 64."""
+    limit ``descriptors`` (after :func:`raise_descriptor_limit`; None: unknown) leaves less, half of what it leaves
+    above :data:`RESERVED_DESCRIPTORS`: the shared-memory table takes at most the other half
+    (:func:`advantage_server.regions.default_max_regions`); at least 64."""
     if descriptors is None:
         return MAX_CONNECTIONS
-    from advantage_server.regions import MAX_REGIONS
-    return min(MAX_CONNECTIONS, max(64, descriptors - RESERVED_DESCRIPTORS - 2 * MAX_REGIONS))
+    return min(MAX_CONNECTIONS, max(64, (descriptors - RESERVED_DESCRIPTORS) // 2))
 
 
 def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB) -> int:

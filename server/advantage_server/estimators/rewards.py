@@ -89,9 +89,15 @@ class OpenRLHFRewardConfig(EstimatorConfig):
     def validate(self) -> None:
         super().validate()
         lo, hi = self.reward_clip_min, self.reward_clip_max
-        if lo is not None and hi is not None and not lo < hi:
+        if lo is None and hi is None:
+            return
+        # one end set: the other is OpenRLHF's default (the semantics-dependent default is filled in after validate)
+        lo = -OPENRLHF_REWARD_CLIP if lo is None else lo
+        hi = OPENRLHF_REWARD_CLIP if hi is None else hi
+        if not lo < hi:
             raise InvalidInput("config.reward_clip_min", f"must be below reward_clip_max (OpenRLHF asserts "
-                                                         f"clip_range[0] < clip_range[1]), got {lo} and {hi}")
+                                                         f"clip_range[0] < clip_range[1]), got {lo} and {hi} (an unset "
+                                                         "end is OpenRLHF's default, -10 or 10): set both")
 
     def clip(self, rewards: torch.Tensor) -> torch.Tensor:
         """``rewards`` in float64, clamped to the clip range."""
