@@ -36,6 +36,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_client.client import build_request
 from advantage_server import create_server
+from advantage_server import server as server_mod
 from advantage_server.limits import Limits, peer_host
 from advantage_server.shares import PendingShares
 
@@ -563,6 +564,9 @@ def test_a_stalled_connection_leaves_its_neighbour_on_the_same_host_its_calls():
                 # its calls count as stalled once they have sent nothing for STALL_S (0.1 s): before that they
                 # could be bodies on their way, and only a stalled upload is ever cut for another caller
                 _wait_for(lambda: sum(srv.uploads.stalled()[1].values()) >= 4, what="the staller's calls stalled")
+                # a connection that has not had a result yet (the neighbour's first call) cuts only a call silent for
+                # NEWCOMER_CUT_STALL_S (server.py): let the staller's calls be that old
+                time.sleep(server_mod.NEWCOMER_CUT_STALL_S)
                 codes = []
                 with grpc.insecure_channel(srv.address, options=opts) as neighbour:
                     stub = pb_grpc.AdvantageServiceStub(neighbour)

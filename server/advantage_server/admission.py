@@ -421,7 +421,7 @@ class RequestGate:
                     break
                 # a connection that only answers for its stalling host (no stalled upload of its own:
                 # shares.InheritedStalls) is held below stalled_cap too, but may cut a stalled upload of its host
-                # (make_room; evict_for: one silent since admission while places are free, NEWCOMER_CUT_STALL_S)
+                # once (make_room; evict_for: one without bytes for NEWCOMER_CUT_STALL_S)
                 conns = self._counts()[1]
                 inherited = cap < self.max_concurrent_requests and caller is not None and \
                     isinstance(conns, InheritedStalls) and not conns.own(caller.connection)
@@ -437,7 +437,7 @@ class RequestGate:
                             wait_end, arrived = now + self._wait_budget(caller), now
                         # a prompt caller looks again for a stalled upload to cut every EVICT_RETRY_S: the places'
                         # holders may not have been stalled yet when it came (a slow-loris's fresh calls)
-                        retry = make_room is not None and (cap == self.max_concurrent_requests or inherited) and \
+                        retry = make_room is not None and cap == self.max_concurrent_requests and \
                             wait_end - now > EVICT_RETRY_S
                         outcome = self._wait_for_place(caller, now + EVICT_RETRY_S if retry else wait_end, arrived)
                         if outcome == "granted":

@@ -364,10 +364,9 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         is refused anyway, and the uploads in progress keep their places to finish."""
         # a connection that has not had a result yet (a newcomer, or a slow-loris's fresh connection) cuts only an
         # upload stalled for NEWCOMER_CUT_STALL_S: a prompt client's body slowed by a loaded server is not one
-        # ``held``: places are free, this caller is held below stalled_cap: only a call that has sent no request
-        # byte at all is cut (a client pausing a stream it has begun keeps its place while there is room)
+        # ``held``: places are free and this caller is held below stalled_cap (the cut's message says so)
         stall = 0.0 if self.results.proven(call_peer(context)) else NEWCOMER_CUT_STALL_S
-        if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall, silent_only=held):
+        if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall, held=held):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
     def _wait_results(self, context: grpc.ServicerContext) -> None:

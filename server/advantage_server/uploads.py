@@ -146,13 +146,13 @@ class UploadWatch:
         #: :meth:`advantage_server.admission.RequestGate.repay`: the place it lent to the newcomer is accounted)
         self.on_lent_exit: Callable[[], None] | None = None
 
-    def evict_for(self, context: Any, min_stall: float = 0.0, silent_only: bool = False) -> bool:
+    def evict_for(self, context: Any, min_stall: float = 0.0, held: bool = False) -> bool:
         """The server is full and ``context``'s call is waiting for a place: cut the pending upload the fair
         shares pick (:meth:`PendingShares.rank`: a group holding more pending calls than the caller's, between
         hosts first, then between the connections of the caller's host; the most stalled of its uploads), with
         RESOURCE_EXHAUSTED saying why. ``min_stall``: only an upload without bytes for at least this many seconds
-        (besides being stalled) is cut. ``silent_only``: the server has free places and the caller is held below
-        ``stalled_cap``: only an upload that has received no byte at all is cut. True when one was cut (its place
+        (besides being stalled) is cut. ``held``: the server has free places and the caller is held below
+        ``stalled_cap`` (its host holds stalled uploads): the cut's message says so. True when one was cut (its place
         frees within moments)."""
         peer = call_peer(context)
         newcomer = (peer, peer_host(peer))
@@ -165,7 +165,7 @@ class UploadWatch:
             holds_nothing = self.shares.pending(*newcomer)[0] == 0
             best: tuple[Any, ...] | None = None
             for e in self._watched.values():
-                if not e.keys or not e.stalled(now) or now - e.touched < min_stall or (silent_only and e.received):
+                if not e.keys or not e.stalled(now) or now - e.touched < min_stall:
                     continue  # only a stalled upload is cut: a body that is arriving promptly never is
                 rank = self.shares.rank(e.keys, newcomer)
                 if rank is None or rank[1] < (1 if holds_nothing and rank[0] == 0 else 2):
@@ -177,8 +177,8 @@ class UploadWatch:
             rank, _, victim = best
             conn_n, host_n = self.shares.pending(*newcomer)
             conn_v, host_v = self.shares.pending(*victim.keys)
-            if silent_only:
-                why = (f"this call had sent no request byte for {now - victim.touched:.1f} s while a call of another "
+            if held:
+                why = (f"this call had sent no request bytes for {now - victim.touched:.1f} s while a call of another "
                        "connection of its host waited (the calls of a host holding stalled uploads may fill only half "
                        "the places)")
             elif rank[0]:
@@ -192,7 +192,7 @@ class UploadWatch:
             self._cut_at[victim.keys] = time.monotonic()
             self._stalled_cache = (-math.inf, self._stalled_cache[1])
             victim.cut = UploadCut(
-                f"cut to give its place to another client: {'' if silent_only else 'the server was full and '}{why}; "
+                f"cut to give its place to another client: {'' if held else 'the server was full and '}{why}; "
                 "send each request in "
                 "full as soon as its call starts (a call whose body has arrived is never cut for another)")
             self._unpend(victim)
