@@ -540,7 +540,7 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
             ch.close()
 
 
-def test_a_newcomer_cuts_only_an_upload_stalled_for_a_second(make_server):
+def test_a_newcomer_cuts_only_an_upload_stalled_for_half_a_second(make_server):
     """A connection with no result yet (a newcomer, or a slow-loris's fresh connection) cuts only an upload that has
     been without bytes for ``NEWCOMER_CUT_STALL_S`` (0.5 s): 64 client processes starting at once on 2 cores had
     their first bodies stall past ``STALL_S`` (0.1 s) and cut each other (tests/test_shm_many_processes.py). Here the
