@@ -419,16 +419,14 @@ class RequestGate:
                 if not self._is_full(cap):
                     self._limited += 1
                     break
-                # a connection that only answers for its stalling host (no stalled upload of its own:
-                # shares.InheritedStalls) is held below stalled_cap too, but may cut a stalled upload of its host
-                # once (make_room; evict_for: one without bytes for NEWCOMER_CUT_STALL_S)
-                conns = self._counts()[1]
-                inherited = cap < self.max_concurrent_requests and caller is not None and \
-                    isinstance(conns, InheritedStalls) and not conns.own(caller.connection)
                 held = cap < self.max_concurrent_requests and not self._is_full()
                 if held:
                     self.held_back += 1
-                    tried = tried or not inherited  # a staller is not given other callers' places: it waits
+                    # a staller is not given other callers' places: it waits below stalled_cap. A connection that
+                    # only answers for its stalling host (no stalled upload of its own: shares.InheritedStalls) may
+                    # first cut a stalled upload of its host once (make_room; evict_for: NEWCOMER_CUT_STALL_S)
+                    conns = self._counts()[1]
+                    tried = tried or not (isinstance(conns, InheritedStalls) and not conns.own(caller.connection))
                 retry = False
                 if tried:
                     if caller is not None:

@@ -67,7 +67,7 @@ from advantage_server.limits import (
 )
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import UNREAD_TOTAL_BYTES, InheritedStalls, ResultLedger
+from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -134,12 +134,12 @@ def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_M
     """RELIABILITY.md's peak memory bound, in bytes: how far a server with ``limits`` may grow above its idle RSS,
     whatever its callers do. With C = ``max_concurrent_requests``, R = max(message, stream) bytes, M = message
     bytes, W = ``workers``, E = ``max_batch_elements``, F = the stream window:
-    ``3 C R + 3 x 8 M + W x 64 B x E + 1,024 x 17 KiB`` (Watch streams) ``+ 2 C F`` (waiting calls' windows)
+    ``3 C R + 3 x 8 M + W x 64 B x E + MAX_WATCHES x 17 KiB`` (Watch streams) ``+ 2 C F`` (waiting calls' windows)
     ``+ UNREAD_TOTAL_BYTES`` (results not yet delivered) ``+ MAX_CONNECTIONS x 15 KiB`` (open connections)
     ``+ 100 MiB``. The adversarial benchmark prints each attack's peak RSS growth against it."""
     c, m = limits.max_concurrent_requests, limits.max_message_bytes
     r = max(m, limits.max_stream_bytes)
-    return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + 1024 * (17 << 10)
+    return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + MAX_WATCHES * (17 << 10)
             + 2 * c * (stream_window_mb << 20) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
 
 

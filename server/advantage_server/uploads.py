@@ -193,8 +193,8 @@ class UploadWatch:
             self._stalled_cache = (-math.inf, self._stalled_cache[1])
             victim.cut = UploadCut(
                 f"cut to give its place to another client: {'' if held else 'the server was full and '}{why}; "
-                "send each request in "
-                "full as soon as its call starts (a call whose body has arrived is never cut for another)")
+                "send each request in full as soon as its call starts (a call whose body has arrived is never cut for "
+                "another)")
             self._unpend(victim)
             self.evictions += 1
         self._warn_cut("between hosts" if rank[0] else "inside a host")
