@@ -191,10 +191,15 @@ def test_several_replicas_send_the_refused_call_to_another(gates):
     full, free = gates(refuse=-1), gates(refuse=0)
     with AdvantageClient([full.address, free.address], timeout=30, transport="unary") as client:
         for _ in range(6):
+            before = full.attempts
             advantages = client.compute("grpo", None, prompt_ids=PROMPTS, rewards=REWARDS, mask=MASK).advantages
             np.testing.assert_array_equal(np.asarray(advantages), want)
-    assert free.attempts == 6  # every call answered there; those the rotation sent to the full one were resent
-    assert full.attempts <= 6
+            # What the client guarantees, not how grpcio's round_robin and the call's random order fall: a call
+            # reaches the full replica at most twice, its first attempt through the rotation and its own order's
+            # turn there, which may come first (the client does not know which replica refused). A total of
+            # `<= 6` over the six calls, asserted before, failed on CI with 8.
+            assert full.attempts - before <= 2
+    assert free.attempts == 6  # every call answered there, once; those sent to the full one were resent
 
     async def run() -> list[np.ndarray]:
         async with AsyncAdvantageClient([full.address, free.address], timeout=30, transport="unary") as client:
