@@ -115,8 +115,38 @@ def assert_close_to_golden(got, case: dict, key: str) -> None:
     raise AssertionError(f"{case['id']} {key}: " + " | ".join(failures))
 
 
+def pytest_configure(config):
+    """TRL's released trainer modules for the differential tests (tests/references/trl_ref.py: imported against
+    stubs of transformers and accelerate), imported before any test module imports the real transformers: after
+    the real one (tests/test_trl_trainer.py, or a module collected earlier), its leftover modules make the stubbed
+    import fail (``No module named 'huggingface_hub.utils._telemetry'``), whatever the order pytest-xdist gives a
+    worker's files. About 1.5 s per process, where TRL is installed."""
+    import importlib.util
+    if importlib.util.find_spec("trl") is not None:
+        from references import trl_ref
+        for trainer in ("grpo", "rloo"):
+            trl_ref.load(trainer)
+
+
 def pytest_terminal_summary(terminalreporter):
     """One ``differential batches tried: <name>: <n>`` line per differential test (tests/references/counts.py)."""
     from references.counts import TRIED
     for name in sorted(TRIED):
         terminalreporter.write_line(f"differential batches tried: {name}: {TRIED[name]}")
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (``make test``'s two workers) a worker hands its counts to the controller, which prints
+    the summary (:func:`pytest_testnodedown` adds them up)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from references.counts import TRIED
+        workeroutput["differential_batches_tried"] = dict(TRIED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: add a finished worker's differential counts to this process's."""
+    from references.counts import TRIED
+    for name, n in getattr(node, "workeroutput", {}).get("differential_batches_tried", {}).items():
+        TRIED[name] += n

@@ -100,7 +100,11 @@ def batches(draw, info, base: dict):
     for f in info.config_fields:
         if f.type == "bool" and f.name not in cfg and _default(f.default_value, semantics) is not _UNKNOWN:
             if draw(st.booleans()):
-                cfg[f.name] = draw(st.booleans())
+                value = draw(st.booleans())
+                # a setting that makes the config batch-wide (trl rloo's normalize_advantages) is not this
+                # contract's: test_client_reads_the_declarations_as_the_server_evaluates_them covers it
+                if group_local(list(info.group_local), dict(cfg, **{f.name: value}), defaults):
+                    cfg[f.name] = value
     if "reference_policy_kl_type" in defaults:
         cfg["reference_policy_kl_type"] = draw(st.sampled_from(["k1", "k2", "k3"]))
     T = draw(st.integers(1, 6))

@@ -367,6 +367,7 @@ NEMO_DEFAULTS = {
 }
 #: defaults of the estimators that follow verl (and of fields whose listed default is per estimator)
 VERL_DEFAULTS = {
+    ("rloo", "normalize_advantages"): False,  # TRL 1.16.0 RLOOConfig (trl semantics only)
     ("grpo_passk", "normalize_rewards"): True,
     ("grpo_passk", "epsilon"): 1e-6,
     ("gpg", "f_norm"): 1.0,
@@ -427,8 +428,9 @@ PER_SEMANTICS_TEXT = {
     ("reinforce_plus_plus", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
-    ("rloo", "reward_clip_min"): "-10.0 (openrlhf); not applicable otherwise",
-    ("rloo", "reward_clip_max"): "10.0 (openrlhf); not applicable otherwise",
+    ("rloo", "reward_clip_min"): "-10.0 (openrlhf); none (trl); not applicable otherwise",
+    ("rloo", "reward_clip_max"): "10.0 (openrlhf); none (trl); not applicable otherwise",
+    ("rloo", "normalize_advantages"): "false (trl); not applicable otherwise",
     ("gae", "no_std_norm"): "false (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus", "no_std_norm"): "false (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "no_std_norm"): "false (openrlhf); not applicable otherwise",

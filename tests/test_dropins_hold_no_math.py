@@ -25,7 +25,7 @@ ALLOWED: dict[str, dict[str, tuple[set[str], str]]] = {
                               "logging fields OpenRLHF writes beside the advantages (info['group_reward_std'], "
                               "info['return']) and the padded width (max)")},
     "verl": {"_gdpo_components": ({"sum"}, "a token-level reward [B, T] summed to the score verl's GDPO reads (input)")},
-    "trl": {"trl_advantages": ({"nansum"}, "TRL's weighted sum of its reward functions: the reward sent (input)")},
+    "trl": {"weighted_rewards": ({"nansum"}, "TRL's weighted sum of its reward functions: the reward sent (input)")},
     "areal": {"areal_advantages": ({"clip", "sum", "where"},
                                    "AReaL's data['rewards'] field: the service's token rewards placed at seqlen - 2, "
                                    "as AReaL lays it out (layout)")},

@@ -489,7 +489,7 @@ def test_bad_config_values_name_the_field(name, config, field):
 def test_bad_config_over_grpc_is_invalid_argument(client):
     import grpc
     with pytest.raises(AdvantageServiceError) as exc:
-        client.compute("rloo", {"semantics": "trl"}, prompt_ids=IDS.numpy(), rewards=R.numpy().astype(np.float32),
+        client.compute("rloo", {"semantics": "nemo_rl"}, prompt_ids=IDS.numpy(), rewards=R.numpy().astype(np.float32),
                        mask=MASK.numpy().astype(np.float32))
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "config.semantics" in str(exc.value)
 

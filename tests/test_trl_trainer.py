@@ -1,5 +1,5 @@
-"""TRL's real training loop with the service in it: ``advantage_client.trl.RemoteGRPOTrainer`` against TRL 1.16.0's
-own ``GRPOTrainer``, both trained for ``STEPS`` optimizer steps on the CPU from the same seed.
+"""TRL's real training loops with the service in them: ``advantage_client.trl.RemoteGRPOTrainer`` against TRL
+1.16.0's own ``GRPOTrainer`` (and ``RemoteRLOOTrainer`` against ``RLOOTrainer``, below), both trained for ``STEPS`` optimizer steps on the CPU from the same seed.
 
 Set-up (nothing downloaded; ``HF_HUB_OFFLINE=1``, ``HF_HUB_DISABLE_TELEMETRY=1``): a randomly initialised
 ``LlamaForCausalLM`` built from a config (2 layers, width 64), a character-level ``tokenizers`` WordLevel
@@ -32,6 +32,17 @@ What is compared, every step (the trainers record ``rewards_per_func``, the comp
 
 Also: the multi-process slice (process 1 of 2, with TRL's ``gather`` giving the other process's rows first)
 equals TRL's slice; ``normalize_then_sum`` is refused at construction; the module imports without TRL.
+
+``RLOOTrainer`` (issue #36): TRL 1.16.0's own and ``RemoteRLOOTrainer``, 5 steps each from one seed with plain
+SGD (``RLOO_LR``; the model saved to a directory first, as ``RLOOTrainer`` builds its reference model from the
+policy's path), in three variants: ``RLOOConfig``'s defaults (``beta = 0.05``: the KL penalty in the reward),
+``normalize_advantages`` with a ``reward_clip_range``, and unscorable completions. Every step: the same
+completions; the service's advantages equal TRL's formula in float64 on the remote run's own rewards and log-probs
+to half a float32 spacing; TRL's own equal that formula on the stock run's inputs to ``RLOO_ADV_TOL``; the two
+differ by no more than their inputs' drift explains (none at the first step). The final weights agree to
+``WEIGHT_TOL``, and training moved them more than 10x that. Checked at x1.0001: with the server's ``trl_rloo``
+scaled by 1.0001 (monkeypatched in the in-process server), all three variants fail, as does every option set of
+``tests/test_diff_trl_rloo.py``.
 
 Time (2 CPU cores): about 3-5 s per 5-step run (8 runs, each recorded once per module and shared by the tests)
 after a one-off ~5 s import of transformers and TRL: about 30-40 s for the file.
@@ -88,10 +99,10 @@ def hf(target):
         import trl
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        from advantage_client.trl import RemoteGRPOTrainer
+        from advantage_client.trl import RemoteGRPOTrainer, RemoteRLOOTrainer
         yield types.SimpleNamespace(trl=trl, transformers=transformers, datasets=datasets, target=target,
-                                    Remote=RemoteGRPOTrainer, Tokenizer=Tokenizer, decoders=decoders,
-                                    models=models, pre_tokenizers=pre_tokenizers, runs={})
+                                    Remote=RemoteGRPOTrainer, RemoteRLOO=RemoteRLOOTrainer, Tokenizer=Tokenizer,
+                                    decoders=decoders, models=models, pre_tokenizers=pre_tokenizers, runs={})
     finally:
         for name in [n for n in sys.modules if n == "trl" or n.startswith("trl.")]:
             del sys.modules[name]
@@ -350,3 +361,141 @@ def test_target_and_token_from_the_environment(make_server, tmp_path, monkeypatc
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, trl_float64(rewards, N_GEN, "group"), rtol=2 ** -24, atol=0)  # one rounding
     assert got[2] == 0 and (got[4:] == 0).all()  # the unscorable row; a tied group
+
+
+# ----------------------------------------------------------------------------------------------- RLOOTrainer
+#: RLOO with KL: TRL sums beta * (logp - ref_logp) over the completion in float32, so its float32 advantages carry
+#: more roundings than GRPO's (measured: at most 3e-7 from the float64 formula on its own inputs); TRL's float32
+#: against the formula at this tolerance, the service's at half a float32 spacing (``_compare_rloo``)
+RLOO_ADV_TOL = 1e-5
+#: plain SGD for the RLOO runs: a weight then moves by lr times its gradient, so advantages one float32 ulp apart
+#: move the two runs' weights apart by about 1e-7 of those moves. Under Adam (the GRPO runs above) a weight whose
+#: gradient sums to rounding noise (RLOO's standardised advantages sum to 0 over the batch) moves by up to lr
+#: either way, and the two runs ended 1e-4 apart with advantages within one ulp at every step.
+RLOO_LR = 0.05
+
+
+class _RecordRLOO(_Record):
+    """``_Record`` plus the per-token log-probs of the policy and the reference of each generation step (the
+    KL penalty's inputs), and the completion mask, for the float64 rule."""
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if getattr(self, "_in_generate", False):
+            self.steps[-1].setdefault("logps", []).append(out[0].detach().double().clone())
+        return out
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        logps = self.steps.pop().get("logps") if self.steps and "rewards_per_func" not in self.steps[-1] else None
+        out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if logps is not None:
+            self.steps[-1]["logps"] = logps
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        self.steps.append({})
+        self._in_generate = True
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self._in_generate = False
+        self.steps[-1].update(completion_mask=out["completion_mask"].detach().clone())
+        return out
+
+
+def _rloo_run(hf, tmp_path_factory, remote, variant="default"):
+    """5 steps of TRL's RLOOTrainer or the remote one from the same seed: ``default`` (RLOOConfig's beta = 0.05:
+    the KL penalty in the reward, a reference model), ``normalize_clip`` (normalize_advantages, a
+    reward_clip_range of (0, 1)), ``unscorable`` (``reward_or_none``). Plain SGD (``RLOO_LR``)."""
+    key = ("rloo", remote, variant)
+    if key in hf.runs:
+        return hf.runs[key]
+    tmp = tmp_path_factory.mktemp("rloo")
+    tokenizer = _tokenizer(hf)
+    model_dir = tmp / "model"  # RLOOTrainer builds its reference model from the policy's path
+    _model(hf, tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    overrides = {"normalize_clip": dict(normalize_advantages=True, reward_clip_range=(0.0, 1.0))}
+    args = hf.trl.RLOOConfig(
+        output_dir=str(tmp / "out"), use_cpu=True, bf16=False, fp16=False, per_device_train_batch_size=2 * N_GEN,
+        num_generations=N_GEN, max_completion_length=8, max_steps=STEPS, learning_rate=RLOO_LR, optim="sgd",
+        report_to="none", save_strategy="no", seed=SEED, logging_steps=STEPS, disable_tqdm=True,
+        dataloader_num_workers=0, **overrides.get(variant, {}))
+    service = Recorded(hf.target) if remote else None
+    base = hf.RemoteRLOO if remote else hf.trl.RLOOTrainer
+    cls = type("Recording" + base.__name__, (_RecordRLOO, base), {})
+    trainer = cls(model=str(model_dir), reward_funcs=reward_or_none if variant == "unscorable" else reward,
+                  args=args, train_dataset=hf.datasets.Dataset.from_dict({"prompt": PROMPTS}),
+                  processing_class=tokenizer, **({"advantage_client": service} if remote else {}))
+    trainer.steps = []
+    trainer.train()
+    assert trainer.state.global_step == STEPS
+    if remote:  # one call per generation step, and what trained is what the service answered
+        assert len(service.answers) == STEPS
+        for step, answer in zip(trainer.steps, service.answers):
+            assert torch.equal(step["advantages"], torch.from_numpy(answer))
+        service.client.close()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    hf.runs[key] = types.SimpleNamespace(steps=trainer.steps, weights=weights, args=args)
+    return hf.runs[key]
+
+
+def _rloo_float64(run, step) -> tuple[np.ndarray, list | None]:
+    """TRL's RLOO formula (the loop twin) in float64 on one run's own inputs of a step: its float32
+    ``rewards_per_func``, and its per-token log-probs and completion mask for the KL."""
+    from advantage_server.estimators.rloo import trl_rloo_loop
+    args = run.args
+    rewards = step["rewards_per_func"][:, 0].double().numpy()
+    kl = None
+    if args.beta:
+        policy, ref = step["logps"]
+        kl = (args.beta * ((policy - ref) * step["completion_mask"].double()).sum(-1)).tolist()
+    want = trl_rloo_loop([j // N_GEN for j in range(len(rewards))], rewards.tolist(), kl, args.reward_clip_range,
+                         args.normalize_advantages)
+    return np.array(want), kl
+
+
+def _compare_rloo(stock, remote):
+    """Per step: the service's advantages are TRL's formula on the remote run's inputs (to half a float32
+    spacing); TRL's own are the formula on the stock run's inputs (to its float32 roundings, ``RLOO_ADV_TOL``);
+    and the two runs' advantages differ by no more than their
+    inputs explain. The inputs are the same at the first step (same weights); later, the KL penalty reads
+    log-probs of policies that drifted apart by float32 roundings (the weights stay within ``WEIGHT_TOL``), and
+    beta * that drift is what the third check allows."""
+    seen = {"nonzero": 0, "unscorable": 0, "kl": 0}
+    for i, (s, r) in enumerate(zip(stock.steps, remote.steps)):
+        assert torch.equal(s["completion_ids"], r["completion_ids"]), f"step {i}: the runs generated differently"
+        torch.testing.assert_close(r["rewards_per_func"], s["rewards_per_func"], rtol=0, atol=0, equal_nan=True)
+        ours, theirs = r["advantages"].double().numpy(), s["advantages"].double().numpy()
+        assert r["advantages"].dtype == torch.float32 and ours.shape == theirs.shape == (2 * N_GEN,)
+        want, kl = _rloo_float64(remote, r)
+        spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(ours - want) <= spacing / 2 + 1e-12), (i, ours, want)  # the float64 rule
+        want_stock, _ = _rloo_float64(stock, s)
+        tol = RLOO_ADV_TOL * np.maximum(1.0, np.abs(theirs))
+        assert np.all(np.abs(theirs - want_stock) <= tol), (i, theirs, want_stock)  # TRL computes the formula
+        drift = np.abs(want - want_stock)
+        assert np.all(np.abs(ours - theirs) <= drift + tol), (i, ours, theirs, drift)
+        if i == 0:
+            assert np.array_equal(want, want_stock)  # the same inputs at the first step
+        seen["kl"] += int(kl is not None and any(k != 0 for k in kl))
+        seen["nonzero"] += int((ours != 0).sum())
+        seen["unscorable"] += int(np.isnan(r["rewards_per_func"][:, 0].numpy()).sum())
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["default", "normalize_clip", "unscorable"])
+def test_remote_rloo_trainer_trains_as_stock_trl(hf, tmp_path_factory, variant):
+    """TRL 1.16.0's RLOOTrainer and RemoteRLOOTrainer, 5 steps from one seed: the same completions, every
+    step's advantages the service's and equal to TRL's (float64 rule, and TRL's float32 to ``RLOO_ADV_TOL``),
+    and the final weights within ``WEIGHT_TOL``."""
+    stock = _rloo_run(hf, tmp_path_factory, remote=False, variant=variant)
+    remote = _rloo_run(hf, tmp_path_factory, remote=True, variant=variant)
+    seen = _compare_rloo(stock, remote)
+    assert seen["nonzero"] >= 8 and seen["kl"] >= 1, seen  # real advantages, and the KL penalty in them
+    if variant == "unscorable":
+        assert seen["unscorable"] >= 2, seen
+    for name, w in stock.weights.items():
+        assert float((remote.weights[name] - w).abs().max()) <= WEIGHT_TOL, name
+    moved = max(float((w - _initial(hf)[name]).abs().max()) for name, w in stock.weights.items())
+    assert moved > 10 * WEIGHT_TOL, moved  # training moved the weights

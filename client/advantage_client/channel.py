@@ -96,6 +96,35 @@ TLS_CA_ENV = "ADVANTAGE_SERVICE_TLS_CA"
 #: a file holding the bearer token sent with every call, for clients the framework adapters build
 TOKEN_FILE_ENV = "ADVANTAGE_SERVICE_TOKEN_FILE"
 DEFAULT_TARGET = "localhost:50051"
+#: the variables a framework's Ray workers need to reach the service, forwarded to them by the launchers
+#: (``python -m advantage_client.openrlhf``, ``python -m advantage_client.skyrl``: :func:`forward_to_ray_workers`)
+FORWARDED_ENV = (TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV)
+
+
+def ray_job_runtime_env() -> dict:
+    """The runtime environment of the Ray job this process is the driver of (``ray job submit
+    --runtime-env-json``: Ray hands it to the driver in ``$RAY_JOB_CONFIG_JSON_ENV_VAR``), else empty."""
+    try:
+        return dict(json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {})
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
+def forward_to_ray_workers(runtime_env: Mapping[str, Any] | None, job: Mapping[str, Any] | None = None) -> dict:
+    """``runtime_env`` (a Ray runtime environment, as a framework passes it to ``ray.init``; None: empty) with this
+    process's :data:`FORWARDED_ENV` variables added to its ``env_vars``, so every worker of the job, on every node,
+    gets them (those it already sets are kept). ``job``: the Ray job's own runtime environment
+    (:func:`ray_job_runtime_env`); Ray refuses a ``ray.init`` that repeats one of its variables, so a variable the
+    job already gives is not added again."""
+    env = dict(runtime_env or {})
+    env_vars = dict(env.get("env_vars") or {})
+    given = set((job or {}).get("env_vars") or {})
+    for key in FORWARDED_ENV:
+        if os.environ.get(key) and key not in given:
+            env_vars.setdefault(key, os.environ[key])
+    if env_vars:
+        env["env_vars"] = env_vars
+    return env
 
 
 def settings_from_environment(target: Any = None, tls_ca: str | None = None,

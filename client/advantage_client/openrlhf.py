@@ -69,11 +69,11 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import os
 import sys
 import warnings
 from typing import Any, List
 
+from advantage_client import channel
 from advantage_client.verl import _client_for
 
 # torch is imported where it is used: every advantage_client module imports without it (tests/test_client_only.py)
@@ -110,17 +110,8 @@ def _experience_maker_class() -> Any:
 OPENRLHF_CLI = "openrlhf.cli.train_ppo_ray"
 SETUP_HOOK = "advantage_client.openrlhf.install"
 #: this process's environment variables a worker's client reads, forwarded to the workers
-FORWARDED_ENV = ("ADVANTAGE_SERVICE_TARGET", "ADVANTAGE_SERVICE_TLS_CA", "ADVANTAGE_SERVICE_TOKEN_FILE")
-
-
-def _job_runtime_env() -> dict:
-    """The runtime environment of the Ray job this process is the driver of (``ray job submit
-    --runtime-env-json``: Ray hands it to the driver in ``$RAY_JOB_CONFIG_JSON_ENV_VAR``), else empty."""
-    import json
-    try:
-        return dict(json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {})
-    except (ValueError, AttributeError, TypeError):
-        return {}
+FORWARDED_ENV = channel.FORWARDED_ENV
+_job_runtime_env = channel.ray_job_runtime_env
 
 
 def with_setup_hook(runtime_env: dict | None, job: dict | None = None) -> dict:
@@ -138,14 +129,7 @@ def with_setup_hook(runtime_env: dict | None, job: dict | None = None) -> dict:
                              "per job: call advantage_client.openrlhf.install() from it instead")
     if "worker_process_setup_hook" not in job:
         env["worker_process_setup_hook"] = SETUP_HOOK
-    env_vars = dict(env.get("env_vars") or {})
-    given = set(job.get("env_vars") or {})
-    for key in FORWARDED_ENV:
-        if os.environ.get(key) and key not in given:
-            env_vars.setdefault(key, os.environ[key])
-    if env_vars:
-        env["env_vars"] = env_vars
-    return env
+    return channel.forward_to_ray_workers(env, job)
 
 
 def main(argv: list[str] | None = None) -> None:

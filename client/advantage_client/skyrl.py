@@ -1,5 +1,21 @@
 """SkyRL plugin: SkyRL 0.4.0's advantage estimators, computed by the advantage service, registered in SkyRL's
-``AdvantageEstimatorRegistry`` under names its config can use::
+``AdvantageEstimatorRegistry`` under names its config can use.
+
+Adoption at SkyRL's own entry point, one change to the launch command (the server: ``$ADVANTAGE_SERVICE_TARGET``)::
+
+    python -m advantage_client.skyrl <the overrides> trainer.algorithm.advantage_estimator=remote_grpo
+    # was: python -m skyrl.train.entrypoints.main_base <the overrides> trainer.algorithm.advantage_estimator=grpo
+
+or, the same through SkyRL's own hook for custom entry points, its launch module unchanged::
+
+    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=advantage_client.skyrl <the overrides> \
+        trainer.algorithm.advantage_estimator=remote_grpo
+
+:func:`main` registers the estimators on the driver, then runs SkyRL's ``main_base`` module unchanged with the
+overrides; SkyRL's ``initialize_ray`` sends the driver's registry to its registry actor (``sync_registries``), where
+every worker finds it, and its ``ray.init`` is given this process's ``$ADVANTAGE_SERVICE_TARGET`` (and the TLS/token
+variables) as job-wide ``env_vars`` (:func:`advantage_client.channel.forward_to_ray_workers`; SkyRL's own
+variables kept), so workers on every node reach the service. A script of one's own does the same in two lines::
 
     import advantage_client.skyrl
     advantage_client.skyrl.register()          # server: $ADVANTAGE_SERVICE_TARGET (TLS/token: see below)
@@ -34,8 +50,10 @@ structure is lost as SkyRL's check says).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
+from advantage_client import channel
 from advantage_client.verl import REMOTE_PREFIX, _client_for, _output_dtype, _with_semantics, group_labels
 
 #: SkyRL 0.4.0 registry name -> the service's estimator (run with ``semantics = skyrl``)
@@ -143,4 +161,41 @@ def get_advantage_estimator(name: str, target: Any = None) -> Callable[..., tupl
     return RemoteEstimator(name, target)
 
 
-__all__ = ["ESTIMATORS", "RemoteEstimator", "register", "unregister", "get_advantage_estimator"]
+#: the module SkyRL 0.4.0's users run, and the override by which its ``main`` hands a launch to another entry point
+SKYRL_MAIN = "skyrl.train.entrypoints.main_base"
+OVERRIDE_ENTRYPOINT = "trainer.override_entrypoint="
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m advantage_client.skyrl <SkyRL's overrides>``, or SkyRL's ``main_base`` with
+    ``trainer.override_entrypoint=advantage_client.skyrl`` (which calls this): :func:`register` (the target each
+    worker reads from its ``$ADVANTAGE_SERVICE_TARGET``), then SkyRL's ``main_base`` module (:data:`SKYRL_MAIN`)
+    unchanged with the overrides (``trainer.override_entrypoint`` left out, so it runs SkyRL's own main), its
+    ``ray.init`` given the service's variables for every worker (module docstring). Raises what SkyRL raises
+    (an unknown estimator name: its ``validate_cfg``)."""
+    import runpy
+
+    import ray
+
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(OVERRIDE_ENTRYPOINT)]
+    register()
+    original = ray.init
+
+    def init(*a: Any, **kwargs: Any) -> Any:
+        kwargs["runtime_env"] = channel.forward_to_ray_workers(kwargs.get("runtime_env"),
+                                                               channel.ray_job_runtime_env())
+        return original(*a, **kwargs)
+
+    ray.init = init
+    sys.argv = [SKYRL_MAIN, *args]
+    try:
+        runpy.run_module(SKYRL_MAIN, run_name="__main__", alter_sys=True)
+    finally:
+        ray.init = original
+
+
+__all__ = ["ESTIMATORS", "RemoteEstimator", "register", "unregister", "get_advantage_estimator", "main"]
+
+
+if __name__ == "__main__":  # python -m advantage_client.skyrl <SkyRL main_base's overrides>
+    main()

@@ -48,9 +48,28 @@ estimator) and a ``scale_rewards`` other than group, batch or none. Service erro
 raises them (:class:`~advantage_client.AdvantageServiceError`; INVALID_ARGUMENT, e.g. an infinite reward, as
 :class:`~advantage_client.InvalidArgumentError`, a ``ValueError``).
 
-This module imports without TRL (and without torch): TRL is imported, and the subclass made, when
-``RemoteGRPOTrainer`` is first looked up (``from advantage_client.trl import RemoteGRPOTrainer``); a missing TRL
-is an ``ImportError`` then.
+:class:`RemoteRLOOTrainer` is TRL's ``RLOOTrainer`` the same way (one class name changed; ``RLOOConfig`` and the
+rest unchanged)::
+
+    from advantage_client.trl import RemoteRLOOTrainer as RLOOTrainer
+
+TRL 1.16.0 computes RLOO advantages inline in ``RLOOTrainer._generate_and_score_completions`` too. The class
+keeps the gathered ``rewards_per_func`` and, when ``beta != 0``, the per-token log-probs of the policy and of the
+reference that the method computes for the KL penalty (the first and second ``_get_per_token_logps_and_entropies``
+calls of the step), with the ``completion_mask``; all three are gathered over processes as TRL gathers the KL
+(padded to the widest completion first). It sends estimator ``rloo`` with ``semantics = "trl"``: rewards the weighted
+sum of the reward functions as above, NaN for an unscorable completion (the service leaves it out of the
+leave-one-out means and of the normalisation, and gives it 0, as TRL does); ``normalize_advantages`` and
+``reward_clip_range`` (as ``reward_clip_min``/``reward_clip_max``) as configured; ``beta`` as
+``use_kl_in_reward`` with ``reference_policy_kl_penalty = beta``, ``reference_policy_kl_type = "k1"`` (TRL's KL is
+the policy's log-prob minus the reference's) and open clamps (TRL clamps neither). The per-sample answer
+(``per_sample = true``: one advantage per completion) replaces this process's slice of ``out["advantages"]``.
+Proven against TRL's own trainer in ``tests/test_trl_trainer.py`` and against the released method on generated
+batches in ``tests/test_diff_trl_rloo.py``.
+
+This module imports without TRL (and without torch): TRL is imported, and the subclass made, when a trainer is
+first looked up (``from advantage_client.trl import RemoteGRPOTrainer``); a missing TRL is an ``ImportError``
+then.
 """
 from __future__ import annotations
 
@@ -62,8 +81,11 @@ import numpy as np
 from advantage_client.channel import TARGET_ENV, TLS_CA_ENV, TOKEN_FILE_ENV, replica_list, settings_from_environment
 from advantage_client.client import AdvantageClient
 
-__all__ = ["RemoteGRPOTrainer", "trl_advantages", "client_from_environment", "SCALE_REWARDS",
-           "TLS_CA_ENV", "TOKEN_FILE_ENV"]
+__all__ = ["RemoteGRPOTrainer", "RemoteRLOOTrainer", "trl_advantages", "trl_rloo_advantages",
+           "client_from_environment", "SCALE_REWARDS", "TLS_CA_ENV", "TOKEN_FILE_ENV"]
+
+#: the KL estimator clamps sent for TRL's unclamped KL (finite, as config values must be)
+_OPEN_CLAMP = 1e300
 
 #: TRL 1.16.0's ``scale_rewards`` values (after ``GRPOConfig`` maps True/False to group/none)
 SCALE_REWARDS = ("group", "batch", "none")
@@ -90,18 +112,8 @@ def trl_advantages(client: Any, rewards_per_func: Any, reward_weights: Any, num_
     ``client.compute`` raises (``InvalidArgumentError`` for an infinite reward)."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: the service offers TRL's {', '.join(SCALE_REWARDS)}")
-    r = rewards_per_func.detach().cpu().double().numpy() if hasattr(rewards_per_func, "detach") \
-        else np.asarray(rewards_per_func, dtype=np.float64)
-    w = reward_weights.detach().cpu().double().numpy() if hasattr(reward_weights, "detach") \
-        else np.asarray(reward_weights, dtype=np.float64)
-    if r.ndim != 2 or w.shape != (r.shape[1],):
-        raise ValueError(f"rewards_per_func must be [B, F] and reward_weights [F], got {r.shape} and {w.shape}")
-    B = r.shape[0]
-    if num_generations < 1 or B % num_generations:
-        raise ValueError(f"the batch of {B} completions is not a whole number of groups of num_generations="
-                         f"{num_generations}")
-    unscorable = np.isnan(r).all(axis=1)
-    rewards = np.nansum(r * w[None, :], axis=1)          # TRL: (rewards_per_func * weights).nansum(dim=1)
+    rewards, unscorable = weighted_rewards(rewards_per_func, reward_weights, num_generations)
+    B = len(rewards)
     config: dict[str, Any] = {"semantics": "trl", "scale_rewards": scale_rewards}
     mask = np.ones((B, 1), dtype=np.float32)
     if unscorable.any():
@@ -112,6 +124,63 @@ def trl_advantages(client: Any, rewards_per_func: Any, reward_weights: Any, num_
     out = client.compute("grpo", config, output_dtype="float32", as_numpy=True, rewards=rewards, mask=mask,
                          prompt_ids=np.arange(B, dtype=np.int64) // num_generations, **kwargs)
     return np.asarray(out.advantages, dtype=np.float32).reshape(B, -1)[:, 0]
+
+
+def _numpy64(x: Any) -> np.ndarray:
+    return x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+
+
+def weighted_rewards(rewards_per_func: Any, reward_weights: Any, num_generations: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """TRL's reward of each completion, the input sent: ``(rewards_per_func * reward_weights).nansum(dim=1)``
+    (a ``None``/NaN of one function counts 0), float64 ``[B]``, and the ``[B]`` bool of the unscorable rows
+    (every function NaN; their reward here is 0). rewards_per_func: ``[B, F]``; reward_weights: ``[F]``.
+    Raises ``ValueError`` for other shapes or a ``B`` that is not a multiple of ``num_generations``."""
+    r, w = _numpy64(rewards_per_func), _numpy64(reward_weights)
+    if r.ndim != 2 or w.shape != (r.shape[1],):
+        raise ValueError(f"rewards_per_func must be [B, F] and reward_weights [F], got {r.shape} and {w.shape}")
+    B = r.shape[0]
+    if num_generations < 1 or B % num_generations:
+        raise ValueError(f"the batch of {B} completions is not a whole number of groups of num_generations="
+                         f"{num_generations}")
+    return np.nansum(r * w[None, :], axis=1), np.isnan(r).all(axis=1)
+
+
+def trl_rloo_advantages(client: Any, rewards_per_func: Any, reward_weights: Any, num_generations: int, *,
+                        beta: float = 0.0, logprobs: Any = None, reference_logprobs: Any = None,
+                        completion_mask: Any = None, normalize_advantages: bool = False,
+                        reward_clip_range: Any = None, timeout: Any = None) -> np.ndarray:
+    """TRL 1.16.0's RLOO advantages of a gathered batch, from the service (``rloo``, ``semantics = "trl"``).
+
+    rewards_per_func: ``[B, F]`` (NaN: that function returned ``None``), prompt g's completions at rows
+    ``g * n .. g * n + n - 1``; reward_weights: ``[F]``; num_generations: n; beta: ``RLOOConfig.beta`` (KL in
+    the reward; with beta != 0, logprobs and reference_logprobs ``[B, T]``, the policy's and the reference's
+    per-token log-probs, and completion_mask ``[B, T]`` 0/1); normalize_advantages and reward_clip_range
+    (``(min, max)`` or None): ``RLOOConfig``'s. Returns float32 ``[B]``, one advantage per completion (0 for an
+    unscorable one). Raises ``ValueError`` for shapes that do not fit (or beta != 0 without the log-probs), and
+    what ``client.compute`` raises."""
+    rewards, unscorable = weighted_rewards(rewards_per_func, reward_weights, num_generations)
+    B = len(rewards)
+    rewards[unscorable] = np.nan  # the service's trl semantics: NaN = unscorable, as TRL marks it
+    config: dict[str, Any] = {"semantics": "trl", "normalize_advantages": bool(normalize_advantages)}
+    tensors: dict[str, Any] = {"mask": np.ones((B, 1), dtype=np.float32)}
+    if reward_clip_range:
+        config.update(reward_clip_min=float(reward_clip_range[0]), reward_clip_max=float(reward_clip_range[1]))
+    if beta != 0.0:
+        if logprobs is None or reference_logprobs is None or completion_mask is None:
+            raise ValueError("beta != 0: send logprobs, reference_logprobs and completion_mask [B, T] (TRL's KL "
+                             "penalty is in the reward)")
+        config.update(use_kl_in_reward=True, reference_policy_kl_penalty=float(beta), reference_policy_kl_type="k1",
+                      kl_input_clamp_value=_OPEN_CLAMP, kl_output_clamp_value=_OPEN_CLAMP)
+        tensors = {"mask": _numpy64(completion_mask).astype(np.float32), "logprobs": _numpy64(logprobs),
+                   "reference_logprobs": _numpy64(reference_logprobs)}
+        if any(t.shape != (B, tensors["mask"].shape[1]) for t in tensors.values()):
+            raise ValueError(f"logprobs, reference_logprobs and completion_mask must be [B, T] with B = {B}, got "
+                             f"{[list(t.shape) for t in tensors.values()]}")
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    out = client.compute("rloo", config, output_dtype="float32", as_numpy=True, per_sample=True, rewards=rewards,
+                         prompt_ids=np.arange(B, dtype=np.int64) // num_generations, **tensors, **kwargs)
+    return np.asarray(out.advantages, dtype=np.float32).reshape(B)
 
 
 def _check_config(args: Any) -> None:
@@ -187,20 +256,101 @@ def _make_class(base: type) -> type:
     return RemoteGRPOTrainer
 
 
+def _make_rloo_class(base: type) -> type:
+    import inspect
+    import sys
+
+    import torch
+
+    signature = inspect.signature(base.__init__)
+    trainer_module = sys.modules[base.__module__]  # TRL's own gather (accelerate's), as it gathers the KL
+
+    class RemoteRLOOTrainer(base):  # type: ignore[misc, valid-type]
+        """TRL's ``RLOOTrainer`` whose advantages come from the advantage service (module
+        ``advantage_client.trl`` says what is sent and what stays TRL's).
+
+        Arguments: ``RLOOTrainer``'s own, unchanged, plus ``advantage_client``, ``advantage_target`` and
+        ``advantage_timeout`` as :class:`RemoteGRPOTrainer` takes them. Raises ``TypeError`` for an
+        ``advantage_client`` without ``compute``, and ``RuntimeError`` during training when TRL's
+        ``_generate_and_score_completions`` did not make the calls this class reads (a TRL other than 1.16.0).
+        ``out["advantages"]`` of ``_generate_and_score_completions``: float32 ``[B_local]``, the service's.
+        """
+
+        def __init__(self, *args: Any, advantage_target: Any = None, advantage_client: Any = None,
+                     advantage_timeout: float | None = 60.0, **kwargs: Any) -> None:
+            signature.bind_partial(self, *args, **kwargs)  # TypeError for arguments RLOOTrainer does not take
+            if advantage_client is not None and not callable(getattr(advantage_client, "compute", None)):
+                raise TypeError(f"advantage_client must be an AdvantageClient (or have its compute), "
+                                f"got {type(advantage_client).__name__}")
+            self.advantage_client = advantage_client if advantage_client is not None else \
+                client_from_environment(advantage_target, advantage_timeout)
+            self._remote_rewards_per_func = None
+            self._remote_logps: list | None = None
+            super().__init__(*args, **kwargs)
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._remote_rewards_per_func = rewards_per_func  # [B_total, F] float32, gathered
+            return rewards_per_func
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            if self._remote_logps is not None:  # inside _generate_and_score_completions: policy, then reference
+                self._remote_logps.append(out[0].detach())
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            self._remote_rewards_per_func, self._remote_logps = None, []
+            try:
+                out = super()._generate_and_score_completions(inputs)
+                rewards_per_func, logps = self._remote_rewards_per_func, self._remote_logps
+            finally:
+                self._remote_rewards_per_func, self._remote_logps = None, None
+            want = 2 if self.beta != 0.0 else 1
+            if rewards_per_func is None or len(logps) != want:
+                raise RuntimeError(f"RemoteRLOOTrainer: TRL's _generate_and_score_completions made "
+                                   f"{'no' if rewards_per_func is None else 'a'} _calculate_rewards call and "
+                                   f"{len(logps)} log-prob calls, not 1 and {want} (a TRL other than 1.16.0?): "
+                                   "nothing to send")
+            kl: dict[str, Any] = {}
+            if self.beta != 0.0:  # TRL gathers the KL; the service needs its per-token terms: gather those
+                pad = self.accelerator.pad_across_processes
+                kl = {name: trainer_module.gather(pad(t, dim=1)) for name, t in
+                      (("logprobs", logps[0]), ("reference_logprobs", logps[1]),
+                       ("completion_mask", out["completion_mask"]))}
+            n = self.num_generations if self.model.training else self.num_generations_eval
+            advantages = trl_rloo_advantages(self.advantage_client, rewards_per_func, self.reward_weights, n,
+                                             beta=self.beta, normalize_advantages=self.normalize_advantages,
+                                             reward_clip_range=self.reward_clip_range, **kl)
+            local = out["advantages"]
+            start = self.accelerator.process_index * len(local)
+            out["advantages"] = torch.from_numpy(advantages[start:start + len(local)].copy()).to(
+                device=local.device, dtype=local.dtype)
+            return out
+
+    RemoteRLOOTrainer.__module__ = __name__
+    RemoteRLOOTrainer.__qualname__ = "RemoteRLOOTrainer"
+    return RemoteRLOOTrainer
+
+
 _classes: dict[type, type] = {}
 _lock = threading.Lock()
+#: the drop-in's name -> (TRL's class it subclasses, the factory)
+_TRAINERS = {"RemoteGRPOTrainer": ("GRPOTrainer", _make_class), "RemoteRLOOTrainer": ("RLOOTrainer", _make_rloo_class)}
 
 
 def __getattr__(name: str) -> Any:
-    """``RemoteGRPOTrainer``: the subclass of the installed ``trl.GRPOTrainer`` (made once per base class)."""
-    if name != "RemoteGRPOTrainer":
+    """``RemoteGRPOTrainer`` / ``RemoteRLOOTrainer``: the subclass of the installed ``trl.GRPOTrainer`` /
+    ``trl.RLOOTrainer`` (made once per base class)."""
+    if name not in _TRAINERS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    base_name, factory = _TRAINERS[name]
     try:
-        from trl import GRPOTrainer
+        import trl
+        base = getattr(trl, base_name)
     except ImportError as exc:
-        raise ImportError(f"advantage_client.trl.RemoteGRPOTrainer needs TRL (pip install trl==1.16.0): {exc}") \
-            from exc
+        raise ImportError(f"advantage_client.trl.{name} needs TRL (pip install trl==1.16.0): {exc}") from exc
     with _lock:
-        if GRPOTrainer not in _classes:
-            _classes[GRPOTrainer] = _make_class(GRPOTrainer)
-        return _classes[GRPOTrainer]
+        if base not in _classes:
+            _classes[base] = factory(base)
+        return _classes[base]

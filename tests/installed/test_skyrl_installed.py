@@ -150,3 +150,65 @@ def test_readme_register_reaches_the_service_from_a_ray_task(service, monkeypatc
         advantage_client.skyrl.unregister()
     finally:
         ray.shutdown()
+
+
+def _launch_env(address: str, tmp_path: pathlib.Path) -> tuple[dict, list[str]]:
+    """The launch's environment (the probe on, ``RAY_ADDRESS=local``: a cluster of the launch's own on loopback)
+    and SkyRL's overrides (``remote_grpo``; the console logger: SkyRL's default, wandb, needs an API key)."""
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "ADVANTAGE_SERVICE_TARGET": address, "ADVANTAGE_TEST_SKYRL_LAUNCH": "1",
+           "ADVANTAGE_TEST_SKYRL_ESTIMATOR": "remote_grpo", "ADVANTAGE_TEST_SKYRL_PROBE": str(tmp_path / "probe.json"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(pathlib.Path(__file__).parent / "skyrl_launch"),
+                                                       str(pathlib.Path(__file__).parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    overrides = ["trainer.algorithm.advantage_estimator=remote_grpo", "trainer.logger=console",
+                 f"trainer.log_path={tmp_path / 'logs'}", f"trainer.ckpt_path={tmp_path / 'ckpt'}"]
+    return env, overrides
+
+
+LAUNCHES = {
+    # the one change: the launcher module in place of SkyRL's
+    "launcher": [sys.executable, "-m", "advantage_client.skyrl"],
+    # SkyRL's own module, through its hook for custom entry points
+    "override_entrypoint": [sys.executable, "-m", "skyrl.train.entrypoints.main_base",
+                            "trainer.override_entrypoint=advantage_client.skyrl"],
+}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_skyrls_own_launch_with_the_one_change_reaches_the_service(service, tmp_path, launch):
+    """SkyRL's launch as its users type it (``main_base`` with its overrides), with the documented change: SkyRL's
+    own argument parsing, ``validate_cfg``, ``initialize_ray`` (a local cluster on loopback of the launch's own,
+    ``RAY_ADDRESS=local``) and ``skyrl_entrypoint`` as a Ray task, as far as a CPU allows. The probe
+    (``tests/installed/skyrl_launch/sitecustomize.py``, in place of the policy tokenizer's load, the first step of
+    ``BasePPOExp``) runs SkyRL's ``compute_advantages_and_returns`` with ``remote_grpo`` in that worker. The service
+    counts exactly one request; the worker's job environment carries ``$ADVANTAGE_SERVICE_TARGET`` (forwarded to
+    every node, not inherited from the driver's shell); the answer equals SkyRL's own ``grpo`` to 1e-9 (float64).
+    Checked at x1.0001: with the server's ``grpo`` answer scaled by 1.0001 (``$ADVANTAGE_SERVER_BIN`` a wrapper
+    that scales it), both launches fail in the probe's comparison."""
+    address, metrics = service
+    env, overrides = _launch_env(address, tmp_path)
+    out = pathlib.Path(env["ADVANTAGE_TEST_SKYRL_PROBE"])
+    before = _requests(metrics)
+    done = subprocess.run([*LAUNCHES[launch], *overrides], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    after = _requests(metrics)
+    log = done.stdout[-3000:] + done.stderr[-6000:]
+    assert "ProbeDone: advantage test probe done" in log, log  # the launch got as far as the probe, and no further
+    seen = __import__("json").loads(out.read_text())
+    assert seen["env_vars"].get("ADVANTAGE_SERVICE_TARGET") == address, seen["env_vars"]
+    assert "remote_grpo" in seen["names"] and seen["max_diff"] <= 1e-9, seen
+    assert after - before == 1, f"the service counted +{after - before}, want +1"
+
+
+def test_skyrls_own_launch_without_the_change_refuses_the_remote_name(service, tmp_path):
+    """SkyRL's module alone: its ``validate_cfg`` refuses ``remote_grpo`` (the launch never reaches the probe), and
+    the service counts nothing: what the one change above adds."""
+    address, metrics = service
+    env, overrides = _launch_env(address, tmp_path)
+    before = _requests(metrics)
+    done = subprocess.run([sys.executable, "-m", "skyrl.train.entrypoints.main_base", *overrides], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    log = done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode != 0 and "remote_grpo" in log and "ProbeDone" not in log, log
+    assert _requests(metrics) == before

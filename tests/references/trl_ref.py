@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["STUBS", "load", "version", "compute"]
+__all__ = ["STUBS", "load", "version", "compute", "compute_rloo"]
 
 
 class StubUsed(RuntimeError):
@@ -119,7 +119,7 @@ STUBS: dict[str, dict[str, Any]] = {
     "pyarrow.types": {},
 }
 
-_module: types.ModuleType | None = None
+_modules: dict[str, types.ModuleType] = {}
 
 
 def _build_stub(name: str, attrs: dict[str, Any]) -> types.ModuleType:
@@ -150,28 +150,28 @@ def _build_stub(name: str, attrs: dict[str, Any]) -> types.ModuleType:
     return module
 
 
-def load() -> types.ModuleType:
-    """``trl.trainer.grpo_trainer`` of the installed release, imported once."""
-    global _module
-    if _module is not None:
-        return _module
+def load(trainer: str = "grpo") -> types.ModuleType:
+    """``trl.trainer.<trainer>_trainer`` (``grpo`` or ``rloo``) of the installed release, imported once."""
+    name = f"trl.trainer.{trainer}_trainer"
+    if name in _modules:
+        return _modules[name]
     tops = {name.split(".")[0] for name in STUBS}
     saved = {name: mod for name, mod in sys.modules.items() if name.split(".")[0] in tops}
     try:
         for name in saved:
             del sys.modules[name]
-        for name, attrs in STUBS.items():
-            stub = _build_stub(name, attrs)
-            sys.modules[name] = stub
-            if "." in name:
-                parent, child = name.rsplit(".", 1)
+        for stubbed, attrs in STUBS.items():
+            stub = _build_stub(stubbed, attrs)
+            sys.modules[stubbed] = stub
+            if "." in stubbed:
+                parent, child = stubbed.rsplit(".", 1)
                 setattr(sys.modules[parent], child, stub)
-        _module = importlib.import_module("trl.trainer.grpo_trainer")
+        _modules[name] = importlib.import_module(name)
     finally:
-        for name in [n for n in sys.modules if n.split(".")[0] in tops]:
-            del sys.modules[name]
+        for stubbed in [n for n in sys.modules if n.split(".")[0] in tops]:
+            del sys.modules[stubbed]
         sys.modules.update(saved)
-    return _module
+    return _modules[name]
 
 
 def version() -> str:
@@ -241,6 +241,90 @@ def compute(rewards: Sequence[float | None], num_generations: int, *, scale_rewa
         torch.set_default_dtype(torch.float64)  # nanstd's count / (count - 1) is in the default dtype
     try:
         out = gt.GRPOTrainer._generate_and_score_completions(trainer, inputs)
+    finally:
+        torch.set_default_dtype(default)
+    return out["advantages"]
+
+
+def compute_rloo(rewards: Sequence[float | None], num_generations: int, *, beta: float = 0.0,
+                 logps: Any = None, ref_logps: Any = None, completion_lengths: Sequence[int] | None = None,
+                 normalize_advantages: bool = False, reward_clip_range: tuple[float, float] | None = None,
+                 precise: bool = False) -> torch.Tensor:
+    """Advantages ``[B]`` from the released ``RLOOTrainer._generate_and_score_completions`` (TRL 1.16.0
+    computes RLOO advantages inline there too), run as :func:`compute` runs GRPO's.
+
+    rewards: one per completion (``None``: unscorable), prompt g's completions at rows ``g * n .. g * n + n - 1``;
+    beta: ``RLOOConfig.beta`` (0: no KL, no reference model); logps / ref_logps: ``[B, T]`` per-token log-probs
+    of the policy and the reference (needed when beta != 0; T = max completion length), returned by the stand-in
+    for ``_get_per_token_logps_and_entropies`` (a model call) in the order the method makes its calls (policy,
+    then reference, which it reaches through ``ref_model``); completion_lengths: token counts (TRL builds
+    ``completion_mask`` from them and pads to the longest; default all T); normalize_advantages, reward_clip_range: ``RLOOConfig``'s.
+    Returns the ``advantages`` entry: float32, float64 with ``precise`` (rewards, log-probs and torch's default
+    dtype in float64, as :func:`compute`). Stand-ins beyond :func:`compute`'s: ``accelerator.reduce`` (one
+    process: the input) for the logged KL, ``ref_model`` (an object the stand-in recognises).
+    """
+    rt = load("rloo")
+    B = len(rewards)
+    dtype = torch.float64 if precise else torch.float32
+    lp = None if logps is None else torch.as_tensor(logps, dtype=dtype)
+    ref = None if ref_logps is None else torch.as_tensor(ref_logps, dtype=dtype)
+    T = lp.shape[1] if lp is not None else max(list(completion_lengths or [1]))
+    lengths = list(completion_lengths) if completion_lengths is not None else [T] * B
+    trainer = object.__new__(rt.RLOOTrainer)
+    values = list(rewards)
+
+    def reward_fn(prompts, completions, completion_ids, **kwargs):
+        return values
+
+    ref_model = SimpleNamespace(name="reference")
+    policy = SimpleNamespace(training=True, is_gradient_checkpointing=False)
+
+    def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+        # TRL pads the completions to the longest one: logits_to_keep = max(completion_lengths) <= T
+        assert logits_to_keep == max(lengths), (logits_to_keep, lengths)
+        if model is ref_model:
+            return ref[:, :logits_to_keep], None, None
+        return (lp[:, :logits_to_keep] if lp is not None else torch.zeros((B, logits_to_keep), dtype=dtype)), \
+            None, None
+
+    mode_metrics = collections.defaultdict(lambda: collections.defaultdict(list))
+    attrs = dict(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), process_index=0, is_main_process=True,
+                                    gather=lambda t: t, reduce=lambda t, reduction="sum": t),
+        model=policy,
+        args=SimpleNamespace(per_device_train_batch_size=B, per_device_eval_batch_size=B, steps_per_generation=1,
+                             gradient_accumulation_steps=1, gradient_checkpointing_kwargs=None, report_to=[]),
+        state=SimpleNamespace(global_step=0),
+        _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
+        eos_token_ids=[1], use_vllm=False, beta=beta, ref_model=ref_model if beta != 0.0 else None,
+        num_iterations=1, num_generations=num_generations, num_generations_eval=num_generations,
+        normalize_advantages=normalize_advantages, reward_clip_range=reward_clip_range,
+        reward_funcs=[reward_fn], reward_processing_classes=[None], reward_func_names=["reward"],
+        reward_weights=torch.ones(1, dtype=torch.float32), chat_template_kwargs={},
+        _metrics={"train": mode_metrics["train"], "eval": mode_metrics["eval"]},
+        _logs={"prompt": [], "completion": [], "rewards": collections.defaultdict(list), "advantages": [],
+               "extra": collections.defaultdict(list), "images": []},
+        _pending_extra_logs=collections.defaultdict(list), _pending_metrics=collections.defaultdict(list),
+        log_multimodal=False,
+    )
+    for key, value in attrs.items():
+        setattr(trainer, key, value)
+
+    def generate(prompts):
+        return [[3, 4] for _ in prompts], [[2] * n for n in lengths], ["c"] * len(prompts)
+
+    trainer._generate = generate
+    trainer._get_per_token_logps_and_entropies = per_token_logps
+    if precise:
+        def calculate_rewards(inputs, prompts, completions, completion_ids_list):
+            return torch.tensor([[float("nan") if r is None else float(r)] for r in values], dtype=torch.float64)
+        trainer._calculate_rewards = calculate_rewards
+    inputs = [{"prompt": "p"} for _ in range(B)]
+    default = torch.get_default_dtype()
+    if precise:
+        torch.set_default_dtype(torch.float64)
+    try:
+        out = rt.RLOOTrainer._generate_and_score_completions(trainer, inputs)
     finally:
         torch.set_default_dtype(default)
     return out["advantages"]

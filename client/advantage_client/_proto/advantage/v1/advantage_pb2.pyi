@@ -1370,6 +1370,13 @@ class RLOOConfig(_message.Message):
                 rewards) (minus the masked KL penalty when use_kl_in_reward);
                 a = s - mean of the others; a group of one gets 0; a on every
                 mask = 1 position, 0 elsewhere. No returns.
+      trl       TRL RLOOTrainer: s = clamp(r, reward_clip_min,
+                reward_clip_max) (no clamp when unset) minus the masked KL
+                penalty (TRL's beta; send k1 and open clamps); a NaN reward is
+                an unscorable completion, left out of its group with advantage
+                0; a = s - mean of the group's other scorable rows (none: 0);
+                with normalize_advantages, (a - mean) / (std + 1e-4) over the
+                batch; a on every position. No returns.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1384,8 +1391,9 @@ class RLOOConfig(_message.Message):
     SUM_REWARDS_OVER_MASK_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
-    """verl (default), openrlhf or skyrl"""
+    """verl (default), openrlhf, skyrl or trl"""
     use_kl_in_reward: _builtins.bool
     """default false"""
     reference_policy_kl_penalty: _builtins.float
@@ -1411,11 +1419,17 @@ class RLOOConfig(_message.Message):
     all T positions); [B] rewards are unaffected.
     """
     reward_clip_min: _builtins.float
-    """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
-    the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
-    is placed on the row's last mask = 1 position. Default -10 and 10.
+    """openrlhf: OpenRLHF's --reward.clip_range, the shaped reward clamped to
+    [reward_clip_min, reward_clip_max] before it is placed on the row's last
+    mask = 1 position; default -10 and 10. trl: TRL's reward_clip_range, the
+    reward clamped before the KL penalty; both or neither (default: no
+    clamp). INVALID_ARGUMENT with any other semantics.
     """
     reward_clip_max: _builtins.float
+    normalize_advantages: _builtins.bool
+    """trl only (INVALID_ARGUMENT otherwise): TRL's normalize_advantages, the
+    advantages standardised over the batch. Default false.
+    """
     def __init__(
         self,
         *,
@@ -1429,10 +1443,11 @@ class RLOOConfig(_message.Message):
         sum_rewards_over_mask: _builtins.bool | None = ...,
         reward_clip_min: _builtins.float | None = ...,
         reward_clip_max: _builtins.float | None = ...,
+        normalize_advantages: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -1440,6 +1455,8 @@ class RLOOConfig(_message.Message):
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
+    _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
@@ -1456,6 +1473,8 @@ class RLOOConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_input_clamp_value) -> _WhichOneofReturnType__kl_input_clamp_value | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
