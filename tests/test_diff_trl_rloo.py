@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from advantage_server.estimators.rloo import trl_rloo_loop
-from references import trl_ref
+from references import strategies, trl_ref
 from references.counts import TRIED
 
 N_EXAMPLES = 200
@@ -49,21 +49,7 @@ def batches(draw, option: str):
     B = n * draw(st.integers(1, 4))
     T = draw(st.integers(1, 6))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    kind = draw(st.sampled_from(["binary", "tied", "integer", "real", "large", "near_tie"]))
-    if kind == "binary":
-        r = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=B, max_size=B))
-    elif kind == "tied":
-        r = [draw(st.floats(-5, 5, allow_nan=False, width=32))] * B
-    elif kind == "integer":
-        r = draw(st.lists(st.integers(-3, 3).map(float), min_size=B, max_size=B))
-    elif kind == "large":
-        r = draw(st.lists(st.floats(-1e4, 1e4, allow_nan=False), min_size=B, max_size=B))
-    elif kind == "near_tie":
-        base = draw(st.floats(-100, 100, allow_nan=False))
-        r = [base + k * 1e-6 for k in draw(st.lists(st.integers(-2, 2), min_size=B, max_size=B))]
-    else:
-        r = draw(st.lists(st.floats(-3, 3, allow_nan=False), min_size=B, max_size=B))
-    r = [float(torch.tensor(x, dtype=dtype)) for x in r]  # the values as the batch's dtype holds them
+    r = draw(strategies.rewards(B, dtype))  # one kind (binary, tied, ...), as the batch's dtype holds them
     if draw(st.booleans()):
         unscorable = draw(st.lists(st.booleans(), min_size=B, max_size=B))
         r = [None if u else x for x, u in zip(r, unscorable)]
@@ -82,7 +68,7 @@ def batches(draw, option: str):
         lo = draw(st.sampled_from([-2.0, -0.5, 0.0]))
         clip = (lo, lo + draw(st.sampled_from([0.5, 1.0, 3.0])))
     order = draw(st.permutations(list(range(B)))) if draw(st.booleans()) else list(range(B))
-    return dict(n=n, B=B, T=T, dtype=dtype, kind=kind, rewards=r, lengths=lengths, beta=beta, logps=logps,
+    return dict(n=n, B=B, T=T, dtype=dtype, rewards=r, lengths=lengths, beta=beta, logps=logps,
                 ref=ref, normalize=option == "kl_normalize_clip", clip=clip, order=order,
                 uid_strings=draw(st.booleans()))
 

@@ -197,6 +197,14 @@ def _check_config(args: Any) -> None:
         raise ValueError(f"GRPOConfig.scale_rewards={scale!r}: use one of {', '.join(SCALE_REWARDS)}")
 
 
+def _process_slice(advantages: np.ndarray, local: Any, process_index: int) -> Any:
+    """This process's rows of the gathered batch's ``[B_total]`` advantages, as TRL slices them
+    (``process_index * B_local`` on), in ``local``'s dtype and device (``local``: TRL's own ``[B_local]``)."""
+    import torch
+    start = process_index * len(local)
+    return torch.from_numpy(advantages[start:start + len(local)].copy()).to(device=local.device, dtype=local.dtype)
+
+
 def _make_class(base: type) -> type:
     import inspect
 
@@ -245,10 +253,7 @@ def _make_class(base: type) -> type:
             n = self.num_generations if self.model.training else self.num_generations_eval
             advantages = trl_advantages(self.advantage_client, rewards_per_func, self.reward_weights, n,
                                         self.scale_rewards)
-            local = out["advantages"]
-            start = self.accelerator.process_index * len(local)
-            out["advantages"] = torch.from_numpy(advantages[start:start + len(local)].copy()).to(
-                device=local.device, dtype=local.dtype)
+            out["advantages"] = _process_slice(advantages, out["advantages"], self.accelerator.process_index)
             return out
 
     RemoteGRPOTrainer.__module__ = __name__
@@ -322,10 +327,7 @@ def _make_rloo_class(base: type) -> type:
             advantages = trl_rloo_advantages(self.advantage_client, rewards_per_func, self.reward_weights, n,
                                              beta=self.beta, normalize_advantages=self.normalize_advantages,
                                              reward_clip_range=self.reward_clip_range, **kl)
-            local = out["advantages"]
-            start = self.accelerator.process_index * len(local)
-            out["advantages"] = torch.from_numpy(advantages[start:start + len(local)].copy()).to(
-                device=local.device, dtype=local.dtype)
+            out["advantages"] = _process_slice(advantages, out["advantages"], self.accelerator.process_index)
             return out
 
     RemoteRLOOTrainer.__module__ = __name__

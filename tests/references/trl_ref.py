@@ -179,6 +179,25 @@ def version() -> str:
     return importlib.metadata.version("trl")
 
 
+def _generate_and_score(cls: type, trainer: Any, values: list, precise: bool) -> torch.Tensor:
+    """``cls._generate_and_score_completions`` (the released method) on ``trainer`` for one prompt per value,
+    returning its ``advantages``. ``precise``: the float64 run (``_calculate_rewards`` replaced by one giving
+    ``values`` as float64 ``[B, 1]``, NaN for None, and torch's default dtype float64 during the call: nanstd's
+    ``count / (count - 1)`` is in the default dtype)."""
+    if precise:
+        def calculate_rewards(inputs, prompts, completions, completion_ids_list):
+            return torch.tensor([[float("nan") if r is None else float(r)] for r in values], dtype=torch.float64)
+        trainer._calculate_rewards = calculate_rewards
+    inputs = [{"prompt": "p"} for _ in values]
+    default = torch.get_default_dtype()
+    if precise:
+        torch.set_default_dtype(torch.float64)
+    try:
+        return cls._generate_and_score_completions(trainer, inputs)["advantages"]
+    finally:
+        torch.set_default_dtype(default)
+
+
 def compute(rewards: Sequence[float | None], num_generations: int, *, scale_rewards: str = "group",
             loss_type: str = "dapo", completion_lengths: Sequence[int] | None = None,
             tool_masks: Sequence[Sequence[int]] | None = None, precise: bool = False) -> torch.Tensor:
@@ -231,19 +250,7 @@ def compute(rewards: Sequence[float | None], num_generations: int, *, scale_rewa
         return ([[3, 4] for _ in prompts], completion_ids, masks, ["c"] * len(prompts), None, {}, None, None)
 
     trainer._generate = generate
-    if precise:
-        def calculate_rewards(inputs, prompts, completions, completion_ids_list):
-            return torch.tensor([[float("nan") if r is None else float(r)] for r in values], dtype=torch.float64)
-        trainer._calculate_rewards = calculate_rewards
-    inputs = [{"prompt": "p"} for _ in range(B)]
-    default = torch.get_default_dtype()
-    if precise:
-        torch.set_default_dtype(torch.float64)  # nanstd's count / (count - 1) is in the default dtype
-    try:
-        out = gt.GRPOTrainer._generate_and_score_completions(trainer, inputs)
-    finally:
-        torch.set_default_dtype(default)
-    return out["advantages"]
+    return _generate_and_score(gt.GRPOTrainer, trainer, values, precise)
 
 
 def compute_rloo(rewards: Sequence[float | None], num_generations: int, *, beta: float = 0.0,
@@ -315,16 +322,4 @@ def compute_rloo(rewards: Sequence[float | None], num_generations: int, *, beta:
 
     trainer._generate = generate
     trainer._get_per_token_logps_and_entropies = per_token_logps
-    if precise:
-        def calculate_rewards(inputs, prompts, completions, completion_ids_list):
-            return torch.tensor([[float("nan") if r is None else float(r)] for r in values], dtype=torch.float64)
-        trainer._calculate_rewards = calculate_rewards
-    inputs = [{"prompt": "p"} for _ in range(B)]
-    default = torch.get_default_dtype()
-    if precise:
-        torch.set_default_dtype(torch.float64)
-    try:
-        out = rt.RLOOTrainer._generate_and_score_completions(trainer, inputs)
-    finally:
-        torch.set_default_dtype(default)
-    return out["advantages"]
+    return _generate_and_score(rt.RLOOTrainer, trainer, values, precise)
