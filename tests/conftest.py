@@ -136,7 +136,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session):
-    """Under pytest-xdist (``make test``'s two workers) a worker hands its counts to the controller, which prints
+    """Under pytest-xdist (``make test``'s three workers) a worker hands its counts to the controller, which prints
     the summary (:func:`pytest_testnodedown` adds them up)."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:

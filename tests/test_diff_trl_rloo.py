@@ -12,15 +12,17 @@ unscorable completion: TRL leaves it out of the leave-one-out means and of the n
 completion lengths from 0 (TRL's ``completion_mask``; an empty completion still counts in its group);
 float32 and float64. The service gets the rows shuffled with prompt ids to match (interleaved groups; integer
 ids or uid strings), the unscorable rows as NaN rewards (``semantics = trl`` accepts them), and KL as the
-drop-in sends it (``use_kl_in_reward``, ``reference_policy_kl_type = k1``, open clamps): the per-sample
+drop-in sends it (``use_kl_in_reward`` and ``beta`` as the penalty; the trl semantics' KL defaults are TRL's, k1
+unclamped): the per-sample
 (``per_sample = true``) answer must equal the released code's row by row.
 
 The rule is ``tests/test_diff_trl.py``'s: y64 is the released method run in float64 (``precise=True``); the
 service computes in float64 and rounds once, so its answer must be within
     spacing(y64) / 2 + 16 u64 |y64|max + 16 s + 16 u64 |s_score|max / (std + 1e-4)
-of y64 at every row, s the largest change of y64 when every float64 reward and log-prob moves by about its
-last bit; the last term is the rounding noise of a leave-one-out difference of scores (clamped reward minus KL),
-divided by the batch std where TRL standardises (``noise_scale``; without standardising, std + 1e-4 is taken as 1). The released float32 run only counts the batches where it lost the answer (summary line).
+of y64 at every row, s the largest change of y64 when every float64 reward and log-prob moves by about its last bit;
+the last term is the rounding noise of a leave-one-out difference of scores (clamped reward minus KL), divided by
+the batch std where TRL standardises (``noise_scale``; without standardising, std + 1e-4 is taken as 1). The
+released float32 run only counts the batches where it lost the answer (summary line).
 
 Checked at x1.0001: with the server's ``advantage_server.estimators.rloo.trl_rloo`` scaled by 1.0001
 (monkeypatched in the in-process server), every option set fails."""
@@ -40,7 +42,6 @@ SETTINGS = settings(max_examples=N_EXAMPLES, derandomize=True, deadline=None, da
                     suppress_health_check=list(HealthCheck))
 OPTIONS = ("plain", "kl", "kl_normalize_clip")
 U64 = float(np.finfo(np.float64).eps) / 2
-OPEN_CLAMP = 1e300  # the drop-in's "no clamp" for the KL estimator (config values must be finite)
 
 
 @st.composite
@@ -66,7 +67,8 @@ def batches(draw, option: str):
     clip = None
     if option == "kl_normalize_clip" and draw(st.booleans()):
         lo = draw(st.sampled_from([-2.0, -0.5, 0.0]))
-        clip = (lo, lo + draw(st.sampled_from([0.5, 1.0, 3.0])))
+        clip = (lo, lo + draw(st.sampled_from([0.0, 0.5, 1.0, 3.0])))  # min == max: a constant reward
+        clip = draw(st.sampled_from([clip, (None, clip[1]), (clip[0], None)]))  # an open end, as torch's clamp
     order = draw(st.permutations(list(range(B)))) if draw(st.booleans()) else list(range(B))
     return dict(n=n, B=B, T=T, dtype=dtype, rewards=r, lengths=lengths, beta=beta, logps=logps,
                 ref=ref, normalize=option == "kl_normalize_clip", clip=clip, order=order,
@@ -95,11 +97,10 @@ def reference(case, precise: bool, perturb: int | None = None) -> torch.Tensor:
 def config(case) -> dict:
     """What ``advantage_client.trl.RemoteRLOOTrainer`` sends for these ``RLOOConfig`` values."""
     cfg = {"semantics": "trl", "normalize_advantages": case["normalize"]}
-    if case["beta"]:
-        cfg.update(use_kl_in_reward=True, reference_policy_kl_penalty=case["beta"], reference_policy_kl_type="k1",
-                   kl_input_clamp_value=OPEN_CLAMP, kl_output_clamp_value=OPEN_CLAMP)
+    if case["beta"]:  # the KL type and clamps: the trl semantics' defaults (k1, unclamped), as TRL's
+        cfg.update(use_kl_in_reward=True, reference_policy_kl_penalty=case["beta"])
     if case["clip"] is not None:
-        cfg.update(reward_clip_min=case["clip"][0], reward_clip_max=case["clip"][1])
+        cfg.update({k: v for k, v in zip(("reward_clip_min", "reward_clip_max"), case["clip"]) if v is not None})
     return cfg
 
 
@@ -130,7 +131,8 @@ def noise_scale(case) -> float:
     TRL -9.5e-13 and the service -6.3e-13 for an exact 0 (the batch mean, noise, over std 3e-3)."""
     r = np.array([np.nan if x is None else x for x in case["rewards"]])
     if case["clip"] is not None:
-        r = np.clip(r, *case["clip"])
+        lo, hi = case["clip"]
+        r = np.clip(r, -np.inf if lo is None else lo, np.inf if hi is None else hi)
     if case["beta"]:
         r = r - case["beta"] * ((case["logps"] - case["ref"]) * completion_mask(case)).sum(-1)
     smax = float(np.nanmax(np.abs(r), initial=0.0)) if not np.isnan(r).all() else 0.0
@@ -186,13 +188,36 @@ def test_known_values():
 
 
 def test_rloo_trl_is_refused_where_trl_has_no_such_setting(client):
-    """One end of the clip range (TRL's is a pair), and a NaN reward under another semantics, are
-    INVALID_ARGUMENT naming the field and the fix."""
+    """INVALID_ARGUMENT naming the field and the fix: a clip range with min > max; ``exclude_empty_responses``
+    (TRL scores an all-0 mask row); a NaN reward or ``normalize_advantages`` under another semantics. An open clip
+    end clamps one side only, as torch's clamp."""
     from advantage_client import InvalidArgumentError
     kw = dict(prompt_ids=[0, 0], rewards=np.array([1.0, np.nan]), mask=np.ones((2, 1)))
-    with pytest.raises(InvalidArgumentError, match=r"config.reward_clip_max.*set both"):
-        client.compute("rloo", {"semantics": "trl", "reward_clip_min": -1.0}, **kw)
+    with pytest.raises(InvalidArgumentError, match=r"config.reward_clip_min: must be at most reward_clip_max"):
+        client.compute("rloo", {"semantics": "trl", "reward_clip_min": 1.0, "reward_clip_max": -1.0}, **kw)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"config.exclude_empty_responses: does not apply with semantics = trl"):  # TRL scores it
+        client.compute("rloo", {"semantics": "trl", "exclude_empty_responses": True}, **kw)
+    one_end = client.compute("rloo", {"semantics": "trl", "reward_clip_max": 0.5}, as_numpy=True, per_sample=True,
+                             prompt_ids=[0, 0, 0], rewards=np.array([1.0, 0.0, np.nan]), mask=np.ones((3, 1)))
+    np.testing.assert_array_equal(one_end.advantages, [0.5, -0.5, 0.0])  # 1 clamped to 0.5; the NaN row left out
     with pytest.raises(InvalidArgumentError, match=r"inputs\['rewards'\].*NaN.*semantics = trl"):
         client.compute("rloo", {"semantics": "verl"}, **kw)
-    with pytest.raises(InvalidArgumentError, match=r"config.normalize_advantages: does not apply with semantics = verl; it applies with trl"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"config.normalize_advantages: does not apply with semantics = verl; it applies with trl"):
         client.compute("rloo", {"semantics": "verl", "normalize_advantages": True}, **kw)
+
+
+def test_the_kl_defaults_under_trl_are_trls(client):
+    """Under trl the KL fields default to TRL's k1 (the policy's log-prob minus the reference's), unclamped, not
+    to NeMo RL's k3 with clamps 20 and 10, which gave this batch advantages of the opposite sign (a review found
+    it): a caller who sets only ``use_kl_in_reward`` and the penalty gets TRL's numbers, from the released code."""
+    logps = np.array([[-1.0, -30.0], [-0.5, -0.2], [-3.0, -1.0], [-2.0, -2.0]])
+    out = client.compute("rloo", {"semantics": "trl", "use_kl_in_reward": True, "reference_policy_kl_penalty": 0.05},
+                         as_numpy=True, per_sample=True, output_dtype="float64", prompt_ids=[0, 0, 1, 1],
+                         rewards=np.array([1.0, 2.0, 0.0, 1.0]), mask=np.ones((4, 2)), logprobs=logps,
+                         reference_logprobs=np.zeros((4, 2)))
+    want = trl_ref.compute_rloo([1.0, 2.0, 0.0, 1.0], 2, beta=0.05, logps=logps, ref_logps=np.zeros((4, 2)),
+                                precise=True).numpy()
+    np.testing.assert_allclose(out.advantages, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(want, [0.515, -0.515, -1.0, 1.0], rtol=0, atol=1e-12)  # k3 clamped: -1.527, 1.527, ...

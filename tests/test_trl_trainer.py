@@ -1,5 +1,6 @@
 """TRL's real training loops with the service in them: ``advantage_client.trl.RemoteGRPOTrainer`` against TRL
-1.16.0's own ``GRPOTrainer`` (and ``RemoteRLOOTrainer`` against ``RLOOTrainer``, below), both trained for ``STEPS`` optimizer steps on the CPU from the same seed.
+1.16.0's own ``GRPOTrainer`` (and ``RemoteRLOOTrainer`` against ``RLOOTrainer``, below), both trained for ``STEPS``
+optimizer steps on the CPU from the same seed.
 
 Set-up (nothing downloaded; ``HF_HUB_OFFLINE=1``, ``HF_HUB_DISABLE_TELEMETRY=1``): a randomly initialised
 ``LlamaForCausalLM`` built from a config (2 layers, width 64), a character-level ``tokenizers`` WordLevel

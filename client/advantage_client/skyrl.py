@@ -170,14 +170,18 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m advantage_client.skyrl <SkyRL's overrides>``, or SkyRL's ``main_base`` with
     ``trainer.override_entrypoint=advantage_client.skyrl`` (which calls this): :func:`register` (the target each
     worker reads from its ``$ADVANTAGE_SERVICE_TARGET``), then SkyRL's ``main_base`` module (:data:`SKYRL_MAIN`)
-    unchanged with the overrides (``trainer.override_entrypoint`` left out, so it runs SkyRL's own main), its
+    unchanged with the overrides (``trainer.override_entrypoint=advantage_client.skyrl`` left out, so it runs
+    SkyRL's own main; another entry point named there is kept, and SkyRL's main runs that one), its
     ``ray.init`` given the service's variables for every worker (module docstring). Raises what SkyRL raises
     (an unknown estimator name: its ``validate_cfg``)."""
     import runpy
 
     import ray
 
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(OVERRIDE_ENTRYPOINT)]
+    # this module as SkyRL's override is dropped (SkyRL's own main runs); another entry point is kept, and SkyRL's
+    # main hands the launch to it with the estimators registered and ray.init given the variables
+    this = OVERRIDE_ENTRYPOINT + "advantage_client.skyrl"  # as SkyRL names it (under -m, __name__ is __main__)
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != this]
     register()
     original = ray.init
 

@@ -61,8 +61,8 @@ calls of the step), with the ``completion_mask``; all three are gathered over pr
 sum of the reward functions as above, NaN for an unscorable completion (the service leaves it out of the
 leave-one-out means and of the normalisation, and gives it 0, as TRL does); ``normalize_advantages`` and
 ``reward_clip_range`` (as ``reward_clip_min``/``reward_clip_max``) as configured; ``beta`` as
-``use_kl_in_reward`` with ``reference_policy_kl_penalty = beta``, ``reference_policy_kl_type = "k1"`` (TRL's KL is
-the policy's log-prob minus the reference's) and open clamps (TRL clamps neither). The per-sample answer
+``use_kl_in_reward`` with ``reference_policy_kl_penalty = beta`` (the trl semantics' KL is TRL's: k1, the
+policy's log-prob minus the reference's, unclamped). The per-sample answer
 (``per_sample = true``: one advantage per completion) replaces this process's slice of ``out["advantages"]``.
 Proven against TRL's own trainer in ``tests/test_trl_trainer.py`` and against the released method on generated
 batches in ``tests/test_diff_trl_rloo.py``.
@@ -83,9 +83,6 @@ from advantage_client.client import AdvantageClient
 
 __all__ = ["RemoteGRPOTrainer", "RemoteRLOOTrainer", "trl_advantages", "trl_rloo_advantages",
            "client_from_environment", "SCALE_REWARDS", "TLS_CA_ENV", "TOKEN_FILE_ENV"]
-
-#: the KL estimator clamps sent for TRL's unclamped KL (finite, as config values must be)
-_OPEN_CLAMP = 1e300
 
 #: TRL 1.16.0's ``scale_rewards`` values (after ``GRPOConfig`` maps True/False to group/none)
 SCALE_REWARDS = ("group", "batch", "none")
@@ -164,14 +161,15 @@ def trl_rloo_advantages(client: Any, rewards_per_func: Any, reward_weights: Any,
     rewards[unscorable] = np.nan  # the service's trl semantics: NaN = unscorable, as TRL marks it
     config: dict[str, Any] = {"semantics": "trl", "normalize_advantages": bool(normalize_advantages)}
     tensors: dict[str, Any] = {"mask": np.ones((B, 1), dtype=np.float32)}
-    if reward_clip_range:
-        config.update(reward_clip_min=float(reward_clip_range[0]), reward_clip_max=float(reward_clip_range[1]))
+    if reward_clip_range:  # TRL's (min, max); an end None is an open end, as torch's clamp takes it
+        lo, hi = reward_clip_range
+        config.update({k: float(v) for k, v in (("reward_clip_min", lo), ("reward_clip_max", hi)) if v is not None})
     if beta != 0.0:
         if logprobs is None or reference_logprobs is None or completion_mask is None:
             raise ValueError("beta != 0: send logprobs, reference_logprobs and completion_mask [B, T] (TRL's KL "
                              "penalty is in the reward)")
-        config.update(use_kl_in_reward=True, reference_policy_kl_penalty=float(beta), reference_policy_kl_type="k1",
-                      kl_input_clamp_value=_OPEN_CLAMP, kl_output_clamp_value=_OPEN_CLAMP)
+        # the KL type and clamps are left to the trl semantics' defaults: k1, unclamped (TRL's)
+        config.update(use_kl_in_reward=True, reference_policy_kl_penalty=float(beta))
         tensors = {"mask": _numpy64(completion_mask).astype(np.float32), "logprobs": _numpy64(logprobs),
                    "reference_logprobs": _numpy64(reference_logprobs)}
         if any(t.shape != (B, tensors["mask"].shape[1]) for t in tensors.values()):

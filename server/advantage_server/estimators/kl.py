@@ -37,7 +37,8 @@ class KLInRewardConfig(EstimatorConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
+        # None: a config whose default depends on its semantics (rloo: k1 under trl), filled in after validate
+        if self.reference_policy_kl_type is not None and self.reference_policy_kl_type not in ("k1", "k2", "k3"):
             raise InvalidInput("config.reference_policy_kl_type",
                                f"{self.reference_policy_kl_type!r} is not a KL estimator; use k1, k2 or k3")
 
@@ -47,19 +48,22 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type
     """Per-token KL estimate, float64 ``[B, T]`` (Schulman 2020, http://joschu.net/blog/kl-approx.html).
 
     With r = clamp(reference_logprobs - logprobs, +-input_clamp):
-    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp. Computed in
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp (a clamp of None:
+    none). Computed in
     float64 whatever the log-probs' dtype: the log ratio of two close float32 log-probs and k3's
     ``expm1(r) - r`` cancel, so the references' float32 arithmetic loses digits the float64 answer keeps
     (the differential tests compare against the references run in float64).
     """
-    r = (reference_logprobs.to(torch.float64) - logprobs.to(torch.float64)).clamp(-input_clamp, input_clamp)
+    r = reference_logprobs.to(torch.float64) - logprobs.to(torch.float64)
+    if input_clamp is not None:  # None: no clamp (TRL's RLOO KL)
+        r = r.clamp(-input_clamp, input_clamp)
     if kl_type == "k1":
         kl = -r
     elif kl_type == "k2":
         kl = 0.5 * r * r
     else:  # k3, validated by the config
         kl = torch.expm1(r) - r
-    return kl.clamp(-output_clamp, output_clamp)
+    return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
 def apply_kl(token_rewards: torch.Tensor, cfg, batch, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,11 +23,12 @@ advantages twice).
     before the estimator; not part of the differential tests), except that a group of one gets
     0 (SkyRL logs a warning and sets it to 0); SkyRL's (s_i - mean) * n / (n - 1) is the same number.
 ``semantics = trl`` (TRL 1.16.0 ``RLOOTrainer._generate_and_score_completions``). No returns.
-    s_i = clamp(r_i, reward_clip_min, reward_clip_max) (TRL's ``reward_clip_range``; unset: no clamp) minus
-    penalty * sum_t KL_t mask_t with use_kl_in_reward (TRL's ``beta``; its KL is k1 without clamps, which the
-    drop-in sends as ``reference_policy_kl_type = k1`` and open clamps). A NaN reward is an unscorable
-    completion (TRL: every reward function returned None): it is left out of its group, and its advantage is 0.
-    The baseline is the mean of the group's *other scorable* members; a row with none (the only scorable one
+    s_i = clamp(r_i, reward_clip_min, reward_clip_max) (TRL's ``reward_clip_range``; an unset end: no clamp
+    there) minus penalty * sum_t KL_t mask_t with use_kl_in_reward (TRL's ``beta``; its KL is k1 without clamps,
+    the defaults of ``reference_policy_kl_type`` and the KL clamps under trl).
+    ``exclude_empty_responses`` does not apply (TRL scores an all-0 mask row like any other). A NaN reward is an
+    unscorable completion (TRL: every reward function returned None): it is left out of its group, and its advantage
+    is 0. The baseline is the mean of the group's *other scorable* members; a row with none (the only scorable one
     of its group, or a group of one) has no advantage. With ``normalize_advantages`` the advantages that exist
     are standardised over the whole batch: (a - mean) / (std + 1e-4), std with Bessel's correction (no
     advantage with fewer than two of them). Rows without an advantage get 0. Broadcast over every column
@@ -54,7 +55,7 @@ from advantage_server.estimators.rewards import (
 )
 from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import (
-    AdvantageResult, Batch, InputSpec, register, semantics_field,
+    AdvantageResult, Batch, EstimatorConfig, InputSpec, register, semantics_field,
 )
 
 
@@ -68,28 +69,48 @@ class RLOOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         ("verl", "openrlhf", "skyrl", "trl"),
         "Reference reproduced: verl (compute_rloo_outcome_advantage), openrlhf (rloo), skyrl "
         "(compute_rloo_outcome_advantage), trl (RLOOTrainer).")
-    exclude_empty_responses: bool = exclude_empty_field()
+    # not under trl: TRL scores a completion whose mask is all 0 (mask_truncated_completions) like any other; its
+    # unscorable completions are NaN rewards
+    exclude_empty_responses: bool | None = exclude_empty_field({"verl": False, "openrlhf": False, "skyrl": False})
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
     # OpenRLHF's --reward.clip_range (default +-10), or TRL's reward_clip_range (default: none)
     reward_clip_min: float | None = field(default=None, metadata={
         "doc": "Low end of the reward clamp: OpenRLHF --reward.clip_range (openrlhf), TRL reward_clip_range (trl; "
-               "set both ends).", "per_semantics": {"openrlhf": -OPENRLHF_REWARD_CLIP, "trl": None},
+               "an unset end: no clamp there).", "per_semantics": {"openrlhf": -OPENRLHF_REWARD_CLIP, "trl": None},
         "default_text": "-10.0 (openrlhf); none (trl); not applicable otherwise"})
     reward_clip_max: float | None = field(default=None, metadata={
         "doc": "High end of the reward clamp: OpenRLHF --reward.clip_range (openrlhf), TRL reward_clip_range (trl).",
         "per_semantics": {"openrlhf": OPENRLHF_REWARD_CLIP, "trl": None},
         "default_text": "10.0 (openrlhf); none (trl); not applicable otherwise"})
+    # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10), TRL's under trl (k1, no clamp)
+    reference_policy_kl_type: str | None = field(default=None, metadata={
+        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020).", "enum": "KLType", "choices": ("k1", "k2", "k3"),
+        "per_semantics": {"verl": "k3", "openrlhf": "k3", "skyrl": "k3", "trl": "k1"},
+        "default_text": "k3 (verl, openrlhf, skyrl); k1 (trl: RLOOTrainer's log-prob difference)"})
+    kl_input_clamp_value: float | None = field(default=None, metadata={
+        "doc": "Clamp the log ratio to +-this before the KL estimator.", "range": (0.0, None),
+        "per_semantics": {"verl": 20.0, "openrlhf": 20.0, "skyrl": 20.0, "trl": None},
+        "default_text": "20.0 (verl, openrlhf, skyrl); none (trl)"})
+    kl_output_clamp_value: float | None = field(default=None, metadata={
+        "doc": "Clamp the KL estimate to +-this.", "range": (0.0, None),
+        "per_semantics": {"verl": 10.0, "openrlhf": 10.0, "skyrl": 10.0, "trl": None},
+        "default_text": "10.0 (verl, openrlhf, skyrl); none (trl)"})
     normalize_advantages: bool | None = field(default=None, metadata={
         "doc": "TRL RLOOConfig.normalize_advantages: standardise the advantages over the batch, "
                "(a - mean) / (std + 1e-4). trl only.",
         "per_semantics": {"trl": False}, "default_text": "false (trl); not applicable otherwise"})
 
     def validate(self) -> None:
-        if self.semantics == "trl" and (self.reward_clip_min is None) != (self.reward_clip_max is None):
-            unset = "reward_clip_max" if self.reward_clip_max is None else "reward_clip_min"
-            raise InvalidInput(f"config.{unset}", "TRL's reward_clip_range is a (min, max) pair: set both "
-                                                  "reward_clip_min and reward_clip_max, or neither (no clamp)")
-        super().validate()
+        if self.semantics != "trl":
+            super().validate()
+            return
+        # TRL's own rules: a clamp end may be None (torch's clamp), min <= max is not asserted (min == max is a
+        # constant reward)
+        lo, hi = self.reward_clip_min, self.reward_clip_max
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidInput("config.reward_clip_min", f"must be at most reward_clip_max, got {lo} and {hi} "
+                                                         "(TRL's reward_clip_range is (min, max))")
+        EstimatorConfig.validate(self)
 
 
 def rloo_scalars(group: torch.Tensor, scores: torch.Tensor, single: str = "keep") -> torch.Tensor:
@@ -163,8 +184,8 @@ def trl_rloo(cfg: RLOOConfig, batch: Batch, group: torch.Tensor) -> torch.Tensor
     NaN is zeroed."""
     rewards, mask = batch["rewards"], batch["mask"]
     scores = outcome_scores(rewards)  # NaN: unscorable
-    if cfg.reward_clip_min is not None:
-        scores = cfg.clip(scores)  # TRL clamps the summed reward before the KL; NaN stays NaN
+    if cfg.reward_clip_min is not None or cfg.reward_clip_max is not None:
+        scores = cfg.clip(scores)  # TRL clamps the summed reward before the KL (an end may be open); NaN stays NaN
     scores = scores - kl_total(cfg, batch, mask)
     scorable = ~torch.isnan(scores)
     a = torch.zeros_like(scores)

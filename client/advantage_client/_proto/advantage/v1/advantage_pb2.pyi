@@ -1371,8 +1371,8 @@ class RLOOConfig(_message.Message):
                 a = s - mean of the others; a group of one gets 0; a on every
                 mask = 1 position, 0 elsewhere. No returns.
       trl       TRL RLOOTrainer: s = clamp(r, reward_clip_min,
-                reward_clip_max) (no clamp when unset) minus the masked KL
-                penalty (TRL's beta; send k1 and open clamps); a NaN reward is
+                reward_clip_max) (an unset end: no clamp there) minus the
+                masked KL penalty (TRL's beta; k1, unclamped); a NaN reward is
                 an unscorable completion, left out of its group with advantage
                 0; a = s - mean of the group's other scorable rows (none: 0);
                 with normalize_advantages, (a - mean) / (std + 1e-4) over the
@@ -1399,18 +1399,18 @@ class RLOOConfig(_message.Message):
     reference_policy_kl_penalty: _builtins.float
     """default 0.01"""
     reference_policy_kl_type: Global___KLType.ValueType
-    """default k3"""
+    """default k3; k1 under trl"""
     kl_input_clamp_value: _builtins.float
-    """default 20"""
+    """default 20; none under trl"""
     kl_output_clamp_value: _builtins.float
-    """default 10"""
+    """default 10; none under trl"""
     exclude_empty_responses: _builtins.bool
     """Leave a row whose mask is all 0 (a rejected or empty response) out of its
     prompt group: baseline and std are over the group's other rows, and the
     empty row's advantage is 0 at every position. A group left with one row
     is a group of one; a group of empty rows only gives 0. Default false (the
     reference: empty rows are group members; verl PR #6452, OpenRLHF PR
-    #1239).
+    #1239). Not with trl (INVALID_ARGUMENT): TRL scores an all-0 mask row.
     """
     sum_rewards_over_mask: _builtins.bool
     """Token-level rewards [B, T]: the outcome score is the sum over the mask = 1
@@ -1422,7 +1422,7 @@ class RLOOConfig(_message.Message):
     """openrlhf: OpenRLHF's --reward.clip_range, the shaped reward clamped to
     [reward_clip_min, reward_clip_max] before it is placed on the row's last
     mask = 1 position; default -10 and 10. trl: TRL's reward_clip_range, the
-    reward clamped before the KL penalty; both or neither (default: no
+    reward clamped before the KL penalty; an unset end is open (default: no
     clamp). INVALID_ARGUMENT with any other semantics.
     """
     reward_clip_max: _builtins.float
