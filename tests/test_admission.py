@@ -379,7 +379,11 @@ def _source_proxy(source: str, port: int) -> str:
 def test_a_slow_loris_rotating_loopback_addresses_keeps_only_one_share():
     """4 places (share 1): one stalled call from each of 127.0.0.2..5 filled the server with every source
     "within its share", so a caller from another host (::1) was refused 3 of 3 (no eviction). They are one host
-    now: the caller cuts one of them and is served."""
+    now: the caller is served 3 of 3. How depends on the timing: where the four were admitted before any was
+    judged stalled, the caller cuts one of them (an eviction); where the later ones arrived after (a loaded
+    machine), they were held to half the places as their host's stalling connections (held back). The wait is for
+    the four to have arrived, admitted or waiting, not for a full server (which a busy loop beside the test could
+    leave unreached: seen failing 1 run in 5, issue #37's busy-loop runs)."""
     with two_host_server(max_concurrent_requests=4, workers=2, stream_idle_timeout=30.0) as (srv, v6_target):
         port = int(srv.address.rsplit(":", 1)[1])
         release = threading.Event()
@@ -392,10 +396,12 @@ def test_a_slow_loris_rotating_loopback_addresses_keeps_only_one_share():
         channels = [grpc.insecure_channel(_source_proxy(f"127.0.0.{i}", port), options=opts) for i in range(2, 6)]
         held = [ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(silent(), timeout=30) for ch in channels]
         try:
-            _wait_for(lambda: srv.gate.full, what="4 stalled calls from 4 loopback addresses admitted")
+            _wait_for(lambda: srv.gate.in_flight + srv.gate.waiting >= 4,
+                      what="4 stalled calls from 4 loopback addresses admitted or waiting")
             codes = _legit_calls(v6_target, "unary", 3)
             assert codes == ["OK"] * 3, codes
-            assert srv.uploads.evictions >= 1
+            cut, held_back = srv.uploads.evictions, srv.gate.held_back
+            assert cut >= 1 or held_back >= 1, (cut, held_back)
         finally:
             release.set()
             for f in held:
