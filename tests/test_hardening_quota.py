@@ -223,7 +223,10 @@ def test_a_trickling_upload_is_cut_and_its_place_comes_back(make_server, capsys)
         with _channel(srv.address) as a, _channel(srv.address) as b:
             t0 = time.monotonic()
             responses = _trickle_stream(a, request, stop)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10  # until the trickle holds the place (a fixed 0.3 s was too short for
+            while not srv.gate.full and time.monotonic() < deadline:  # a busy loop beside it: issue #37's runs)
+                time.sleep(0.02)
+            assert srv.gate.full
             # the trickle holds the only place: a call on its own connection is refused (one on another connection
             # of this host, holding nothing, would now cut the trickle for its place: issue #35 item 2)
             with pytest.raises(grpc.RpcError) as err:
