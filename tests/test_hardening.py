@@ -353,6 +353,7 @@ def test_tokenless_calls_are_logged_at_a_bounded_rate(make_server, monkeypatch, 
         def monotonic(cls) -> float:
             return cls.now
     monkeypatch.setattr(auth, "time", Clock)
+    monkeypatch.setattr(auth.AnonymousRefusals, "PER_HOST_PER_S", 100.0)  # all 51 answered at once (no hold)
     srv = make_server(auth_token="s3cret")
     request = build_request("raw_reward", None, rewards=[1.0], mask=[[1.0]])
     with caplog.at_level(logging.WARNING, logger="advantage_server"), grpc.insecure_channel(srv.address) as channel:

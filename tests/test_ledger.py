@@ -384,33 +384,150 @@ def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_serve
             sock.close()
 
 
-def test_tokenless_refusals_past_the_budget_take_no_pool_thread():
+def _refusals(clock: Clock):
+    from advantage_server.auth import AnonymousRefusals
+    return AnonymousRefusals(clock)
+
+
+def _wait_for(predicate, seconds: float = 5.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_refusals_past_a_hosts_budget_are_held_and_answered_at_a_bounded_rate():
     """Issue #35 item 3: about 1,000 outstanding tokenless calls, each sent again as soon as it was refused, left
-    token holders 5% of their goodput (pinned bench): each UNAUTHENTICATED refusal ran in a thread of the server's
-    pool. Now ``REFUSALS_PER_S`` refusals a second are answered that way (a misconfigured client reads why); past the
-    budget the interceptor returns no handler, so gRPC answers UNIMPLEMENTED in its serve thread. Token holders and
-    health checks are never counted against it."""
+    token holders 5% of their goodput (refused in the pool), then 23-29% (answered UNIMPLEMENTED in gRPC's serve
+    thread, as fast as they came). Now each host has ``PER_HOST_PER_S`` refusals at once; the rest are held and
+    answered no earlier than ``HOLD_S`` after they came, at most ``RELEASE_PER_S`` a second, so the flood's rate
+    is the server's choice. Another host's first refusals are still answered at once."""
+    clock = Clock()
+    refusals = _refusals(clock)
+    answered: list[str] = []
+    try:
+        keys = [refusals.refuse("ipv4:10.0.0.1", lambda _r, i=i: answered.append(f"a{i}")) for i in range(300)]
+        budget = int(refusals.PER_HOST_PER_S)
+        assert answered == [f"a{i}" for i in range(budget)]  # the host's burst, at once
+        assert keys[:budget] == [None] * budget and None not in keys[budget:]
+        assert refusals.held == 300 - budget
+        refusals.refuse("ipv4:10.0.0.2", lambda _r: answered.append("b"))  # another host: at once
+        assert answered[-1] == "b" and refusals.held == 300 - budget
+        time.sleep(0.2)  # the releasing thread ticks, but nothing is due before HOLD_S
+        assert len(answered) == budget + 1
+        clock.now += refusals.HOLD_S
+        per_burst = int(refusals.RELEASE_PER_S * refusals.BURST_S)
+        assert _wait_for(lambda: len(answered) == budget + 1 + per_burst)
+        time.sleep(0.2)  # the clock stands still: no more releases than one burst's
+        assert len(answered) == budget + 1 + per_burst, len(answered)
+        assert answered[budget + 1:] == [f"a{i}" for i in range(budget, budget + per_burst)]  # first come first
+        clock.now += 0.5  # half a second more: RELEASE_PER_S / 2 more at most, within the burst cap per tick
+        assert _wait_for(lambda: len(answered) >= budget + 1 + 2 * per_burst)
+        time.sleep(0.2)
+        assert len(answered) <= budget + 1 + per_burst + int(refusals.RELEASE_PER_S * 0.5)
+        clock.now += 1.0  # the host's budget has refilled
+        before = len(answered)
+        assert refusals.refuse("ipv4:10.0.0.1", lambda _r: answered.append("again")) is None
+        assert "again" in answered[before:]
+    finally:
+        refusals.close()
+    assert refusals.held == 0 and len(answered) == 302  # the drain answers every held call at once
+
+
+def test_held_refusals_are_bounded_and_forgotten_when_their_call_ends():
+    """At most ``MAX_HELD`` calls are held (about 25 KiB each); a held call whose client gave up no longer counts,
+    so an attacker's dead calls do not fill the room (a bench round's leftovers made the next round's flood 20%);
+    past the bound the interceptor gives no handler (gRPC answers UNIMPLEMENTED in its serve thread), token
+    holders and health checks pass, and a refusal holds no thread (a non-blocking handler)."""
     import grpc
 
-    from advantage_server.auth import TokenAuthInterceptor
+    from advantage_server.auth import AnonymousRefusals, TokenAuthInterceptor
+
+    clock = Clock()
+    refusals = _refusals(clock)
+    refusals.MAX_HELD = 5
+    answered: list[int] = []
+    keys = [refusals.refuse("h", lambda _r, i=i: answered.append(i)) for i in range(20)]
+    budget = int(refusals.PER_HOST_PER_S)
+    assert refusals.held == 5 and refusals.full() and answered == list(range(budget)) + list(range(budget + 5, 20))
+    refusals.forget(keys[budget])  # its client cancelled it
+    refusals.forget(keys[budget])  # twice is nothing
+    assert refusals.held == 4 and not refusals.full()
+    refusals.close()
+    assert sorted(answered) == [i for i in range(20) if i != budget]
 
     class Details:
         def __init__(self, method: str, metadata=()):
             self.method, self.invocation_metadata = method, metadata
 
     handler = grpc.stream_unary_rpc_method_handler(lambda requests, context: None)
-    auth = TokenAuthInterceptor("secret")
+    auth = TokenAuthInterceptor("secret", clock=clock)
     compute = "/advantage.v1.AdvantageService/ComputeAdvantage"
-    answers = [auth.intercept_service(lambda d: handler, Details(compute)) for _ in range(200)]
-    refused = [a for a in answers if a is not None]
-    assert 45 <= len(refused) <= 55, len(refused)  # the burst: REFUSALS_PER_S, plus what refilled meanwhile
-    assert all(a is not handler for a in refused) and auth.dropped == 200 - len(refused)
+    refusal = auth.intercept_service(lambda d: handler, Details(compute))
+    assert refusal is not handler and refusal.stream_stream.experimental_non_blocking
     token = (("authorization", "Bearer secret"),)
     assert all(auth.intercept_service(lambda d: handler, Details(compute, token)) is handler for _ in range(100))
     health = "/grpc.health.v1.Health/Check"
     assert all(auth.intercept_service(lambda d: handler, Details(health)) is handler for _ in range(100))
-    time.sleep(0.2)  # the budget refills at REFUSALS_PER_S a second
-    assert auth.intercept_service(lambda d: handler, Details(compute)) not in (None, handler)
+    auth.refusals.MAX_HELD = 0  # as if full
+    assert auth.intercept_service(lambda d: handler, Details(compute)) is None and auth.dropped == 1
+    assert AnonymousRefusals.MAX_HELD == 4096  # the class's bound is untouched (set on the instances above)
+    auth.close()
+
+
+def test_a_tokenless_flood_is_answered_at_the_servers_rate_and_token_holders_are_served(make_server):
+    """A real server: 200 tokenless calls outstanding (50 on each of 4 connections), each sent again as soon as it
+    is refused. Before, they were answered as fast as they came (thousands a second); now at most a host's burst
+    plus ``RELEASE_PER_S`` a second, each UNAUTHENTICATED with the token message and, past the host's budget, no
+    earlier than ``HOLD_S`` after it came; a token holder's calls are served meanwhile."""
+    from advantage_server.auth import AnonymousRefusals
+
+    srv = make_server(auth_token="s3cret")
+    request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    codes: list[tuple[float, float, grpc.StatusCode, str]] = []
+    stop = threading.Event()
+    body = b""  # an empty ComputeAdvantageRequest: refused before it is read
+    channels = [grpc.insecure_channel(srv.address, options=[("grpc.channel_id", i)]) for i in range(4)]
+    try:
+        methods = [ch.unary_unary("/advantage.v1.AdvantageService/ComputeAdvantage") for ch in channels]
+
+        def again(method) -> None:
+            if stop.is_set():
+                return
+            sent = time.monotonic()
+            future = method.future(body, timeout=30)
+
+            def done(f, sent=sent) -> None:
+                err = f.exception()
+                codes.append((sent, time.monotonic(), err.code() if err else grpc.StatusCode.OK,
+                              err.details() if err else ""))
+                again(method)
+            future.add_done_callback(done)
+        for i in range(200):
+            again(methods[i % 4])
+        time.sleep(1.5)  # the host's burst is spent, the first held calls come due
+        start, seen = time.monotonic(), len(codes)
+        with AdvantageClient(srv.address, token="s3cret", timeout=10, retry=False) as client:
+            served = sum(client.compute("grpo", None, **request).advantages.shape == (2, 1) for _ in range(20))
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - start)))
+        window, answered = time.monotonic() - start, len(codes) - seen
+        stop.set()
+        srv.refusals.close()
+    finally:
+        for ch in channels:
+            ch.close()
+    assert served == 20
+    rate = answered / window
+    assert rate <= AnonymousRefusals.RELEASE_PER_S * 1.25 + AnonymousRefusals.PER_HOST_PER_S * 2, rate
+    assert rate >= AnonymousRefusals.RELEASE_PER_S * 0.25, rate  # held calls are answered, not left to expire
+    codes = codes[:seen + answered]  # those answered before the channels closed
+    assert {code for _s, _e, code, _d in codes} == {grpc.StatusCode.UNAUTHENTICATED}, codes[-5:]
+    assert all("bearer token" in details for _s, _e, _c, details in codes)
+    quick = sum(end - sent < AnonymousRefusals.HOLD_S * 0.95 for sent, end, _c, _d in codes)
+    budget = AnonymousRefusals.PER_HOST_PER_S * (time.monotonic() - codes[0][0] + 1)  # the burst and its refill
+    assert quick <= budget, (quick, budget)  # the rest were held (before: every one of them answered at once)
 
 
 def test_a_reader_over_its_own_budget_waits_for_its_results_and_a_slow_readers_are_not_cut_below_the_budget():

@@ -6,10 +6,15 @@
   except ``grpc.health.v1.Health`` (probes carry no credentials), comparing in constant time
   (:func:`hmac.compare_digest`). A call without the right token is refused with UNAUTHENTICATED
   before its request is decoded. Neither the expected nor the presented token is ever logged.
+* Refusals are an entry of the caller's ledger (:class:`AnonymousRefusals`): each host gets a few a second at
+  once, the rest are held, without a thread, and answered at a bounded rate, so a caller that sends each refused
+  call again at once (issue #35 item 3) floods nobody.
 """
 from __future__ import annotations
 
+import collections
 import hmac
+import itertools
 import logging
 import os
 import pathlib
@@ -18,6 +23,8 @@ import time
 from typing import Any, Callable
 
 import grpc
+
+from advantage_server.identity import call_peer, peer_host
 
 log = logging.getLogger("advantage_server")
 
@@ -65,40 +72,164 @@ def server_credentials(cert: Pem | None, key: Pem | None, client_ca: Pem | None 
                                        require_client_auth=ca is not None)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler that answers ``code`` without reading the request.
+class AnonymousRefusals:
+    """The ledger's entry for refused calls: what answering calls without the right token may cost (issue #35
+    item 3). A refusal is sent at once while the caller's host has budget left (``PER_HOST_PER_S`` a second,
+    bursts of as many: a misconfigured client reads why at once, whatever another host sends); past it the call is
+    *held*: it stays open in gRPC's core, with no thread, and gets its UNAUTHENTICATED no earlier than ``HOLD_S``
+    after it came, first come first answered, at most ``RELEASE_PER_S`` a second over all hosts. A caller that
+    sends each refused call again at once then sends at most that many a second, however many it keeps
+    outstanding; before, about 1,000 outstanding tokenless calls, each sent again as soon as it was refused, left
+    token holders 5% (refused in the pool) and then 23-29% (answered UNIMPLEMENTED in gRPC's serve thread) of
+    their goodput, pinned. At most ``MAX_HELD`` are held (about 25 KiB each in gRPC's core and Python, measured:
+    about 100 MiB in all); past that :meth:`full` is True and :class:`TokenAuthInterceptor` gives the call no
+    handler (gRPC answers UNIMPLEMENTED in its serve thread, no pool thread). :meth:`close` answers every held
+    call at once (the server's drain; later calls are answered at once).
 
-    It is request-streaming whatever ``handler`` is: gRPC Python reads a unary handler's whole request
-    message into Python bytes before calling it (a 256 MiB body would be buffered just to be refused);
-    a request-streaming handler that never iterates its requests reads none of it."""
-    def refuse(_requests: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
+    ``clock``: seconds, monotonic (tests pass their own). Counters: ``immediate``, ``held_total`` and ``held``
+    (now)."""
 
-    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    return kinds[(True, handler.response_streaming)](refuse)
+    #: refusals answered at once per host a second (a token bucket of as many)
+    PER_HOST_PER_S = 10.0
+    #: a held call is answered no earlier than this after it came
+    HOLD_S = 1.0
+    #: held calls answered a second at most, over all hosts
+    RELEASE_PER_S = 200.0
+    #: held calls at most; past it the interceptor gives no handler (UNIMPLEMENTED from gRPC's serve thread)
+    MAX_HELD = 4096
+    #: hosts whose budget is remembered (hosts with a full bucket are forgotten first)
+    MAX_HOSTS = 4096
+    #: how often the releasing thread looks at the queue, seconds
+    TICK_S = 0.02
+    #: the releases a late tick may catch up on, in seconds of ``RELEASE_PER_S``
+    BURST_S = 0.1
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._held: dict[int, tuple[float, Callable[[Any], None]]] = {}  # in arrival order (first = oldest)
+        self._keys = itertools.count()
+        self._budgets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when last filled)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.immediate = self.held_total = 0
+
+    @property
+    def held(self) -> int:
+        """Calls held now."""
+        return len(self._held)
+
+    def full(self) -> bool:
+        """True when ``MAX_HELD`` calls are held (read without the lock: the interceptor asks it per call)."""
+        return len(self._held) >= self.MAX_HELD
+
+    def _spend(self, host: str, now: float) -> bool:
+        """One refusal from ``host``'s budget (under the lock); False when it is spent."""
+        tokens, filled = self._budgets.pop(host, (self.PER_HOST_PER_S, now))
+        tokens = min(self.PER_HOST_PER_S, tokens + (now - filled) * self.PER_HOST_PER_S)
+        if len(self._budgets) >= self.MAX_HOSTS:  # forget the hosts whose budget has refilled, then the oldest
+            for other, (t, f) in list(self._budgets.items()):
+                if t + (now - f) * self.PER_HOST_PER_S >= self.PER_HOST_PER_S:
+                    del self._budgets[other]
+            while len(self._budgets) >= self.MAX_HOSTS:
+                del self._budgets[next(iter(self._budgets))]
+        spent = tokens >= 1
+        self._budgets[host] = (tokens - 1 if spent else tokens, now)  # re-inserted: the dict's order is recency
+        return spent
+
+    def refuse(self, host: str, send: Callable[[Any], None]) -> int | None:
+        """Answer a refused call of ``host`` now or later: ``send(None)`` sends its status (gRPC's
+        ``send_response_callback`` of a non-blocking handler, whose context already holds the code and details).
+        The held call's key (give it to :meth:`forget` when the call ends first), or None when answered now."""
+        key = None
+        with self._cond:
+            now = self._clock()
+            hold = not self._closed and not self._spend(host, now) and len(self._held) < self.MAX_HELD
+            if hold:
+                key = next(self._keys)
+                self._held[key] = (now + self.HOLD_S, send)
+                self.held_total += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._release, name="advantage-refusals", daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+            else:
+                self.immediate += 1
+        if not hold:
+            _send_quietly(send)
+        return key
+
+    def forget(self, key: int) -> None:
+        """The held call ``key`` ended (its client cancelled it, its deadline passed, its connection closed): it no
+        longer counts against ``MAX_HELD``. Nothing when it was answered already."""
+        with self._cond:
+            self._held.pop(key, None)
+
+    def _due(self) -> list[Callable[[Any], None]]:
+        """The held calls to answer now (under the lock), within the release budget ``self._allowance``."""
+        now = self._clock()
+        self._allowance = min(self.RELEASE_PER_S * self.BURST_S,
+                              self._allowance + (now - self._last) * self.RELEASE_PER_S)
+        self._last = now
+        due = []
+        while self._held:
+            key = next(iter(self._held))
+            if not (self._closed or (self._allowance >= 1 and self._held[key][0] <= now)):
+                break
+            due.append(self._held.pop(key)[1])
+            self._allowance -= 1
+        return due
+
+    def _release(self) -> None:
+        """The releasing thread: every ``TICK_S`` the held calls that are due, within the rate."""
+        self._allowance, self._last = 0.0, self._clock()
+        while True:
+            with self._cond:
+                while not self._held and not self._closed:
+                    self._cond.wait()
+                    self._last = max(self._last, self._clock() - self.TICK_S)
+                due, done = self._due(), self._closed
+            for send in due:
+                _send_quietly(send)
+            if done and not due:
+                return
+            with self._cond:
+                if not self._closed:
+                    self._cond.wait(self.TICK_S)
+
+    def close(self) -> None:
+        """Answer every held call now, and every later one at once; the releasing thread ends."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+
+def _send_quietly(send: Callable[[Any], None]) -> None:
+    """``send(None)``: the held call's status; nothing when the call has ended or the server has stopped."""
+    try:
+        send(None)
+    except Exception:  # noqa: BLE001 - a call cancelled or a server stopped under it
+        pass
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call but health checks unless it carries ``authorization: Bearer <token>``.
 
-    A refusal with UNAUTHENTICATED and its message takes a thread of the server's pool (gRPC Python runs every
-    handler there). Those are budgeted: ``REFUSALS_PER_S`` a second (bursts of as many), enough for every
-    misconfigured client to read why; past the budget a tokenless call is answered UNIMPLEMENTED by gRPC itself in
-    its serve thread, with no pool thread and no handler (issue #35 item 3: about 1,000 outstanding tokenless
-    calls, each sent again as soon as it was refused, left token holders 5% of their goodput, pinned; gRPC Python
-    gives an interceptor no peer, so the budget is the server's, not a host's)."""
+    A refused call gets UNAUTHENTICATED and its message from a non-blocking handler: it runs on the server's pool
+    only to read the call's peer, and holds no thread while it waits. :class:`AnonymousRefusals` decides when it
+    is answered (at once within the host's budget, else held). When ``MAX_HELD`` calls are held, a tokenless call
+    gets no handler and gRPC answers UNIMPLEMENTED in its serve thread (gRPC Python gives an interceptor no peer
+    and no way to close a connection; only the handler learns the host)."""
 
     #: at most one WARNING per this many seconds for refused calls (the next one says how many were not logged)
     WARN_INTERVAL = 10.0
-    #: UNAUTHENTICATED refusals answered a second through the pool (a token bucket of as many)
-    REFUSALS_PER_S = 50.0
+    MESSAGE = ("missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
+               "(AdvantageClient(token=...) or token_file=...)")
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, clock: Callable[[], float] | None = None):
         if not token:
             raise ValueError("empty bearer token")
         self._expected = f"Bearer {token}".encode()
@@ -106,20 +237,21 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._next_warning = 0.0
         self._unlogged = 0
         self.refused = 0
-        self.dropped = 0  # tokenless calls past the budget, answered UNIMPLEMENTED by gRPC
-        self._tokens, self._filled = self.REFUSALS_PER_S, time.monotonic()
+        self.dropped = 0  # tokenless calls while AnonymousRefusals.MAX_HELD are held, answered UNIMPLEMENTED by gRPC
+        self.refusals = AnonymousRefusals(clock or time.monotonic)
+        refusals, message = self.refusals, self.MESSAGE
 
-    def _take(self) -> bool:
-        """One refusal from the budget (under the warning lock); False when it is spent."""
-        now = time.monotonic()
-        with self._warn_lock:
-            self._tokens = min(self.REFUSALS_PER_S, self._tokens + (now - self._filled) * self.REFUSALS_PER_S)
-            self._filled = now
-            if self._tokens < 1:
-                self.dropped += 1
-                return False
-            self._tokens -= 1
-            return True
+        def refuse(_requests: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> None:
+            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            context.set_details(message)
+            key = refusals.refuse(peer_host(call_peer(context)), send)
+            if key is not None and not context.add_callback(lambda: refusals.forget(key)):
+                refusals.forget(key)  # it ended already
+        # the service's own methods never read a request before this (it is request-streaming: gRPC Python would
+        # read a unary handler's whole request message into Python bytes first), and the call holds no thread
+        # while it is held (grpc._server calls a non-blocking handler with the send_response_callback and returns)
+        refuse.experimental_non_blocking = True  # type: ignore[attr-defined]
+        self._refusal = grpc.stream_stream_rpc_method_handler(refuse)
 
     def _warn(self, method: str) -> None:
         """A WARNING for a refused call, rate-limited: a flood of tokenless calls is not a flood of log lines."""
@@ -147,9 +279,12 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
-        if not self._take():  # past the budget: gRPC answers UNIMPLEMENTED in its serve thread, no pool thread
+        if self.refusals.full():  # gRPC answers UNIMPLEMENTED in its serve thread, no pool thread
+            self.dropped += 1
             return None
         self._warn(handler_call_details.method)
-        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                        "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
-                        "(AdvantageClient(token=...) or token_file=...)")
+        return self._refusal
+
+    def close(self) -> None:
+        """Answer the held refusals now (the server's drain)."""
+        self.refusals.close()

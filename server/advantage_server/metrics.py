@@ -298,6 +298,8 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
         full = handler_call_details.method
         if handler is None or not full.startswith(self.prefix):
             return handler
+        if getattr(handler.stream_stream, "experimental_non_blocking", False):
+            return handler
         method = full[len(self.prefix):]
         request_id = request_id_of(handler_call_details.invocation_metadata)
         if handler.stream_stream is not None:

@@ -506,6 +506,8 @@ class BoundServer:
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
         self.results: ResultLedger | None = None  # the servicer's ledger of unread results (closed with the server)
         self.health_reads: Any = None  # health_service._RequestReads: the health pool (closed with the server)
+        #: tokenless calls held before their refusal (auth.AnonymousRefusals; answered when the drain begins)
+        self.refusals: Any = None
         #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
         self.warmup = False
         self.warmup_report: Any = None  # advantage_server.warmup.WarmupReport once warmed
@@ -558,6 +560,8 @@ class BoundServer:
             return min(cap, max(0.0, end - time.monotonic()))
         self.health.enter_graceful_shutdown()
         self.gate.start_draining()
+        if self.refusals is not None:  # held tokenless calls are answered now, not at the end of the grace
+            self.refusals.close()
         in_flight = self.gate.in_flight  # counted when the drain begins: a short call may end during step 1
         if in_flight:
             log.info("draining: waiting for %d call(s) in progress", in_flight)
@@ -716,6 +720,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     result = BoundServer(server, bound, health_servicer, core, actual, servicer.gate, tls=credentials is not None,
                          auth=bool(auth_token), limits=limits)
     result.metrics = metrics
+    result.refusals = auth.refusals if auth else None
     result.uploads = servicer.uploads
     result.results = servicer.results
     result.warmup = warmup
