@@ -72,6 +72,25 @@ def start_server(tmp: pathlib.Path, name: str, *flags: str, env: dict[str, str] 
     return srv
 
 
+def wait_serving(srv: ServerProcess, timeout: float = START_TIMEOUT) -> None:
+    """Poll the server's health until SERVING: it logs that it listens before its warm-up (health NOT_SERVING
+    while the kernels compile or load), and a first call with a tight deadline must not pay for the warm-up."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(srv.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert srv.proc.poll() is None, srv.stderr
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise AssertionError(f"{srv.address} not SERVING after {timeout} s:\n{srv.stderr}")
+
+
 def stop_server(srv: ServerProcess, timeout: float = 30.0) -> int:
     """SIGTERM and wait (bounded); returns the exit code. A server still running after ``timeout`` is sent
     SIGABRT (its thread stacks land in its stderr) and the test fails showing them."""

@@ -37,7 +37,7 @@ from advantage_client.client import (
 )
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 
-from reliability_support import count_events, slow_env, start_server
+from reliability_support import count_events, slow_env, start_server, wait_serving
 
 RE = grpc.StatusCode.RESOURCE_EXHAUSTED
 REFUSAL = ("the server is at its concurrency limit: --max-concurrent-requests=1 requests are already in progress; "
@@ -391,6 +391,8 @@ def two_slow_processes(tmp_path_factory):
             env, log = slow_env(tmp, SLOW_S)
             servers.append(start_server(tmp, f"s{i}", env=env))
             events.append(log)
+        for srv in servers:  # warmed up: the tight deadline below is for the slow call, not the kernels' compile
+            wait_serving(srv)
         yield servers, events
     finally:
         for srv in servers:

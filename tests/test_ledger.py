@@ -13,6 +13,7 @@ in-process one (a same-host reader keeps being served while a fresh connection p
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -386,7 +387,9 @@ def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_serve
 
 def _refusals(clock: Clock):
     from advantage_server.auth import AnonymousRefusals
-    return AnonymousRefusals(clock)
+    refusals = AnonymousRefusals(clock)
+    refusals._resident = lambda: 0  # the memory valve shut (its own test below moves it)
+    return refusals
 
 
 def _wait_for(predicate, seconds: float = 5.0) -> bool:
@@ -458,6 +461,17 @@ def test_held_refusals_are_bounded_and_forgotten_when_their_call_ends():
     refusals.close()
     assert sorted(answered) == [i for i in range(20) if i != budget]
 
+    refusals, answered, resident = _refusals(clock), [], [1000]
+    refusals._resident = lambda: resident[0]
+    for i in range(20):
+        refusals.refuse("h", lambda _r, i=i: answered.append(i))
+    time.sleep(0.1)
+    assert refusals.held == 20 - budget and refusals.valve_opened == 0  # nothing due, memory as it was
+    resident[0] += refusals.HELD_MEMORY_BYTES + 1  # the held calls' bodies grew the server past the budget
+    assert _wait_for(lambda: refusals.held == 0) and sorted(answered) == list(range(20))
+    assert refusals.valve_opened >= 1
+    refusals.close()
+
     class Details:
         def __init__(self, method: str, metadata=()):
             self.method, self.invocation_metadata = method, metadata
@@ -528,6 +542,47 @@ def test_a_tokenless_flood_is_answered_at_the_servers_rate_and_token_holders_are
     quick = sum(end - sent < AnonymousRefusals.HOLD_S * 0.95 for sent, end, _c, _d in codes)
     budget = AnonymousRefusals.PER_HOST_PER_S * (time.monotonic() - codes[0][0] + 1)  # the burst and its refill
     assert quick <= budget, (quick, budget)  # the rest were held (before: every one of them answered at once)
+
+
+VALVE_HOOK = """
+from advantage_server import auth
+auth.AnonymousRefusals.HELD_MEMORY_BYTES = 64 << 20
+"""
+
+
+def test_held_refusals_with_large_bodies_open_the_memory_valve(tmp_path):
+    """A held call's body is never read, but gRPC's core takes in up to its 4 MiB stream window of it: 100 held
+    tokenless calls with 4 MiB bodies grew a server by about 340 MiB (300 with 8 MiB bodies: +843 MiB). With the
+    valve (here at 64 MiB), every held call is answered as soon as the held calls have added more than that to
+    the server's resident memory: the peak stays near the budget, and each call still gets UNAUTHENTICATED."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(VALVE_HOOK)
+    (tmp_path / "token").write_text("s3cret")
+    srv = ServerProcess(tmp_path, free_port(), "--auth-token-file", str(tmp_path / "token"), name="valve",
+                        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
+    channels = []
+    try:
+        srv.wait_listening()
+        time.sleep(1.0)  # the warm-up's memory settles
+        proc = psutil.Process(srv.proc.pid)
+        start = peak = proc.memory_info().rss
+        body = b"\x78\x00" * (2 << 20)  # 4 MiB of unknown fields: never read
+        channels = [grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", -1),
+                                                               ("grpc.channel_id", i)]) for i in range(2)]
+        calls = [channels[i % 2].unary_unary(COMPUTE).future(body, timeout=60) for i in range(100)]
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end and not all(c.done() for c in calls):
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.005)
+        codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
+    finally:
+        for ch in channels:
+            ch.close()
+        srv.close()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 100
+    growth = (peak - start) / MiB
+    assert growth < 64 + 120, f"100 held calls with 4 MiB bodies grew the server by {growth:.0f} MiB"
 
 
 def test_a_reader_over_its_own_budget_waits_for_its_results_and_a_slow_readers_are_not_cut_below_the_budget():

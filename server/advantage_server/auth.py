@@ -25,6 +25,7 @@ from typing import Any, Callable
 import grpc
 
 from advantage_server.identity import call_peer, peer_host
+from advantage_server.limits import _resident_bytes
 
 log = logging.getLogger("advantage_server")
 
@@ -86,8 +87,16 @@ class AnonymousRefusals:
     handler (gRPC answers UNIMPLEMENTED in its serve thread, no pool thread). :meth:`close` answers every held
     call at once (the server's drain; later calls are answered at once).
 
-    ``clock``: seconds, monotonic (tests pass their own). Counters: ``immediate``, ``held_total`` and ``held``
-    (now)."""
+    A held call's body is never read, but gRPC's core takes in up to its HTTP/2 stream window of it
+    (``--stream-window-mb``, 4 MiB: measured +339 MiB for 100 held calls with 8 MiB bodies), and nothing tells
+    the server how much. So the releasing thread reads the process's resident memory each tick; while it is more
+    than ``HELD_MEMORY_BYTES`` above what it was when the first of the held calls came, every held call is
+    answered at once (``valve_opened`` counts it): a flood of large bodies is then answered as it comes (it costs
+    the attacker its bandwidth), and the memory it pins stays near the budget. Where ``/proc`` is missing the
+    valve is off and ``MAX_HELD`` is ``MAX_HELD_WITHOUT_VALVE``.
+
+    ``clock``: seconds, monotonic (tests pass their own). Counters: ``immediate``, ``held_total``, ``held`` (now)
+    and ``valve_opened``."""
 
     #: refusals answered at once per host a second (a token bucket of as many)
     PER_HOST_PER_S = 10.0
@@ -97,6 +106,10 @@ class AnonymousRefusals:
     RELEASE_PER_S = 200.0
     #: held calls at most; past it the interceptor gives no handler (UNIMPLEMENTED from gRPC's serve thread)
     MAX_HELD = 4096
+    #: resident memory the held calls may add (see the class docstring), bytes
+    HELD_MEMORY_BYTES = 256 << 20
+    #: ``MAX_HELD`` where the valve cannot read the process's memory: at most that many stream windows
+    MAX_HELD_WITHOUT_VALVE = 64
     #: hosts whose budget is remembered (hosts with a full bucket are forgotten first)
     MAX_HOSTS = 4096
     #: how often the releasing thread looks at the queue, seconds
@@ -112,7 +125,11 @@ class AnonymousRefusals:
         self._budgets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when last filled)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.immediate = self.held_total = 0
+        self.immediate = self.held_total = self.valve_opened = 0
+        self._resident: Callable[[], int | None] = _resident_bytes
+        self._memory_base: int | None = None  # resident bytes when the first of the held calls came
+        if self._resident() is None:
+            self.MAX_HELD = min(self.MAX_HELD, self.MAX_HELD_WITHOUT_VALVE)
 
     @property
     def held(self) -> int:
@@ -146,6 +163,8 @@ class AnonymousRefusals:
             now = self._clock()
             hold = not self._closed and not self._spend(host, now) and len(self._held) < self.MAX_HELD
             if hold:
+                if not self._held:
+                    self._memory_base = self._resident()
                 key = next(self._keys)
                 self._held[key] = (now + self.HOLD_S, send)
                 self.held_total += 1
@@ -168,13 +187,17 @@ class AnonymousRefusals:
     def _due(self) -> list[Callable[[Any], None]]:
         """The held calls to answer now (under the lock), within the release budget ``self._allowance``."""
         now = self._clock()
+        resident = self._resident() if self._held and self._memory_base is not None else None
+        valve = resident is not None and resident - self._memory_base > self.HELD_MEMORY_BYTES
+        if valve:
+            self.valve_opened += 1
         self._allowance = min(self.RELEASE_PER_S * self.BURST_S,
                               self._allowance + (now - self._last) * self.RELEASE_PER_S)
         self._last = now
         due = []
         while self._held:
             key = next(iter(self._held))
-            if not (self._closed or (self._allowance >= 1 and self._held[key][0] <= now)):
+            if not (self._closed or valve or (self._allowance >= 1 and self._held[key][0] <= now)):
                 break
             due.append(self._held.pop(key)[1])
             self._allowance -= 1
