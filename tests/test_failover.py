@@ -110,6 +110,26 @@ def test_admission_refusal_is_told_from_other_resource_exhausted():
     assert not admission_refused(_error(grpc.StatusCode.UNAVAILABLE, "--max-concurrent-requests"))
 
 
+def test_a_call_cut_to_give_its_place_to_another_is_sent_again_within_bounds():
+    """Issue #37's busy-loop runs: 64 shared-memory client processes started at once beside a busy loop on both
+    cores had 8 first calls cut (their bodies had not arrived within 0.5 s while another connection of their host
+    waited), each raised to the user although the server kept and computed nothing of them. Such a cut is now sent
+    again as a refusal with pushback is (``CUT_PAUSE_S``, jittered, at most PUSHBACK_MAX_RETRIES times, within the
+    deadline); an upload cut for its own rate is not, nor is the cut message under another status."""
+    from advantage_client.client import CUT_FOR_ANOTHER, CUT_PAUSE_S
+    cut = _error(RE, f"{CUT_FOR_ANOTHER}: this call had sent no request bytes for 0.7 s while a call of another "
+                     "connection of its host waited; send each request in full as soon as its call starts")
+    one = Failover(1, 30.0)
+    pauses = []
+    while (pause := one.retry(cut)) is not None:
+        pauses.append(pause)
+    assert len(pauses) == PUSHBACK_MAX_RETRIES and all(CUT_PAUSE_S <= p <= CUT_PAUSE_S * 1.5 + 1e-9 for p in pauses)
+    assert Failover(1, 30.0).retry(_error(RE, "cut a call whose upload arrived slower than "
+                                              "--min-upload-rate-kib=1024")) is None
+    assert Failover(1, 30.0).retry(_error(grpc.StatusCode.INTERNAL, CUT_FOR_ANOTHER)) is None
+    assert Failover(1, 0.1).retry(cut) is None  # the wait must fit in the deadline left
+
+
 def test_the_plan_sends_refusals_to_every_replica_in_turn_within_bounds():
     targets = replica_targets("ipv4:10.0.0.1:1,10.0.0.2:1,10.0.0.3:1")
     assert targets == ["ipv4:10.0.0.1:1", "ipv4:10.0.0.2:1", "ipv4:10.0.0.3:1"]

@@ -151,25 +151,28 @@ def _wait_idle(srv, within: float) -> float:
 def test_4m_one_token_rows_with_a_1s_deadline_leave_the_server_idle(make_server):
     """uint8 ``[4M, 1]`` rows (24 MiB): before, 12.7 s of server CPU after the caller's 1 s deadline, holding the
     only worker. Now the request is answered within its deadline or refused with DEADLINE_EXCEEDED, and the
-    server is idle within 3 s (the 1 s deadline plus 2 s of slack for a loaded 2-core machine)."""
+    server is idle within 6 s (the 1 s deadline plus 5 s of slack: 3 s was too little beside a busy loop on both
+    cores with two more test workers, issue #37's runs; the work before was 12.7 s of CPU, more under load)."""
     srv = make_server(workers=1)
     with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 64 << 20),
                                                       ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         stub = pb_grpc.AdvantageServiceStub(channel)
+        request = _raw_rows_request(4 << 20)  # built before the clock starts (seconds beside a busy loop)
         t0 = time.monotonic()
         try:
-            reply = stub.ComputeAdvantage(_raw_rows_request(4 << 20), timeout=1.0)
+            reply = stub.ComputeAdvantage(request, timeout=1.0)
             assert decode_result(reply, as_numpy=True).advantages.shape == (4 << 20, 1)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-        assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 3.0
+        assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 6.0
         np.testing.assert_allclose(_small_call(stub), [[1.0], [-1.0]], atol=1e-6)
 
 
 def test_the_row_reduction_stops_at_a_checkpoint_when_the_deadline_passes(make_server, monkeypatch):
     """The hashing slowed to 0.25 s per chunk of 2**18 elements (16 chunks, 4 s of work for ``[4M, 1]``) and a
-    1 s deadline: DEADLINE_EXCEEDED, the reduction stopped well before its 16th chunk, the server idle and
-    serving the next call (bound 3 s: the deadline plus slack for a loaded machine)."""
+    1 s deadline: DEADLINE_EXCEEDED, the reduction stopped well before its 16th chunk (at most 12: the chunks of
+    the 1 s deadline, 4, plus slack for a loaded machine), the server idle and serving the next call. The proof is
+    the chunk count, not the clock: a wall-time bound of 3 s failed beside a busy loop on both cores."""
     chunks = []
     hashes = groups._row_hashes
 
@@ -182,10 +185,11 @@ def test_the_row_reduction_stops_at_a_checkpoint_when_the_deadline_passes(make_s
     srv = make_server(workers=1)
     with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = pb_grpc.AdvantageServiceStub(channel)
+        request = _raw_rows_request(4 << 20)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            stub.ComputeAdvantage(_raw_rows_request(4 << 20), timeout=1.0)
+            stub.ComputeAdvantage(request, timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 3.0
-        assert 0 < len(chunks) < 16, chunks  # stopped at a checkpoint, not run to the end
+        assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 10.0
+        assert 0 < len(chunks) <= 12, chunks  # stopped at a checkpoint, not run to the end
         np.testing.assert_allclose(_small_call(stub), [[1.0], [-1.0]], atol=1e-6)

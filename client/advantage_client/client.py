@@ -64,6 +64,11 @@ PUSHBACK_JITTER = 0.5
 #: seconds (jittered as a pushback) before a streamed call whose status grpc.aio lost is sent again: the least
 #: pushback the server gives (``admission.ADMISSION_PUSHBACK_MS``, 50-200 ms); see :meth:`Failover.retry`
 LOST_STATUS_PAUSE_S = 0.05
+#: the start of the server's message for a call whose upload it cut to give the call's place to a waiting client
+#: (``advantage_server.uploads``: the call's body had not arrived, nothing of it was kept or computed)
+CUT_FOR_ANOTHER = "cut to give its place to another client"
+#: seconds (jittered as a pushback) before such a cut call is sent again; see :meth:`Failover.retry`
+CUT_PAUSE_S = 0.1
 #: an attempt that ended UNAVAILABLE on the round_robin rotation (its connection failed: a replica killed, or
 #: hung and found by the HTTP/2 keepalive, after gRPC's own retries) is sent again at most this many times
 LOST_MAX_RESENDS = 1
@@ -88,7 +93,8 @@ def admission_refused(error: AdvantageServiceError) -> bool:
     ``--max-concurrent-requests`` (every place taken: answered before the request is read) or
     ``--max-pending-per-connection`` / ``--max-pending-per-peer`` (more calls waiting for their body than the
     client's share), unless the message says the upload was cut. Every other RESOURCE_EXHAUSTED (a size limit
-    such as ``--max-message-mb``, out of memory, an upload cut) is about the request and is never sent again."""
+    such as ``--max-message-mb``, out of memory, an upload cut) is about the request and is not sent to another
+    replica as a refusal is (:meth:`Failover.retry` sends a call cut to give its place to another client again)."""
     if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
     if getattr(error, "pushback_s", None) is not None:
@@ -119,6 +125,10 @@ class Failover:
     * A streamed call of the asyncio client whose status grpc.aio lost (``status_lost``: its INTERNAL "Internal
       error from Core", the server having ended the call while its request was being sent) is sent again as an
       admission refusal is, after ``LOST_STATUS_PAUSE_S`` (jittered), within the same bounds.
+    * A call the server cut to give its place to another client (RESOURCE_EXHAUSTED, ``CUT_FOR_ANOTHER``: its
+      body had not arrived for a while, as when a loaded client machine starts 64 processes at once) is sent
+      again as an admission refusal is, after ``CUT_PAUSE_S`` (jittered), within the same bounds: the server kept
+      and computed nothing of it. An upload cut for its own rate or idleness is not.
     * With several replicas, a refusal recognised by its message from a server that sends no pushback (an older
       one) is sent again after a short jittered backoff (``FAILOVER_BACKOFF_S``, doubled each time), at most
       ``min(replicas, FAILOVER_MAX_RETRIES)`` times.
@@ -182,6 +192,8 @@ class Failover:
             # it, most often an admission refusal whose pushback is lost with it (aio._send_prepared). Sent again
             # as a refusal is, within the same bounds; a server error repeats and is raised once they are spent.
             pushback = LOST_STATUS_PAUSE_S
+        elif error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and CUT_FOR_ANOTHER in str(error):
+            pushback = CUT_PAUSE_S
         if pushback is not None:
             if self.pushbacks >= PUSHBACK_MAX_RETRIES:
                 return None

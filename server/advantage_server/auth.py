@@ -25,7 +25,6 @@ from typing import Any, Callable
 import grpc
 
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.limits import _resident_bytes
 
 log = logging.getLogger("advantage_server")
 
@@ -126,6 +125,8 @@ class AnonymousRefusals:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.immediate = self.held_total = self.valve_opened = 0
+        # imported here: the CLI checks its flags (and imports this module) before torch, which limits pulls in
+        from advantage_server.limits import _resident_bytes
         self._resident: Callable[[], int | None] = _resident_bytes
         self._memory_base: int | None = None  # resident bytes when the first of the held calls came
         if self._resident() is None:

@@ -298,10 +298,10 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
         full = handler_call_details.method
         if handler is None or not full.startswith(self.prefix):
             return handler
-        if getattr(handler.stream_stream, "experimental_non_blocking", False):
-            return handler
         method = full[len(self.prefix):]
         request_id = request_id_of(handler_call_details.invocation_metadata)
+        if getattr(handler.stream_stream, "experimental_non_blocking", False):  # a refusal (auth.AnonymousRefusals)
+            return grpc.stream_stream_rpc_method_handler(self._observed_refusal(method, request_id, handler))
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 self._observed_stream(method, request_id, handler), request_deserializer=handler.request_deserializer,
@@ -362,6 +362,27 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
                 _child(m.duration, method, estimator).observe(time.perf_counter() - started)
                 _child(m.request_bytes, method, estimator).observe(size[0])
 
+        return observed
+
+    def _observed_refusal(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
+        """Wraps a non-blocking refusal (``auth.TokenAuthInterceptor``'s: its status may be sent later, from
+        another thread, and no thread waits for it): counted with the code it set (estimator "none", no request
+        bytes, duration 0: the time it is held is the server's choice, not the call's work), the request id
+        echoed; still non-blocking."""
+        behavior = handler.stream_stream
+        m = self.metrics
+
+        def observed(request_iterator: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> None:
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            try:
+                behavior(request_iterator, context, send)
+            finally:
+                code = context.code()
+                name = code.name if code not in (None, grpc.StatusCode.OK) else "OK"
+                _child(m.requests, method, "none", name).inc()
+                _child(m.duration, method, "none").observe(0.0)
+                _child(m.request_bytes, method, "none").observe(0)
+        observed.experimental_non_blocking = True  # type: ignore[attr-defined]
         return observed
 
     def _observed_stream(self, method: str, request_id: str, handler: grpc.RpcMethodHandler) -> Callable:
