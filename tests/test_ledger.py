@@ -439,6 +439,27 @@ def test_refusals_past_a_hosts_budget_are_held_and_answered_at_a_bounded_rate():
     assert refusals.held == 0 and len(answered) == 302  # the drain answers every held call at once
 
 
+def test_many_hosts_do_not_add_up_to_a_flood_of_immediate_refusals():
+    """Per-host budgets alone would let an attacker holding many addresses (a /48 is 65,536 hosts of /64) have
+    each refused at once: the refusals answered at once are also held to ``IMMEDIATE_PER_S`` a second over all
+    hosts, and the table of budgets to ``MAX_HOSTS`` entries (the least recent forgotten first)."""
+    clock = Clock()
+    refusals = _refusals(clock)
+    refusals.MAX_HOSTS = 64
+    answered: list[int] = []
+    try:
+        for i in range(300):
+            refusals.refuse(f"ipv6:[2001:db8:{i:x}::]/64", lambda _r, i=i: answered.append(i))
+        assert answered == list(range(int(refusals.IMMEDIATE_PER_S)))  # one burst over all hosts, then held
+        assert refusals.held == 300 - int(refusals.IMMEDIATE_PER_S)
+        assert len(refusals._budgets) <= 64
+        clock.now += 1.0  # the budget over all hosts refills: a new host is answered at once again
+        refusals.refuse("ipv4:10.9.9.9", lambda _r: answered.append(-1))
+        assert answered[-1] == -1
+    finally:
+        refusals.close()
+
+
 def test_held_refusals_are_bounded_and_forgotten_when_their_call_ends():
     """At most ``MAX_HELD`` calls are held (about 25 KiB each); a held call whose client gave up no longer counts,
     so an attacker's dead calls do not fill the room (a bench round's leftovers made the next round's flood 20%);

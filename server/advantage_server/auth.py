@@ -75,7 +75,8 @@ def server_credentials(cert: Pem | None, key: Pem | None, client_ca: Pem | None 
 class AnonymousRefusals:
     """The ledger's entry for refused calls: what answering calls without the right token may cost (issue #35
     item 3). A refusal is sent at once while the caller's host has budget left (``PER_HOST_PER_S`` a second,
-    bursts of as many: a misconfigured client reads why at once, whatever another host sends); past it the call is
+    bursts of as many: a misconfigured client reads why at once, whatever another host sends; and at most
+    ``IMMEDIATE_PER_S`` a second over all hosts); past it the call is
     *held*: it stays open in gRPC's core, with no thread, and gets its UNAUTHENTICATED no earlier than ``HOLD_S``
     after it came, first come first answered, at most ``RELEASE_PER_S`` a second over all hosts. A caller that
     sends each refused call again at once then sends at most that many a second, however many it keeps
@@ -99,6 +100,9 @@ class AnonymousRefusals:
 
     #: refusals answered at once per host a second (a token bucket of as many)
     PER_HOST_PER_S = 10.0
+    #: refusals answered at once a second over all hosts (a token bucket of as many): many hosts (a /48 of /64s)
+    #: do not add up to a flood either
+    IMMEDIATE_PER_S = 100.0
     #: a held call is answered no earlier than this after it came
     HOLD_S = 1.0
     #: held calls answered a second at most, over all hosts
@@ -122,6 +126,7 @@ class AnonymousRefusals:
         self._held: dict[int, tuple[float, Callable[[Any], None]]] = {}  # in arrival order (first = oldest)
         self._keys = itertools.count()
         self._budgets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when last filled)
+        self._all = (self.IMMEDIATE_PER_S, clock())  # the budget over all hosts: (tokens, when last filled)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.immediate = self.held_total = self.valve_opened = 0
@@ -142,17 +147,23 @@ class AnonymousRefusals:
         return len(self._held) >= self.MAX_HELD
 
     def _spend(self, host: str, now: float) -> bool:
-        """One refusal from ``host``'s budget (under the lock); False when it is spent."""
+        """One refusal from ``host``'s budget and the budget over all hosts (under the lock); False when either is
+        spent."""
         tokens, filled = self._budgets.pop(host, (self.PER_HOST_PER_S, now))
         tokens = min(self.PER_HOST_PER_S, tokens + (now - filled) * self.PER_HOST_PER_S)
-        if len(self._budgets) >= self.MAX_HOSTS:  # forget the hosts whose budget has refilled, then the oldest
-            for other, (t, f) in list(self._budgets.items()):
-                if t + (now - f) * self.PER_HOST_PER_S >= self.PER_HOST_PER_S:
-                    del self._budgets[other]
-            while len(self._budgets) >= self.MAX_HOSTS:
-                del self._budgets[next(iter(self._budgets))]
-        spent = tokens >= 1
+        if len(self._budgets) >= self.MAX_HOSTS:
+            # forget the least recent hosts: those whose budget has refilled (nothing to remember), at least one
+            del self._budgets[next(iter(self._budgets))]
+            while self._budgets:
+                other = next(iter(self._budgets))
+                t, f = self._budgets[other]
+                if t + (now - f) * self.PER_HOST_PER_S < self.PER_HOST_PER_S:
+                    break
+                del self._budgets[other]
+        every = min(self.IMMEDIATE_PER_S, self._all[0] + (now - self._all[1]) * self.IMMEDIATE_PER_S)
+        spent = tokens >= 1 and every >= 1
         self._budgets[host] = (tokens - 1 if spent else tokens, now)  # re-inserted: the dict's order is recency
+        self._all = (every - 1 if spent else every, now)
         return spent
 
     def refuse(self, host: str, send: Callable[[Any], None]) -> int | None:
