@@ -151,20 +151,23 @@ def _wait_idle(srv, within: float) -> float:
 def test_4m_one_token_rows_with_a_1s_deadline_leave_the_server_idle(make_server):
     """uint8 ``[4M, 1]`` rows (24 MiB): before, 12.7 s of server CPU after the caller's 1 s deadline, holding the
     only worker. Now the request is answered within its deadline or refused with DEADLINE_EXCEEDED, and the
-    server is idle within 6 s (the 1 s deadline plus 5 s of slack: 3 s was too little beside a busy loop on both
-    cores with two more test workers, issue #37's runs; the work before was 12.7 s of CPU, more under load)."""
+    server is soon idle, having spent less than half that CPU. The bound is on CPU time (this process's: the server
+    runs in it), not the clock: beside a busy loop on both cores and two more test workers (issue #37's runs) the
+    call took 4.2 s to end and the server 1.9 s more to be idle, which a wall-time bound of 3 s, then 6 s, failed."""
     srv = make_server(workers=1)
     with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 64 << 20),
                                                       ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         stub = pb_grpc.AdvantageServiceStub(channel)
         request = _raw_rows_request(4 << 20)  # built before the clock starts (seconds beside a busy loop)
-        t0 = time.monotonic()
+        cpu0 = time.process_time()
         try:
             reply = stub.ComputeAdvantage(request, timeout=1.0)
             assert decode_result(reply, as_numpy=True).advantages.shape == (4 << 20, 1)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-        assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 6.0
+        assert _wait_idle(srv, 30.0) < 30.0
+        cpu = time.process_time() - cpu0
+        assert cpu < 6.0, f"the call and the server's work on it took {cpu:.1f} s of CPU (12.7 s and more before)"
         np.testing.assert_allclose(_small_call(stub), [[1.0], [-1.0]], atol=1e-6)
 
 
