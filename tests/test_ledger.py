@@ -13,6 +13,7 @@ in-process one (a same-host reader keeps being served while a fresh connection p
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -575,7 +576,9 @@ def test_held_refusals_with_large_bodies_open_the_memory_valve(tmp_path):
     """A held call's body is never read, but gRPC's core takes in up to its 4 MiB stream window of it: 100 held
     tokenless calls with 4 MiB bodies grew a server by about 340 MiB (300 with 8 MiB bodies: +843 MiB). With the
     valve (here at 64 MiB), every held call is answered as soon as the held calls have added more than that to
-    the server's resident memory: the peak stays near the budget, and each call still gets UNAUTHENTICATED."""
+    the server's resident memory: the peak stays near the budget (150 such calls: 130-300 MiB, against 510-530
+    without the valve; the bound is 400, as beside a busy loop the valve opened up to ~240 MiB late), and each
+    call still gets UNAUTHENTICATED."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(VALVE_HOOK)
@@ -591,7 +594,7 @@ def test_held_refusals_with_large_bodies_open_the_memory_valve(tmp_path):
         body = b"\x78\x00" * (2 << 20)  # 4 MiB of unknown fields: never read
         channels = [grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", -1),
                                                                ("grpc.channel_id", i)]) for i in range(2)]
-        calls = [channels[i % 2].unary_unary(COMPUTE).future(body, timeout=60) for i in range(100)]
+        calls = [channels[i % 2].unary_unary(COMPUTE).future(body, timeout=60) for i in range(150)]
         end = time.monotonic() + 4.0
         while time.monotonic() < end and not all(c.done() for c in calls):
             peak = max(peak, proc.memory_info().rss)
@@ -601,9 +604,9 @@ def test_held_refusals_with_large_bodies_open_the_memory_valve(tmp_path):
         for ch in channels:
             ch.close()
         srv.close()
-    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 100
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 150, collections.Counter(codes)
     growth = (peak - start) / MiB
-    assert growth < 64 + 120, f"100 held calls with 4 MiB bodies grew the server by {growth:.0f} MiB"
+    assert growth < 400, f"150 held calls with 4 MiB bodies grew the server by {growth:.0f} MiB"
 
 
 def test_a_reader_over_its_own_budget_waits_for_its_results_and_a_slow_readers_are_not_cut_below_the_budget():

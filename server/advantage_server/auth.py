@@ -89,9 +89,10 @@ class AnonymousRefusals:
 
     A held call's body is never read, but gRPC's core takes in up to its HTTP/2 stream window of it
     (``--stream-window-mb``, 4 MiB: measured +339 MiB for 100 held calls with 8 MiB bodies), and nothing tells
-    the server how much. So the releasing thread reads the process's resident memory each tick; while it is more
-    than ``HELD_MEMORY_BYTES`` above what it was when the first of the held calls came, every held call is
-    answered at once (``valve_opened`` counts it): a flood of large bodies is then answered as it comes (it costs
+    the server how much. So the process's resident memory is read as each call comes to be held and at each tick
+    of the releasing thread; while it is more than ``HELD_MEMORY_BYTES`` above what it was when the first of the
+    held calls came, the new call and every held one are answered at once (``valve_opened`` counts it; reading it
+    as calls come keeps the valve from waiting for a starved releasing thread on a loaded machine): a flood of large bodies is then answered as it comes (it costs
     the attacker its bandwidth), and the memory it pins stays near the budget. Where ``/proc`` is missing the
     valve is off and ``MAX_HELD`` is ``MAX_HELD_WITHOUT_VALVE``.
 
@@ -134,6 +135,7 @@ class AnonymousRefusals:
         from advantage_server.limits import _resident_bytes
         self._resident: Callable[[], int | None] = _resident_bytes
         self._memory_base: int | None = None  # resident bytes when the first of the held calls came
+        self._valve = False  # set by refuse() when a new call found the memory past the budget
         if self._resident() is None:
             self.MAX_HELD = min(self.MAX_HELD, self.MAX_HELD_WITHOUT_VALVE)
 
@@ -174,6 +176,9 @@ class AnonymousRefusals:
         with self._cond:
             now = self._clock()
             hold = not self._closed and not self._spend(host, now) and len(self._held) < self.MAX_HELD
+            if hold and self._held and self._over_memory():
+                hold, self._valve = False, True  # answered at once, and the releasing thread answers the rest
+                self._cond.notify()
             if hold:
                 if not self._held:
                     self._memory_base = self._resident()
@@ -196,11 +201,17 @@ class AnonymousRefusals:
         with self._cond:
             self._held.pop(key, None)
 
+    def _over_memory(self) -> bool:
+        """Whether the held calls have added more than ``HELD_MEMORY_BYTES`` of resident memory (under the lock)."""
+        if self._memory_base is None:
+            return False
+        resident = self._resident()
+        return resident is not None and resident - self._memory_base > self.HELD_MEMORY_BYTES
+
     def _due(self) -> list[Callable[[Any], None]]:
         """The held calls to answer now (under the lock), within the release budget ``self._allowance``."""
         now = self._clock()
-        resident = self._resident() if self._held and self._memory_base is not None else None
-        valve = resident is not None and resident - self._memory_base > self.HELD_MEMORY_BYTES
+        valve, self._valve = self._valve or (bool(self._held) and self._over_memory()), False
         if valve:
             self.valve_opened += 1
         self._allowance = min(self.RELEASE_PER_S * self.BURST_S,
