@@ -194,5 +194,5 @@ def test_the_row_reduction_stops_at_a_checkpoint_when_the_deadline_passes(make_s
             stub.ComputeAdvantage(request, timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _wait_idle(srv, 10.0) + (time.monotonic() - t0) < 10.0
-        assert 0 < len(chunks) <= 12, chunks  # stopped at a checkpoint, not run to the end
+        assert len(chunks) <= 12, chunks  # stopped at a checkpoint (or before the first chunk), not run to the end
         np.testing.assert_allclose(_small_call(stub), [[1.0], [-1.0]], atol=1e-6)
