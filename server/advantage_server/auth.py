@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import hmac
 import itertools
+import math
 import logging
 import os
 import pathlib
@@ -120,6 +121,8 @@ class AnonymousRefusals:
     TICK_S = 0.02
     #: the releases a late tick may catch up on, in seconds of ``RELEASE_PER_S``
     BURST_S = 0.1
+    #: the resident memory is read as calls come to be held at most once per this many seconds
+    CHECK_S = 0.005
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -136,6 +139,7 @@ class AnonymousRefusals:
         self._resident: Callable[[], int | None] = _resident_bytes
         self._memory_base: int | None = None  # resident bytes when the first of the held calls came
         self._valve = False  # set by refuse() when a new call found the memory past the budget
+        self._checked_at = -math.inf  # when refuse() last read the resident memory
         if self._resident() is None:
             self.MAX_HELD = min(self.MAX_HELD, self.MAX_HELD_WITHOUT_VALVE)
 
@@ -176,9 +180,11 @@ class AnonymousRefusals:
         with self._cond:
             now = self._clock()
             hold = not self._closed and not self._spend(host, now) and len(self._held) < self.MAX_HELD
-            if hold and self._held and self._over_memory():
-                hold, self._valve = False, True  # answered at once, and the releasing thread answers the rest
-                self._cond.notify()
+            if hold and self._held and now - self._checked_at >= self.CHECK_S:
+                self._checked_at = now
+                if self._over_memory():
+                    hold, self._valve = False, True  # answered at once, and the releasing thread answers the rest
+                    self._cond.notify()
             if hold:
                 if not self._held:
                     self._memory_base = self._resident()
