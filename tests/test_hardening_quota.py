@@ -577,3 +577,49 @@ def test_a_newcomer_cuts_only_an_upload_stalled_for_half_a_second(make_server):
             assert srv.uploads.evictions == 1
         finally:
             stop.set()
+
+
+class _PeerContext(_FakeContext):
+    """A fake call context from connection ``peer`` (``ipv4:HOST:PORT``)."""
+
+    def __init__(self, peer: str):
+        super().__init__()
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_a_newcomer_from_another_host_cuts_a_stalled_upload_without_the_half_second():
+    """``NEWCOMER_CUT_STALL_S`` guards a host's own slowed first bodies from its neighbours. Between hosts the fair
+    shares already pick a host holding two more pending calls than the caller's, so a newcomer of another host cuts
+    an upload as soon as it counts as stalled (``STALL_S``). A fresh trainer on another host beside a slow-loris
+    whose calls had all come at once waited up to 0.5 s for its first call (bench ``slow-loris-fresh``)."""
+    from advantage_server.shares import STALL_S
+    from advantage_server.uploads import UploadCut, UploadWatch
+
+    watch = UploadWatch(timeout=30.0)
+    stalled = [_PeerContext(f"ipv4:10.0.0.1:{5000 + i}") for i in range(3)]
+    blocks = [watch.watch(ctx) for ctx in stalled]
+    for block in blocks:
+        block.__enter__()
+    try:
+        time.sleep(STALL_S + 0.05)  # stalled, but far from NEWCOMER_CUT_STALL_S
+        neighbour = _PeerContext("ipv4:10.0.0.1:6000")
+        assert not watch.evict_for(neighbour, min_stall=0.5)  # its own host: the half second holds
+        assert not any(ctx.cancelled.is_set() for ctx in stalled)
+        other = _PeerContext("ipv4:10.0.0.2:6000")
+        assert watch.evict_for(other, min_stall=0.5)  # another host: stalled is enough
+        assert watch.evictions == 1
+        assert sum(ctx.cancelled.is_set() for ctx in stalled) == 1
+        time.sleep(0.5)
+        assert watch.evict_for(neighbour, min_stall=0.5)  # its own host, once the half second has passed
+        assert sum(ctx.cancelled.is_set() for ctx in stalled) == 2
+    finally:
+        cut = 0
+        for block in blocks:
+            try:
+                block.__exit__(None, None, None)
+            except UploadCut:
+                cut += 1
+    assert cut == 2

@@ -234,7 +234,7 @@ class SilentHealth:
 
 
 @pytest.mark.parametrize("method", ["Check", "Watch"])
-def test_silent_health_calls_hold_no_service_thread(make_server, method):
+def test_silent_health_calls_hold_no_service_thread(make_server, method, caplog):
     """RELIABILITY.md's H1: 40 tokenless health calls whose request message never comes (more than the server's
     whole pool of 22 threads at 2 places). Before: each held a pool thread until its own 30 s deadline, and a token
     holder's call timed out. Now health runs on its own 4-thread pool, a host has at most 2 health calls waiting for
@@ -263,6 +263,10 @@ def test_silent_health_calls_hold_no_service_thread(make_server, method):
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE),
                                                               timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # a call the server ended before its message came leaves quietly: a handler that returned None for it had
+        # gRPC log "Exception serializing message!" with a traceback for each (hundreds under a flood)
+        noise = [r.getMessage() for r in caplog.records if r.name.startswith("grpc")]
+        assert not noise, noise[:3]
     finally:
         silent.close()
 

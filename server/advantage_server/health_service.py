@@ -52,7 +52,6 @@ after ``_QUEUE_EXPIRY_S`` plus the queue's drain time.
 from __future__ import annotations
 
 import collections
-import contextlib
 import contextvars
 import logging
 import threading
@@ -213,10 +212,13 @@ class _RequestReads:
         self.refused = 0  # calls beyond per_host whose message did not come within busy_limit (UNIMPLEMENTED)
         self.ended = 0    # calls within per_host whose message did not come within limit (CANCELLED)
 
-    def read(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+    def read(self, requests: Iterator[Any], context: grpc.ServicerContext, reraise: bool = False) -> Any:
         """The call's one request message; None when the call ended before it arrived (the client left, or it
-        was ended here: see the class docstring). Aborts INVALID_ARGUMENT when the call has no message. The
-        allowance counts from the call's arrival (:class:`_HealthQueue`), at least ``HEALTH_MIN_READ_S`` from now."""
+        was ended here: see the class docstring), or with ``reraise`` gRPC's own error for that end, which a
+        unary handler raises so that gRPC ends the call quietly (a None returned would be logged as "Exception
+        serializing message!" with a traceback, once per call of a flood). Aborts INVALID_ARGUMENT when the call
+        has no message. The allowance counts from the call's arrival (:class:`_HealthQueue`), at least
+        ``HEALTH_MIN_READ_S`` from now."""
         host, key = peer_host(call_peer(context)), id(context)
         arrived = self.queue.take()
         with self._lock:
@@ -232,9 +234,12 @@ class _RequestReads:
                 self._thread.start()
             self._wake.notify()
         try:
-            with contextlib.suppress(grpc.RpcError):  # ended: the client left, or _run ended it
+            try:
                 return next(requests)
-            return None
+            except grpc.RpcError:  # ended: the client left, or _run ended it
+                if reraise:
+                    raise
+                return None
         except StopIteration:
             if not context.is_active():  # ended here meanwhile (its status is sent already)
                 return None
@@ -359,8 +364,10 @@ class HealthServicer(health.HealthServicer):
         reads = _RequestReads(pool=pool, queue_limit=queue_limit)
 
         def check(requests, context):
-            request = reads.read(requests, context)
-            return None if request is None else self.Check(request, context)
+            request = reads.read(requests, context, reraise=True)
+            if request is None:  # ended here meanwhile (its status is sent already): end the handler quietly
+                context.abort(grpc.StatusCode.CANCELLED, "the call ended before its request message came")
+            return self.Check(request, context)
 
         def watch(requests, context, send_response_callback=None):
             request = reads.read(requests, context)

@@ -102,8 +102,9 @@ CONNECTION_IDLE_S = 300
 #: ``CONNECTION_AGE_GRACE_S`` more to end (then cut): no connection, however busy, is held for ever
 CONNECTION_AGE_S = 3600
 CONNECTION_AGE_GRACE_S = 600
-#: seconds without request bytes an upload must have been stalled before a connection that has not yet had a result
-#: delivered (:meth:`ResultLedger.proven`) may cut it for its call (a proven connection: ``shares.STALL_S``). 64
+#: seconds without request bytes an upload of its own host must have been stalled before a connection that has not yet
+#: had a result delivered (:meth:`ResultLedger.proven`) may cut it for its call (a proven connection, or an upload of
+#: another host: ``shares.STALL_S``; :meth:`UploadWatch.evict_for`). 64
 #: client processes starting at once on 2 cores had their first calls' bodies stall past STALL_S and cut each
 #: other (tests/test_shm_many_processes.py); a slow-loris's calls stall for seconds. 1 s took bench
 #: slow-loris-fresh from ~80% to ~66%; 0.5 s keeps the 64 processes uncut, also beside a busy loop

@@ -150,8 +150,11 @@ class UploadWatch:
         """The server is full and ``context``'s call is waiting for a place: cut the pending upload the fair
         shares pick (:meth:`PendingShares.rank`: a group holding more pending calls than the caller's, between
         hosts first, then between the connections of the caller's host; the most stalled of its uploads), with
-        RESOURCE_EXHAUSTED saying why. ``min_stall``: only an upload without bytes for at least this many seconds
-        (besides being stalled) is cut. ``held``: the server has free places and the caller is held below
+        RESOURCE_EXHAUSTED saying why. ``min_stall``: an upload of the caller's own host is cut only when it has had
+        no bytes for at least this many seconds (besides being stalled); one of another host only needs to be
+        stalled, since the shares between hosts already pick a host holding two more pending calls than the
+        caller's (a fresh trainer on another host, held to ``min_stall``, waited up to that long for its first
+        call beside a slow-loris whose calls had all come at once). ``held``: the server has free places and the caller is held below
         ``stalled_cap`` (its host holds stalled uploads): the cut's message says so. True when one was cut (its place
         frees within moments)."""
         peer = call_peer(context)
@@ -165,7 +168,7 @@ class UploadWatch:
             holds_nothing = self.shares.pending(*newcomer)[0] == 0
             best: tuple[Any, ...] | None = None
             for e in self._watched.values():
-                if not e.keys or not e.stalled(now) or now - e.touched < min_stall:
+                if not e.keys or not e.stalled(now) or (e.keys[1] == newcomer[1] and now - e.touched < min_stall):
                     continue  # only a stalled upload is cut: a body that is arriving promptly never is
                 rank = self.shares.rank(e.keys, newcomer)
                 if rank is None or rank[1] < (1 if holds_nothing and rank[0] == 0 else 2):
