@@ -368,6 +368,13 @@ NEMO_DEFAULTS = {
 #: defaults of the estimators that follow verl (and of fields whose listed default is per estimator)
 VERL_DEFAULTS = {
     ("rloo", "normalize_advantages"): False,  # TRL 1.16.0 RLOOConfig (trl semantics only)
+    # slime (slime semantics only): its rollout's reward normalisation is on by default, --normalize-advantages
+    # is off, but slime requires it for reinforce_plus_plus and reinforce_plus_plus_baseline
+    ("grpo", "rewards_normalization"): True,
+    ("grpo", "normalize_advantages"): False,
+    ("reinforce_plus_plus", "normalize_advantages"): True,
+    ("reinforce_plus_plus_baseline", "rewards_normalization"): True,
+    ("reinforce_plus_plus_baseline", "normalize_advantages"): True,
     ("grpo_passk", "normalize_rewards"): True,
     ("grpo_passk", "epsilon"): 1e-6,
     ("gpg", "f_norm"): 1.0,
@@ -406,11 +413,11 @@ VERL_DEFAULTS = {
 PER_SEMANTICS_TEXT = {
     ("gigpo", "gamma"): "0.95 (verl_agent, roll); 1.0 (trinity)",
     ("grpo", "use_leave_one_out_baseline"): "true (nemo_rl); not applicable otherwise",
-    ("grpo", "epsilon"): "1e-06 (nemo_rl, verl, skyrl); 1e-09 (openrlhf); 0.0001 (trl)",
+    ("grpo", "epsilon"): "1e-06 (nemo_rl, verl, skyrl, slime); 1e-09 (openrlhf); 0.0001 (trl)",
     ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",
     ("reinforce_plus_plus", "minus_baseline"): "true (nemo_rl); not applicable otherwise",
-    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl); not applicable to nemo_rl",
-    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf)",
+    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl, slime); not applicable to nemo_rl",
+    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf, slime)",
     ("grpo", "use_kl_in_reward"): "false (openrlhf); not applicable otherwise",
     ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl or skyrl",
     ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
@@ -438,6 +445,22 @@ PER_SEMANTICS_TEXT = {
     ("gae", "no_std_norm"): "false (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus", "no_std_norm"): "false (openrlhf); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "no_std_norm"): "false (openrlhf); not applicable otherwise",
+    # slime (issue #38)
+    ("grpo", "rewards_normalization"): "true (slime); not applicable otherwise",
+    ("grpo", "normalize_advantages"): "false (slime); not applicable otherwise",
+    ("reinforce_plus_plus", "normalize_advantages"): "true (slime); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "rewards_normalization"): "true (slime); not applicable otherwise",
+    ("reinforce_plus_plus_baseline", "normalize_advantages"): "true (slime); not applicable otherwise",
+    ("gae", "normalize_advantages"): "true (nemo_rl, verl, skyrl, openrlhf); false (slime: --normalize-advantages is off by default)",
+    ("reinforce_plus_plus", "reference_policy_kl_type"): "k3 (nemo_rl, verl, openrlhf, skyrl); k1 (slime)",
+    ("reinforce_plus_plus", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, openrlhf, skyrl); none (slime)",
+    ("reinforce_plus_plus", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, openrlhf, skyrl); none (slime)",
+    ("reinforce_plus_plus_baseline", "reference_policy_kl_type"): "k3 (verl, openrlhf); k1 (slime)",
+    ("reinforce_plus_plus_baseline", "kl_input_clamp_value"): "20.0 (verl, openrlhf); none (slime)",
+    ("reinforce_plus_plus_baseline", "kl_output_clamp_value"): "10.0 (verl, openrlhf); none (slime)",
+    ("gae", "reference_policy_kl_type"): "k3 (nemo_rl, verl, skyrl, openrlhf); k1 (slime)",
+    ("gae", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, skyrl, openrlhf); none (slime)",
+    ("gae", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, skyrl, openrlhf); none (slime)",
 }
 
 
@@ -476,9 +499,10 @@ def test_every_default_listed():
 
 # ------------------------------------------------------------------ returns / metrics contract
 ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "areal"}
-RETURNS_WHEN = {"grpo": "semantics = openrlhf",
-                "reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl",
-                "reinforce_plus_plus_baseline": "semantics = openrlhf",
+RETURNS_WHEN = {"grpo": "semantics = openrlhf or semantics = slime",
+                "reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl or "
+                                       "semantics = slime",
+                "reinforce_plus_plus_baseline": "semantics = openrlhf or semantics = slime",
                 "rloo": "semantics = openrlhf"}
 
 

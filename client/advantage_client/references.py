@@ -17,10 +17,10 @@ class Reference:
     semantics: the ``Semantics`` enum's short name (``"verl"``).
     project:   the project's own name (``"verl"``).
     release:   the release reproduced: a PyPI version (``"0.9.1"``), or ``"main@<commit>"`` where the
-               project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL).
+               project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL, slime).
     package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
                produced at ``release``, ``tests/golden/nemo-rl``; verl-agent and ROLL: golden cases
-               in ``tests/golden_gigpo``).
+               in ``tests/golden_gigpo``; slime: golden cases in ``tests/golden_slime``, made by its generator).
     code:      where the reproduced estimators live in that release.
     """
 
@@ -55,6 +55,8 @@ REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
     Reference("roll", "ROLL", "main@8eb27cc2dc34c4d1310b169d9b86d339004d811a", None, "roll/pipeline/agentic/utils.py"),
     Reference("skyrl", "SkyRL", "0.4.0", "skyrl", "skyrl/backends/skyrl_train/utils/ppo_utils.py"),
     Reference("areal", "AReaL", "1.0.4", "areal", "areal/trainer/ppo/actor.py"),
+    Reference("slime", "slime", "main@624b824a898ab0ec1fcb4d373004c7f3852bf515", None,
+              "slime/backends/megatron_utils/loss.py"),
 )}
 
 #: the ``Semantics`` enum's short names

@@ -171,6 +171,8 @@ class AdvantageCore:
         if cu_seqlens is not None:
             tensors, layout = unpack(spec, cu_seqlens, tensors, max_elements=self.max_batch_elements)
         batch = Batch(self.prepare(spec, config, tensors))
+        if layout is not None:
+            batch.row_lengths = layout.lengths
         if max_result_bytes is not None:
             check_result_size(spec, config, tuple(batch._tensors["mask"].shape), layout, per_sample,
                               result_itemsize, max_result_bytes)

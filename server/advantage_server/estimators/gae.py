@@ -52,6 +52,19 @@ correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes i
     returns do not read the values at all), so a return that is 0 (padding after the row's reward) is 0
     exactly, not rounding noise of the values' size.
 
+``slime`` reproduces slime's ``ppo`` (the trainer's ``compute_advantages_and_returns`` with
+``get_advantages_and_returns_batch``, one process): the token rewards are -penalty * KL_t at EVERY position
+(the KL is not masked; slime's ``compute_approx_kl``: k1 by default, no clamps) and the [B] reward is added on
+the row's LAST position: a packed request's row length - 1 (``cu_seqlens``: the response's last token, whatever
+the loss mask says there, as slime does), and in a dense request, whose padding cannot be told apart from a masked
+end, the row's last mask = 1 position (the same wherever the response ends with a mask = 1 token; send slime's
+batches packed, as its ragged lists are, for the exact placement). Then SkyRL's recursion above over the row (V = 0 after its last
+position), returns = A + values, and with ``normalize_advantages`` (slime's ``--normalize-advantages``; off by
+default, as in slime) A whitened over the mask = 1 tokens of the batch
+(:func:`~advantage_server.estimators.whitening.whiten_slime`), masked positions not zeroed. ``gae_lambda`` is
+slime's ``--lambd`` (default 1.0), ``gae_gamma`` its ``--gamma``. ``bootstrap_values`` (slime has none: 0) is V
+after the row's last position: gamma times it joins the reward there, which is the same TD error.
+
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
 estimator fuses both lambdas, the returns and per-row moments into that pass and whitens in a second
@@ -71,9 +84,9 @@ import torch
 
 from advantage_server.estimators import jit
 from advantage_server.estimators.inputs import MASK
-from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
-from advantage_server.estimators.rewards import OpenRLHFRewardConfig, no_std_norm_field, place_rewards
-from advantage_server.estimators.whitening import masked_moments, whiten_openrlhf, whiten_unbiased
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl, kl_clamp_field, kl_type_field
+from advantage_server.estimators.rewards import OpenRLHFRewardConfig, last_valid_index, no_std_norm_field, place_rewards
+from advantage_server.estimators.whitening import masked_moments, whiten_openrlhf, whiten_slime, whiten_unbiased
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
 
 _CHUNK = 64
@@ -86,10 +99,20 @@ _NEMO_ONLY = "nemo_rl only"
 class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     gae_lambda: float | None = field(default=None, metadata={
         "doc": "GAE lambda.", "range": (0.0, 1.0),
-        "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0, "openrlhf": 1.0},
-        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf)"})
+        "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0, "openrlhf": 1.0, "slime": 1.0},
+        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf, slime)"})
     gae_gamma: float = field(default=1.0, metadata={"doc": "Discount factor gamma.", "range": (0.0, 1.0)})
-    normalize_advantages: bool = field(default=True, metadata={"doc": "Whiten the advantages over the valid tokens."})
+    normalize_advantages: bool | None = field(default=None, metadata={
+        "doc": "Whiten the advantages over the valid tokens.",
+        "per_semantics": {"nemo_rl": True, "verl": True, "skyrl": True, "openrlhf": True, "slime": False},
+        "default_text": "true (nemo_rl, verl, skyrl, openrlhf); false (slime: --normalize-advantages is off by "
+                        "default)"})
+    # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10), slime's compute_approx_kl under slime
+    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "skyrl", "openrlhf"), ("slime",))
+    kl_input_clamp_value: float | None = kl_clamp_field("input", 20.0, ("nemo_rl", "verl", "skyrl", "openrlhf"),
+                                                        ("slime",))
+    kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("nemo_rl", "verl", "skyrl", "openrlhf"),
+                                                         ("slime",))
     gae_lambda_value: float | None = field(default=None, metadata={
         "doc": f"Lambda for the returns (VAPO); unset = gae_lambda. {_NEMO_ONLY}.", "range": (0.0, 1.0),
         "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
@@ -100,12 +123,12 @@ class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
         "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl or skyrl"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "skyrl", "openrlhf"),
+        ("nemo_rl", "verl", "skyrl", "openrlhf", "slime"),
         "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0), "
         "verl (compute_gae_advantage_return: masked positions whitened, not zeroed), skyrl "
         "(compute_gae_advantage_return: the recursion ignores the mask; masked positions whitened, not zeroed) or "
         "openrlhf (gae: values and rewards times the mask, skyrl's recursion, the batch whitening with the "
-        "biased variance).")
+        "biased variance) or slime (ppo: the reward on the row's last position, unmasked KL, skyrl's recursion).")
     no_std_norm: bool | None = no_std_norm_field()
 
 
@@ -441,6 +464,36 @@ def skyrl_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
     return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))
 
 
+def slime_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
+    """``semantics = slime`` (module docstring): slime's ``ppo``: the [B] reward on each row's last position
+    (``Batch.row_lengths`` - 1 for a packed request, the last mask = 1 position for a dense one), -penalty * KL_t
+    at every position,
+    :func:`unmasked_gae`, and slime's whitening with ``normalize_advantages``.
+
+    Inputs as :func:`gae`; ``bootstrap_values`` [B] (slime has none: 0) is V after the row's last position, so
+    gamma times it joins the reward there. Returns advantages and returns ``[B, T]`` in the values' dtype.
+    """
+    mask, values, raw = batch["mask"], batch["values"], batch["rewards"]
+    if batch.row_lengths is not None:  # packed: the response's last token, whatever its loss mask
+        last = batch.row_lengths.to(mask.device) - 1
+    else:  # dense: the padding is not told apart from a masked end, so the last mask = 1 position
+        last = last_valid_index(mask)
+    at_end = torch.zeros(batch.B, dtype=torch.float64, device=mask.device)
+    if raw.dim() == 1:
+        at_end = at_end + raw.to(torch.float64)
+    bootstrap = batch.get("bootstrap_values")
+    if bootstrap is not None:  # V after the last position enters only its TD error: gamma * V there
+        at_end = at_end + cfg.gae_gamma * bootstrap.to(torch.float64)
+    r = raw.to(torch.float64) if raw.dim() == 2 else torch.zeros(batch.B, batch.T, dtype=torch.float64,
+                                                                 device=mask.device)
+    r = r.scatter_add(1, last.clamp(min=0)[:, None], torch.where(last >= 0, at_end, 0.0)[:, None])
+    r = apply_kl(r, cfg, batch)  # every position: slime does not mask it
+    returns, adv = unmasked_gae(r, values.to(torch.float64), cfg.gae_gamma, cfg.gae_lambda, None)
+    if cfg.normalize_advantages:
+        adv = whiten_slime(adv, mask)
+    return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))
+
+
 def openrlhf_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
     """``semantics = openrlhf`` (OpenRLHF 0.11.2 ``gae``: ``compute_reward``, ``get_advantages_and_returns`` and the
     batch whitening of ``compute_advantages_and_returns``). A [B] reward (a [B, T] one elementwise) is clamped to
@@ -508,6 +561,8 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
         return skyrl_gae(cfg, batch)
     if cfg.semantics == "openrlhf":
         return openrlhf_gae(cfg, batch)
+    if cfg.semantics == "slime":
+        return slime_gae(cfg, batch)
     mask, values = batch["mask"], batch["values"]
     bootstrap = batch.get("bootstrap_values")
     raw = batch["rewards"]

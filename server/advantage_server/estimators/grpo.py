@@ -3,7 +3,7 @@
 Inputs: ``prompt_ids`` [B] (or [B, L] token rows), ``rewards`` [B] or [B, T] (token-level rewards are
 summed over all T positions, masked ones included), ``mask`` [B, T], optional ``std_rewards`` [B]
 (DAPO, arXiv:2503.14476: the std is computed on these values instead of on the rewards).
-Output: advantages [B, T]; returns [B, T] under openrlhf semantics only; no metrics.
+Output: advantages [B, T]; returns [B, T] under openrlhf and slime semantics only; no metrics.
 
 Math, per sample i of prompt group g (n samples), r = reward, s = the values the std is taken on
 (``std_rewards`` when sent, else r), eps = ``epsilon``:
@@ -35,6 +35,17 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     all B values of s (0 for B = 1), ``none`` no division. Broadcast over every column. TRL's
     unscorable completions (every reward function returned None; left out of the group statistics,
     advantage 0) are rows with an all-zero mask under ``exclude_empty_responses = true``.
+``semantics = slime`` (slime's ``grpo``, ``gspo`` and ``cispo``, which share their advantages: the rollout's
+    ``_post_process_rewards``, then the trainer's ``compute_advantages_and_returns``)
+    a_i = (r_i - mean_g) / (std_g + eps) with ``rewards_normalization`` (slime's default; its
+    ``--disable-rewards-normalization`` turns it off, and then a_i = r_i), or r_i - mean_g with
+    ``normalize_rewards = false`` (slime's ``--disable-grpo-std-normalization``, Dr. GRPO); std = sample std;
+    eps = 1e-6. A_{i,t} = a_i at EVERY position of the row (the loss mask is not applied), returns = advantages.
+    With ``normalize_advantages`` (slime's ``--normalize-advantages``, default off) the advantages are then
+    whitened over the mask = 1 tokens of the batch (:func:`~advantage_server.estimators.whitening.whiten_slime`);
+    the returns stay unwhitened. slime groups ``n_samples_per_prompt`` consecutive samples (the whole batch as one
+    group when the count differs): send that grouping as ``prompt_ids``. A group of one gets 0 (slime: NaN, the
+    std of one value). Returns: a (every position).
 ``semantics = skyrl`` (SkyRL 0.4.0 ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is SkyRL's
     ``grpo_norm_by_std``) is verl's code ported unchanged, so it computes verl's numbers above: a [B, T]
     reward summed over all T, a group of one with mean 0 and std 1 (A = r / (1 + eps), 1 + eps in float32),
@@ -63,12 +74,13 @@ from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig
 from advantage_server.estimators.rewards import (
     OpenRLHFRewardConfig, openrlhf_outcome, outcome_scores, sum_over_mask_field,
 )
+from advantage_server.estimators.whitening import whiten_slime
 from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, InputSpec, register, semantics_field,
 )
 
-_EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6}
+_EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6, "slime": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -80,13 +92,14 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": "Baseline and std over the other samples of the prompt (RLOO). nemo_rl only.",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl"),
+        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime"),
         "Reference reproduced: nemo_rl (NeMo RL GRPOAdvantageEstimator), verl (compute_grpo_outcome_advantage), "
-        "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer), skyrl (compute_grpo_outcome_advantage).")
+        "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer), skyrl (compute_grpo_outcome_advantage), slime "
+        "(grpo / gspo / cispo: _post_process_rewards and compute_advantages_and_returns).")
     epsilon: float | None = field(default=None, metadata={
         "doc": "Added to the std before dividing.", "range": (0.0, None),
         "per_semantics": dict(_EPSILON),
-        "default_text": "1e-06 (nemo_rl, verl, skyrl); 1e-09 (openrlhf); 0.0001 (trl)"})
+        "default_text": "1e-06 (nemo_rl, verl, skyrl, slime); 1e-09 (openrlhf); 0.0001 (trl)"})
     scale_rewards: str | None = field(default=None, metadata={
         "doc": "TRL scale_rewards: divide by the group std (group), the batch std (batch) or not at all (none).",
         "enum": "ScaleRewards", "choices": ("group", "batch", "none"),
@@ -98,6 +111,16 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": "Subtract penalty * KL(policy || reference) from every token's reward (OpenRLHF's compute_reward for "
                "group_norm / dr_grpo). openrlhf only: NeMo RL, verl, TRL and SkyRL put GRPO's KL in the loss.",
         "per_semantics": {"openrlhf": False}, "default_text": "false (openrlhf); not applicable otherwise"})
+    rewards_normalization: bool | None = field(default=None, metadata={
+        "doc": "slime's reward post-processing (its --disable-rewards-normalization turns it off): subtract the "
+               "prompt group's mean, and divide by the group's std + epsilon with normalize_rewards. Off: the "
+               "rewards are broadcast as sent (what slime's trainer does with rewards its rollout already "
+               "normalised). slime only.",
+        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
+    normalize_advantages: bool | None = field(default=None, metadata={
+        "doc": "slime --normalize-advantages: whiten the advantages over the mask = 1 tokens of the batch "
+               "(distributed_masked_whiten on one process; the returns stay unwhitened). slime only.",
+        "per_semantics": {"slime": False}, "default_text": "false (slime); not applicable otherwise"})
 
 
 @register("grpo", config=GRPOConfig,
@@ -107,13 +130,15 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
                             required=False), *KL_INPUTS],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
                     "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
-          produces_returns=(lambda cfg: cfg.semantics == "openrlhf", "semantics = openrlhf"),
+          produces_returns=(lambda cfg: cfg.semantics in ("openrlhf", "slime"), "semantics = openrlhf or semantics = slime"),
           per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
                       ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID),
-                      ("semantics = trl", BROADCAST)),
-          # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch
+                      ("semantics = trl", BROADCAST), ("semantics = slime", BROADCAST)),
+          # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch, slime's
+          # normalize_advantages whitens over the whole batch
           group_local=("semantics = nemo_rl or semantics = verl or semantics = skyrl or semantics = openrlhf or "
-                       "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none",))
+                       "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none or "
+                       "semantics = slime and normalize_advantages = false",))
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
 
@@ -143,10 +168,22 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         if cfg.normalize_rewards:  # a tied group (mean exact, so adv = 0) stays 0 with epsilon = 0 too
             adv = torch.where(adv == 0, adv, adv / verl_std_plus_eps(group, std, cfg.epsilon))
         return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(dtype))
-    mean, std = group_baseline_and_std(group, scores, leave_one_out=False)  # group of one: mean = r, std = 0
-    if std_rewards is not None:
-        _, std = group_baseline_and_std(group, std_rewards, leave_one_out=False)
-    adv = scores - mean
+    if cfg.semantics == "slime" and not cfg.rewards_normalization:  # normalised by slime's rollout already
+        adv = scores.to(torch.float64)
+    else:
+        mean, std = group_baseline_and_std(group, scores, leave_one_out=False)  # group of one: mean = r, std = 0
+        if std_rewards is not None:
+            _, std = group_baseline_and_std(group, std_rewards, leave_one_out=False)
+        adv = scores - mean
+    if cfg.semantics == "slime":
+        if cfg.rewards_normalization and cfg.normalize_rewards:  # a tied group's 0 stays 0 (slime: 0 / NaN)
+            adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
+        adv = zero_rows(adv, keep)
+        if cfg.normalize_advantages:  # the returns are the advantages before slime's whitening
+            full = adv[:, None].expand(batch.B, batch.T)
+            return AdvantageResult(whiten_slime(full, batch["mask"]).to(dtype), returns=full.to(dtype))
+        out = broadcast_rows(adv, batch.B, batch.T, dtype, batch)
+        return AdvantageResult(out, returns=out.clone())
     if cfg.semantics == "openrlhf":
         if cfg.normalize_rewards:  # a tied group's 0 stays 0 with epsilon = 0 too (OpenRLHF: 0 / 0)
             adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))

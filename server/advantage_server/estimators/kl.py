@@ -3,6 +3,7 @@ the optional log-prob inputs and the k1/k2/k3 estimators (Schulman 2020)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,3 +90,25 @@ def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
     kl = kl_penalty(batch["logprobs"], batch["reference_logprobs"], cfg.reference_policy_kl_type,
                     cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
     return cfg.reference_policy_kl_penalty * (kl.to(torch.float64) * mask.to(torch.float64)).sum(-1)
+
+
+def kl_type_field(k3: tuple[str, ...], k1: tuple[str, ...] = ()) -> Any:
+    """``reference_policy_kl_type`` for a config whose default depends on its semantics: k3 (NeMo RL's default)
+    under ``k3``, k1 under ``k1`` (slime's ``--kl-loss-type`` default; TRL's RLOO)."""
+    per = {**{s: "k3" for s in k3}, **{s: "k1" for s in k1}}
+    text = "; ".join(f"{v} ({', '.join(s for s in per if per[s] == v)})" for v in dict.fromkeys(per.values()))
+    return field(default=None, metadata={
+        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020).", "enum": "KLType", "choices": ("k1", "k2", "k3"),
+        "per_semantics": per, "default_text": text})
+
+
+def kl_clamp_field(which: str, value: float, clamped: tuple[str, ...], unclamped: tuple[str, ...] = ()) -> Any:
+    """``kl_input_clamp_value`` (``which = "input"``) or ``kl_output_clamp_value`` (``"output"``) whose default
+    depends on the semantics: ``value`` (NeMo RL's) under ``clamped``, none under ``unclamped`` (slime clamps
+    nothing but its ``low_var_kl``, which is k3 with ``kl_output_clamp_value = 10``)."""
+    doc = ("Clamp the log ratio to +-this before the KL estimator." if which == "input"
+           else "Clamp the KL estimate to +-this.")
+    per = {**{s: value for s in clamped}, **{s: None for s in unclamped}}
+    text = f"{value} ({', '.join(clamped)})" + (f"; none ({', '.join(unclamped)})" if unclamped else "")
+    return field(default=None, metadata={"doc": doc, "range": (0.0, None), "per_semantics": per,
+                                         "default_text": text})

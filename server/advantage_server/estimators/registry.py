@@ -193,6 +193,10 @@ class Batch:
         self.output_provider = output_provider
         #: outputs handed out by the caller's provider, by name (see :meth:`output`)
         self.provided: dict[str, torch.Tensor] = {}
+        #: ``[B]`` int64 (CPU) row lengths of a packed request (the ``cu_seqlens`` differences), set by the core;
+        #: None for a dense request, whose rows span all T columns. An estimator whose reference places something
+        #: at the end of the response, whatever its loss mask says there (slime's ``ppo``), reads it.
+        self.row_lengths: torch.Tensor | None = None
 
     def output(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised ``[B, T]`` tensor of ``dtype`` on the mask's device for the result ``name``

@@ -37,7 +37,17 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
     rsqrt(var + 1e-8) * mask with mu and the unbiased var over the mask = 1 tokens (SkyRL's
     ``masked_whiten``: its masked_mean divides by max(n, 1), which is verl's n; one valid token: var = 0,
     A = 0; none: mu = var = 0, where SkyRL raises).
-``gamma`` (verl, openrlhf, skyrl) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
+``semantics = slime`` (slime's ``reinforce_plus_plus``: the trainer's ``compute_advantages_and_returns`` with
+    ``get_reinforce_plus_plus_returns``). Returns G (unwhitened).
+    r_t      = -penalty * KL_t * mask_t, plus the [B] reward on the row's last mask = 1 position (slime asserts
+               that every row has one; here a row without one gets only its KL terms)
+    G_t      = sum_{k >= t} gamma^(k - t) r_k   over the whole row (no resets; the returns are not masked)
+    A        = G, whitened over the mask = 1 tokens of the batch with ``normalize_advantages`` (slime requires
+               ``--normalize-advantages`` for this estimator, so it defaults to true here;
+               :func:`~advantage_server.estimators.whitening.whiten_slime`).
+    KL: slime's ``compute_approx_kl``: k1 by default, no clamps (its ``low_var_kl`` is k3 with
+    ``kl_output_clamp_value = 10``). No reward clamp.
+``gamma`` (verl, openrlhf, skyrl, slime) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
 nemo_rl only.
 
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
@@ -61,9 +71,11 @@ from advantage_server.estimators.groups import (
     broadcast_rows, exclude_empty_field, exclude_rows, group_relative, nonempty_rows, zero_rows,
 )
 from advantage_server.estimators.inputs import MASK, PROMPT_IDS
-from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl, kl_clamp_field, kl_type_field
 from advantage_server.estimators.rewards import OpenRLHFRewardConfig, no_std_norm_field, outcome_scores, place_rewards
-from advantage_server.estimators.whitening import whiten_clamped, whiten_openrlhf, whiten_rows_clamped, whiten_unbiased
+from advantage_server.estimators.whitening import (
+    whiten_clamped, whiten_openrlhf, whiten_rows_clamped, whiten_slime, whiten_unbiased,
+)
 from advantage_server.estimators.gae import discounted_reverse_cumsum
 from advantage_client.layout import BROADCAST
 from advantage_server.estimators.registry import AdvantageResult, Batch, InputSpec, register, semantics_field
@@ -75,14 +87,25 @@ class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": "Subtract the per-prompt mean reward. nemo_rl only (use reinforce_plus_plus_baseline otherwise).",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "skyrl"),
+        ("nemo_rl", "verl", "openrlhf", "skyrl", "slime"),
         "Reference reproduced: nemo_rl (NeMo RL ReinforcePlusPlusAdvantageEstimator), verl "
         "(compute_reinforce_plus_plus_outcome_advantage), openrlhf (reinforce), skyrl "
-        "(compute_reinforce_plus_plus_outcome_advantage, verl 0.8's reset at holes).")
+        "(compute_reinforce_plus_plus_outcome_advantage, verl 0.8's reset at holes), slime "
+        "(reinforce_plus_plus: get_reinforce_plus_plus_returns).")
     gamma: float | None = field(default=None, metadata={
         "doc": "Discount of the returns.", "range": (0.0, 1.0),
-        "per_semantics": {"verl": 1.0, "openrlhf": 1.0, "skyrl": 1.0},
-        "default_text": "1.0 (verl, openrlhf, skyrl); not applicable to nemo_rl"})
+        "per_semantics": {"verl": 1.0, "openrlhf": 1.0, "skyrl": 1.0, "slime": 1.0},
+        "default_text": "1.0 (verl, openrlhf, skyrl, slime); not applicable to nemo_rl"})
+    # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10), slime's compute_approx_kl under slime
+    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "openrlhf", "skyrl"), ("slime",))
+    kl_input_clamp_value: float | None = kl_clamp_field("input", 20.0, ("nemo_rl", "verl", "openrlhf", "skyrl"),
+                                                        ("slime",))
+    kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("nemo_rl", "verl", "openrlhf", "skyrl"),
+                                                         ("slime",))
+    normalize_advantages: bool | None = field(default=None, metadata={
+        "doc": "slime --normalize-advantages (which slime requires for this estimator): whiten the advantages over "
+               "the mask = 1 tokens of the batch; the returns stay unwhitened. slime only.",
+        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
     reset_returns_at_holes: bool | None = field(default=None, metadata={
         "doc": "verl 0.8 and earlier: a mask = 0 position inside the response resets the running return, and the "
                "returns there are not zeroed. verl 0.9.1 (the default) carries the return across mask = 0 spans.",
@@ -172,8 +195,8 @@ def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
           inputs=[_PROMPT_IDS, _REWARDS, MASK, *KL_INPUTS],
           reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator; verl "
                     "compute_reinforce_plus_plus_outcome_advantage; OpenRLHF reinforce",
-          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf", "skyrl"),
-                            "semantics = verl or semantics = openrlhf or semantics = skyrl"),
+          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf", "skyrl", "slime"),
+                            "semantics = verl or semantics = openrlhf or semantics = skyrl or semantics = slime"),
           # whitening keeps a row-constant matrix row-constant; the KL penalty is per token
           per_sample=(("semantics = nemo_rl and use_kl_in_reward = false", BROADCAST),))
 def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> AdvantageResult:
@@ -205,6 +228,11 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
     if cfg.semantics == "openrlhf":
         rewards = cfg.clip(rewards)  # --reward.clip_range
     tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)
+    if cfg.semantics == "slime":  # the whole row's discounted returns, not masked; A = G, whitened by slime
+        g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=mask.device)
+        returns = discounted_reverse_cumsum(tokens, g)
+        adv = whiten_slime(returns, mask) if cfg.normalize_advantages else returns
+        return AdvantageResult(adv.to(dtype), returns=returns.to(dtype))
     if cfg.semantics in ("verl", "skyrl"):  # skyrl: verl 0.8's recursion, always
         reset = cfg.semantics == "skyrl" or bool(cfg.reset_returns_at_holes)
         returns = verl_returns(tokens, mask, cfg.gamma, reset_at_holes=reset)

@@ -1,5 +1,6 @@
 """Masked whitening over the valid tokens of a batch: NeMo RL's clamped (biased) form, verl's
-``masked_whiten`` (unbiased, its float32 scalars), and the per-row form for row-constant advantages."""
+``masked_whiten`` (unbiased, its float32 scalars), slime's ``distributed_masked_whiten`` (unbiased, one
+process), and the per-row form for row-constant advantages."""
 from __future__ import annotations
 
 import math
@@ -55,6 +56,25 @@ def whiten_clamped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     biased variance over the positions where mask = 1 (float64; no valid position: mu = var = 0)."""
     mean, var = masked_moments(x.to(torch.float64), mask, count_floor=1.0)
     return ((x.to(torch.float64) - mean) * torch.rsqrt(var.clamp(min=1e-8))).to(x.dtype)
+
+
+def whiten_slime(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """slime's ``distributed_masked_whiten`` (``slime/utils/distributed_utils.py`` at the ``slime`` reference's
+    commit, ``shift_mean=True``, epsilon 1e-8) over one process's batch: ``(x - mu) * rsqrt(var + 1e-8)`` at every
+    position, mu the mean and var the unbiased variance (times n / (n - 1) from n = 2 on) over the n positions
+    where mask = 1.
+
+    x, mask: ``[B, T]``; returns float64 ``[B, T]``. slime sums ``x`` and ``x^2`` in float32 and takes
+    ``E[x^2] - mu^2``, which cancels when the mean is large against the spread (and can go negative: NaN); here
+    the variance is the two-pass float64 sum, the value slime's formula approximates. With one valid position
+    var = 0 (as slime); with none slime raises, and here mu = var = 0 (finite)."""
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64)
+    n = m.sum()
+    mean = (xd * m).sum() / n.clamp(min=1.0)
+    var = ((xd - mean).square() * m).sum() / n.clamp(min=1.0)
+    var = torch.where(n >= 2, var * n / (n - 1).clamp(min=1.0), var)
+    return (xd - mean) * torch.rsqrt(var + 1e-8)
 
 
 def whiten_openrlhf(x: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False) -> torch.Tensor:

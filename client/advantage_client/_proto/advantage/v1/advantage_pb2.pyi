@@ -181,6 +181,12 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     (PPOActor._compute_advantages) and areal/utils/data.py (Normalization,
     KLEstimator)
     """
+    SEMANTICS_SLIME: _Semantics.ValueType  # 10
+    """THUDM slime (no PyPI release)
+    main@624b824a898ab0ec1fcb4d373004c7f3852bf515,
+    slime/backends/megatron_utils/loss.py (compute_advantages_and_returns),
+    slime/ray/rollout.py (_post_process_rewards), slime/utils/ppo_utils.py
+    """
 
 class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     """Which public reference an estimator reproduces, where references that share
@@ -225,6 +231,12 @@ SEMANTICS_AREAL: Semantics.ValueType  # 9
 """inclusionAI AReaL 1.0.4 (PyPI), areal/trainer/ppo/actor.py
 (PPOActor._compute_advantages) and areal/utils/data.py (Normalization,
 KLEstimator)
+"""
+SEMANTICS_SLIME: Semantics.ValueType  # 10
+"""THUDM slime (no PyPI release)
+main@624b824a898ab0ec1fcb4d373004c7f3852bf515,
+slime/backends/megatron_utils/loss.py (compute_advantages_and_returns),
+slime/ray/rollout.py (_post_process_rewards), slime/utils/ppo_utils.py
 """
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
 
@@ -438,6 +450,8 @@ class GRPOConfig(_message.Message):
     KL_OUTPUT_CLAMP_VALUE_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
+    REWARDS_NORMALIZATION_FIELD_NUMBER: _builtins.int
+    NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """Divide by the std + epsilon. Default true. nemo_rl: groups whose std is 0
     are left unscaled.
@@ -448,7 +462,7 @@ class GRPOConfig(_message.Message):
     nemo_rl; not applicable to the other semantics (INVALID_ARGUMENT if set).
     """
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf, trl or skyrl"""
+    """nemo_rl (default), verl, openrlhf, trl, skyrl or slime"""
     epsilon: _builtins.float
     """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl), 1e-9
     (openrlhf), 1e-4 (trl). Must be >= 0.
@@ -490,6 +504,11 @@ class GRPOConfig(_message.Message):
     is placed on the row's last mask = 1 position. Default -10 and 10.
     """
     reward_clip_max: _builtins.float
+    rewards_normalization: _builtins.bool
+    """slime only: its rollout's group normalisation (default true; slime's
+    --disable-rewards-normalization), and --normalize-advantages (default false)
+    """
+    normalize_advantages: _builtins.bool
     def __init__(
         self,
         *,
@@ -507,10 +526,12 @@ class GRPOConfig(_message.Message):
         kl_output_clamp_value: _builtins.float | None = ...,
         reward_clip_min: _builtins.float | None = ...,
         reward_clip_max: _builtins.float | None = ...,
+        rewards_normalization: _builtins.bool | None = ...,
+        normalize_advantages: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
@@ -520,6 +541,8 @@ class GRPOConfig(_message.Message):
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
+    _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
@@ -528,6 +551,8 @@ class GRPOConfig(_message.Message):
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
+    _WhichOneofReturnType__rewards_normalization: _TypeAlias = _typing.Literal["rewards_normalization"]  # noqa: Y015
+    _WhichOneofArgType__rewards_normalization: _TypeAlias = _typing.Literal["_rewards_normalization", b"_rewards_normalization"]  # noqa: Y015
     _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
@@ -543,6 +568,8 @@ class GRPOConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
@@ -550,6 +577,8 @@ class GRPOConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rewards_normalization) -> _WhichOneofReturnType__rewards_normalization | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
@@ -703,6 +732,7 @@ class ReinforcePlusPlusConfig(_message.Message):
     REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     NO_STD_NORM_FIELD_NUMBER: _builtins.int
+    NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
     minus_baseline: _builtins.bool
     """Subtract the per-prompt mean reward. Default true for nemo_rl; not
     applicable to verl and openrlhf (use reinforce_plus_plus_baseline).
@@ -718,7 +748,7 @@ class ReinforcePlusPlusConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10: |kl| cap"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf or skyrl"""
+    """nemo_rl (default), verl, openrlhf, skyrl or slime"""
     gamma: _builtins.float
     """Discount of the returns, in [0, 1]. Default 1.0 for verl, openrlhf and
     skyrl (SkyRL's algorithm.gamma);
@@ -749,6 +779,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
     the mask = 1 tokens and does not divide by the std. Default false.
     """
+    normalize_advantages: _builtins.bool
+    """slime only: --normalize-advantages (default true: slime requires it here)"""
     def __init__(
         self,
         *,
@@ -765,10 +797,11 @@ class ReinforcePlusPlusConfig(_message.Message):
         reward_clip_min: _builtins.float | None = ...,
         reward_clip_max: _builtins.float | None = ...,
         no_std_norm: _builtins.bool | None = ...,
+        normalize_advantages: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -782,6 +815,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     _WhichOneofArgType__minus_baseline: _TypeAlias = _typing.Literal["_minus_baseline", b"_minus_baseline"]  # noqa: Y015
     _WhichOneofReturnType__no_std_norm: _TypeAlias = _typing.Literal["no_std_norm"]  # noqa: Y015
     _WhichOneofArgType__no_std_norm: _TypeAlias = _typing.Literal["_no_std_norm", b"_no_std_norm"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
+    _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reset_returns_at_holes: _TypeAlias = _typing.Literal["reset_returns_at_holes"]  # noqa: Y015
@@ -804,6 +839,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__minus_baseline) -> _WhichOneofReturnType__minus_baseline | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__no_std_norm) -> _WhichOneofReturnType__no_std_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
@@ -906,7 +943,7 @@ class GAEConfig(_message.Message):
     gae_gamma: _builtins.float
     """default 1.0"""
     normalize_advantages: _builtins.bool
-    """default true (whiten over mask)"""
+    """default true (whiten over mask); slime: false"""
     gae_lambda_value: _builtins.float
     """VAPO decoupled GAE (arXiv:2504.05118): lambda for the returns; unset =
     gae_lambda. nemo_rl only.
@@ -929,7 +966,7 @@ class GAEConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, skyrl or openrlhf"""
+    """nemo_rl (default), verl, skyrl, openrlhf or slime"""
     reward_clip_min: _builtins.float
     """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
     the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
@@ -1255,8 +1292,10 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     NO_STD_NORM_FIELD_NUMBER: _builtins.int
+    REWARDS_NORMALIZATION_FIELD_NUMBER: _builtins.int
+    NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
-    """verl (default) or openrlhf"""
+    """verl (default), openrlhf or slime"""
     use_kl_in_reward: _builtins.bool
     """default false"""
     reference_policy_kl_penalty: _builtins.float
@@ -1292,6 +1331,11 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
     the mask = 1 tokens and does not divide by the std. Default false.
     """
+    rewards_normalization: _builtins.bool
+    """slime only: its rollout's group-mean subtraction (default true), and
+    --normalize-advantages (default true: slime requires it here)
+    """
+    normalize_advantages: _builtins.bool
     def __init__(
         self,
         *,
@@ -1306,10 +1350,12 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
         reward_clip_min: _builtins.float | None = ...,
         reward_clip_max: _builtins.float | None = ...,
         no_std_norm: _builtins.bool | None = ...,
+        rewards_normalization: _builtins.bool | None = ...,
+        normalize_advantages: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
@@ -1319,12 +1365,16 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__no_std_norm: _TypeAlias = _typing.Literal["no_std_norm"]  # noqa: Y015
     _WhichOneofArgType__no_std_norm: _TypeAlias = _typing.Literal["_no_std_norm", b"_no_std_norm"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
+    _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
+    _WhichOneofReturnType__rewards_normalization: _TypeAlias = _typing.Literal["rewards_normalization"]  # noqa: Y015
+    _WhichOneofArgType__rewards_normalization: _TypeAlias = _typing.Literal["_rewards_normalization", b"_rewards_normalization"]  # noqa: Y015
     _WhichOneofReturnType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofArgType__sum_rewards_over_mask: _TypeAlias = _typing.Literal["_sum_rewards_over_mask", b"_sum_rewards_over_mask"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
@@ -1338,11 +1388,15 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__no_std_norm) -> _WhichOneofReturnType__no_std_norm | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rewards_normalization) -> _WhichOneofReturnType__rewards_normalization | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sum_rewards_over_mask) -> _WhichOneofReturnType__sum_rewards_over_mask | None: ...
     @_typing.overload
