@@ -33,14 +33,14 @@ from advantage_client._proto.advantage.v1.advantage_pb2 import (
     TIROptimalTokenBaselineConfig,
 )
 from advantage_client.aio import AsyncAdvantageClient, EventLoopError
-from advantage_client.channel import TargetError
+from advantage_client.channel import PlaintextTokenWarning, TargetError
 from advantage_client.client import AdvantageClient, AdvantageResult, AdvantageServiceError, InvalidArgumentError
 from advantage_client.nemo import RemoteAdvantageEstimator
 from advantage_client.wire import WireError
 
 __all__ = [
     "AdvantageClient", "AsyncAdvantageClient", "AdvantageResult", "AdvantageServiceError", "InvalidArgumentError", "RemoteAdvantageEstimator",
-    "WireError", "TargetError", "EventLoopError",
+    "WireError", "TargetError", "EventLoopError", "PlaintextTokenWarning",
     "GRPOConfig", "GDPOConfig", "ReinforcePlusPlusConfig", "RawRewardConfig", "GAEConfig", "OPDConfig",
     "GRPOPassKConfig", "ReinforcePlusPlusBaselineConfig", "RLOOConfig", "OPOConfig", "ReMaxConfig", "GPGConfig",
     "OptimalTokenBaselineConfig", "TIROptimalTokenBaselineConfig", "Semantics", "ScaleRewards", "KLType",

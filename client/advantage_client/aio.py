@@ -49,6 +49,7 @@ from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_client.channel import (
     auth_metadata, cached_replica_count, channel_target, make_channel, replica_count, replica_targets,
+    warn_plaintext_token,
 )
 from advantage_client.client import (
     CLIENT_TIMEOUT, AdvantageResult, AdvantageServiceError, Failover, admission_refused, call_timeout, check_inputs,
@@ -176,6 +177,8 @@ class AsyncAdvantageClient:
         self.stream_threshold_bytes = int(stream_threshold_mb * (1 << 20))
         self.chunk_bytes = max(1, int(chunk_mb * (1 << 20)))
         self._metadata = auth_metadata(token, token_file)
+        if channel is None:  # a caller's own channel: its credentials are not known here
+            warn_plaintext_token(self.target, self._metadata, bool(tls) or tls_ca is not None or tls_cert is not None)
         self._channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                                   tls_key=tls_key, tls_server_name=tls_server_name, retry=retry,
                                   wait_for_ready=wait_for_ready, aio=True, options=tuple(channel_options))

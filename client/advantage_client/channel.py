@@ -38,6 +38,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
@@ -358,6 +359,53 @@ def auth_metadata(token: str | None = None, token_file: str | os.PathLike | None
         raise ValueError(f"token={stripped!r} names a file: token= is the bearer token itself; pass "
                          f"token_file={stripped!r} to read the token from that file")
     return (("authorization", f"Bearer {stripped}"),)
+
+
+class PlaintextTokenWarning(UserWarning):
+    """A bearer token is about to travel unencrypted to a host that is not this one (see :func:`warn_plaintext_token`)."""
+
+
+def _plaintext_hosts(target: str) -> list[str]:
+    """The hosts of ``target`` (a :func:`channel_target` string) a plaintext call would leave this machine for:
+    every host that is not ``localhost``, a loopback address or a unix socket. No DNS look-up."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return []
+    hosts = []
+    scheme = target.strip()[:5].lower()
+    ones = [f"{scheme}{a.strip()}" for a in target.strip()[5:].split(",") if a.strip()] \
+        if scheme in ("ipv4:", "ipv6:") else [target]
+    for one in ones:
+        address = one.strip()
+        if address.lower().startswith(("ipv4:", "ipv6:")):
+            address = address[5:]
+        elif address.lower().startswith("dns:"):
+            address = address[4:]
+            if address.startswith("//"):
+                address = address[2:].partition("/")[2]
+        host = address.rpartition(":")[0] if ":" in address.strip("[]") or address.startswith("[") else address
+        host = host.strip("[]").split("%")[0]
+        if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        hosts.append(host or one)
+    return hosts
+
+
+def warn_plaintext_token(target: str, metadata: Sequence[tuple[str, str]], tls: bool, stacklevel: int = 3) -> None:
+    """Warn (:class:`PlaintextTokenWarning`) when a client holding a bearer token (``metadata``) talks plaintext
+    (``tls`` False) to a host that is not this machine: anyone on the path reads the token. A newcomer's finding
+    (issue #37): nothing said so. Loopback and unix sockets stay quiet; so does a channel the caller made."""
+    if not metadata or tls:
+        return
+    hosts = _plaintext_hosts(target)
+    if hosts:
+        warnings.warn(f"the bearer token will travel unencrypted (plaintext channel) to {', '.join(hosts)}: anyone "
+                      "on the network path can read it; give tls_ca= (the server's --tls-cert CA; docs/tls.md) "
+                      "or tls=True", PlaintextTokenWarning, stacklevel=stacklevel)
 
 
 def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,

@@ -30,7 +30,9 @@ import grpc
 import numpy as np
 
 from advantage_client import layout, masks, streaming, wire
-from advantage_client.channel import auth_metadata, channel_target, make_channel, replica_count, replica_targets
+from advantage_client.channel import (
+    auth_metadata, channel_target, make_channel, replica_count, replica_targets, warn_plaintext_token,
+)
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 # defined with the modules that own them (shm and streaming use them too), and importable from here as before
@@ -556,6 +558,8 @@ class AdvantageClient:
         self.timeout = check_timeout(timeout)
         self.max_message_bytes = int(max_message_mb * (1 << 20))
         self._metadata = auth_metadata(token, token_file)
+        if channel is None:  # a caller's own channel: its credentials are not known here
+            warn_plaintext_token(self.target, self._metadata, bool(tls) or tls_ca is not None or tls_cert is not None)
         channel_args = dict(max_message_mb=max_message_mb, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                             tls_server_name=tls_server_name, retry=retry, wait_for_ready=wait_for_ready,
                             options=tuple(channel_options))
