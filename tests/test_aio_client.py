@@ -298,6 +298,7 @@ def test_list_estimators_says_which_are_per_sample(target):
     rules = {name: [(r.when, layout.layout_name(r.layout)) for r in e.per_sample] for name, e in listing.items()}
     assert rules["grpo"] == [("semantics = nemo_rl", "broadcast"),
                              ("semantics = verl or semantics = skyrl", "broadcast_times_mask"),  # SkyRL's is verl's code
-                             ("semantics = openrlhf and use_kl_in_reward = false", "up_to_last_valid"), ("semantics = trl", "broadcast")]
+                             ("semantics = openrlhf and use_kl_in_reward = false", "up_to_last_valid"), ("semantics = trl", "broadcast"),
+                             ("semantics = slime", "broadcast")]  # slime's whole row, whitened or not
     assert rules["maxrl"] == [("", "broadcast_times_mask")]
     assert rules["gae"] == [] and rules["opd"] == []
