@@ -221,3 +221,27 @@ def test_the_kl_defaults_under_trl_are_trls(client):
                                 precise=True).numpy()
     np.testing.assert_allclose(out.advantages, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(want, [0.515, -0.515, -1.0, 1.0], rtol=0, atol=1e-12)  # k3 clamped: -1.527, 1.527, ...
+
+
+def test_infinite_rewards_that_trls_clip_range_clamps_are_accepted(client):
+    """An infinite reward that TRL's ``reward_clip_range`` clamps is a finite score in TRL (a review found the
+    service refused it, so the drop-in failed where TRL trains on): accepted on the side a clip end is set, equal to
+    the released code; refused where no end clamps it, and under other semantics, naming the fix."""
+    from advantage_client import InvalidArgumentError
+    rewards = [np.inf, 0.0, -np.inf, 1.0, 2.0, None]
+    want = trl_ref.compute_rloo(rewards, 3, reward_clip_range=(-1.0, 1.5), precise=True).numpy()
+    assert np.isfinite(want).all()
+    out = client.compute("rloo", {"semantics": "trl", "reward_clip_min": -1.0, "reward_clip_max": 1.5},
+                         as_numpy=True, per_sample=True, output_dtype="float64", prompt_ids=[0, 0, 0, 1, 1, 1],
+                         rewards=np.array([np.nan if r is None else r for r in rewards]), mask=np.ones((6, 1)))
+    np.testing.assert_allclose(out.advantages, want, rtol=1e-12, atol=1e-12)
+    # inf -> 1.5, -inf -> -1: 1.5 - (0 - 1) / 2, 0 - (1.5 - 1) / 2, -1 - (1.5 + 0) / 2
+    np.testing.assert_allclose(want[:3], [2.0, -0.25, -1.75], atol=1e-12)
+    one_side = dict(prompt_ids=[0, 0], rewards=np.array([np.inf, 0.0]), mask=np.ones((2, 1)))
+    got = client.compute("rloo", {"semantics": "trl", "reward_clip_max": 1.0}, as_numpy=True, per_sample=True,
+                         **one_side)
+    np.testing.assert_array_equal(got.advantages, [1.0, -1.0])
+    with pytest.raises(InvalidArgumentError, match=r"inputs\['rewards'\]: contains infinity.*reward_clip_max"):
+        client.compute("rloo", {"semantics": "trl", "reward_clip_min": -1.0}, **one_side)  # +inf, no max: refused
+    with pytest.raises(InvalidArgumentError, match=r"inputs\['rewards'\]: contains NaN or infinity"):
+        client.compute("rloo", {"semantics": "openrlhf"}, **one_side)  # OpenRLHF's clamp is not TRL's: refused

@@ -260,6 +260,8 @@ class AdvantageCore:
                 if biggest is not None:
                     compute_dtype = torch.float64
                 continue
+            if _clamped_infinities(t, owners[key], cfg):  # checked above; the magnitude of the finite values
+                t = t[torch.isfinite(t)]
             biggest = validate.max_abs_over(t, FLOAT32_PROMOTE_MAGNITUDE)
             checkpoint("while checking the inputs")
             if biggest is None:
@@ -409,14 +411,30 @@ def _check(key: str, t: torch.Tensor, spec: InputSpec, dims: dict[str, int], cfg
             return [(field, f"contains NaN or infinity ({_not_finite(t)}); every input value must be finite")]
         return [(field, "holds values other than 0 and 1; send a 0/1 (or bool) mask")]
     if t.is_floating_point() and not validate.all_finite(t):
+        if _clamped_infinities(t, spec, cfg):
+            t = t[~torch.isinf(t)]  # the estimator clamps them; the rest as below
+            if validate.all_finite(t):
+                return []
         allowed = spec.nan_allowed_when
         if allowed is not None and cfg is not None and allowed[0](cfg):
             if bool(torch.isinf(t).any()):
-                return [(field, f"contains infinity; NaN (no value) is accepted with {allowed[1]}, infinity is not")]
+                clamp = f"; +-infinity is accepted with {spec.inf_allowed_when[1]}" if spec.inf_allowed_when else ""
+                return [(field, f"contains infinity; NaN (no value) is accepted with {allowed[1]}, infinity is not"
+                                + clamp)]
             return []
         return [(field, f"contains NaN or infinity ({_not_finite(t)}); every input value must be finite"
                         + (f" (NaN = no value is accepted with {allowed[1]})" if allowed is not None else ""))]
     return []
+
+
+def _clamped_infinities(t: torch.Tensor, spec: InputSpec, cfg: Any) -> bool:
+    """Whether ``t`` holds infinities and every one of them is on a side ``spec.inf_allowed_when`` accepts under
+    ``cfg`` (the estimator clamps it to a finite bound: TRL's ``reward_clip_range``)."""
+    if spec.inf_allowed_when is None or cfg is None:
+        return False
+    pos, neg = spec.inf_allowed_when[0](cfg)
+    has_pos, has_neg = bool(torch.isposinf(t).any()), bool(torch.isneginf(t).any())
+    return (has_pos or has_neg) and (pos or not has_pos) and (neg or not has_neg)
 
 
 def _not_finite(t: torch.Tensor) -> str:

@@ -146,6 +146,9 @@ class InputSpec:
     nan_allowed_when: ``(predicate(cfg), text)``: NaN values are accepted (they mean "no value for this
                    sample") when the predicate holds; infinity is still rejected. Otherwise every value
                    must be finite.
+    inf_allowed_when: ``(predicate(cfg) -> (+inf accepted, -inf accepted), text)``: infinities the estimator
+                   clamps to a finite bound (TRL's ``reward_clip_range``) are accepted on the sides the predicate
+                   names; any other infinity is rejected.
     """
 
     name: str
@@ -156,6 +159,7 @@ class InputSpec:
     required_when: tuple[Callable[[Any], bool], str] | None = None
     fix: str = ""
     nan_allowed_when: tuple[Callable[[Any], bool], str] | None = None
+    inf_allowed_when: tuple[Callable[[Any], tuple[bool, bool]], str] | None = None
 
     @property
     def is_pattern(self) -> bool:

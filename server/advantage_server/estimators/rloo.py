@@ -142,9 +142,13 @@ REWARDS = InputSpec(
     "rewards", ("[B]", "[B, T]"), "float",
     "Reward of each sample [B], or token-level rewards [B, T] (verl's token_level_rewards), summed over all T "
     "positions (masked ones included, as verl does). With semantics = trl a NaN reward is an unscorable "
-    "completion (TRL: every reward function returned None).",
+    "completion (TRL: every reward function returned None); +-infinity is accepted where TRL's reward_clip_range "
+    "clamps it (reward_clip_max set: +inf; reward_clip_min set: -inf).",
     fix="send one reward per sample [B], or token-level rewards [B, T]",
-    nan_allowed_when=(lambda cfg: cfg.semantics == "trl", "semantics = trl"))
+    nan_allowed_when=(lambda cfg: cfg.semantics == "trl", "semantics = trl"),
+    inf_allowed_when=(lambda cfg: (cfg.semantics == "trl" and cfg.reward_clip_max is not None,
+                                   cfg.semantics == "trl" and cfg.reward_clip_min is not None),
+                      "semantics = trl and reward_clip_max (+inf) / reward_clip_min (-inf) set"))
 
 
 @register("rloo", config=RLOOConfig, inputs=[PROMPT_IDS, REWARDS, MASK, *KL_INPUTS],
