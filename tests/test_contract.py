@@ -419,7 +419,7 @@ PER_SEMANTICS_TEXT = {
     ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl, slime); not applicable to nemo_rl",
     ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf, slime)",
     ("grpo", "use_kl_in_reward"): "false (openrlhf); not applicable otherwise",
-    ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable to verl or skyrl",
+    ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable otherwise",
     ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("rloo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",

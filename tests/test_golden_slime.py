@@ -139,3 +139,40 @@ def test_a_tiny_case_by_hand(client):
     got = client.compute("reinforce_plus_plus", {"semantics": "slime", "normalize_advantages": False, "gamma": 0.5},
                          as_numpy=True, cu_seqlens=cu, rewards=np.array([2.0], np.float32), mask=mask)
     np.testing.assert_array_equal(got.advantages, [1.0, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if c["slime_estimator"] != "grpo"][::3],
+                         ids=lambda c: c["name"])
+def test_a_dense_batch_with_padding_equals_the_packed_one(client, case):
+    """The same rows sent dense ([B, max T], padding holding values and log-probs that are not 0) where every row's
+    mask ends with 1: the answer equals the packed one (a review found the dense ppo reading its padding's values
+    and KL). Each row's last token gets mask 1 here, since a dense row's end is its last mask = 1 position."""
+    name, config, inputs = service_call(case)
+    cu = inputs.pop("cu_seqlens")
+    lengths = np.diff(cu)
+    ends = cu[1:][lengths > 0] - 1
+    inputs["mask"][ends] = 1.0
+    packed = client.compute(name, config, as_numpy=True, cu_seqlens=cu, **inputs)
+    B, T = len(lengths), int(lengths.max())
+    rows, cols = np.repeat(np.arange(B), lengths), np.arange(int(cu[-1])) - np.repeat(cu[:-1], lengths)
+    dense = {}
+    rng = np.random.default_rng(0)
+    for key, value in inputs.items():
+        if value.shape[0] == cu[-1] and key != "rewards":
+            full = (rng.standard_normal((B, T)) - 3.0).astype(np.float32) if key != "mask" else np.zeros((B, T), np.float32)
+            full[rows, cols] = value
+            dense[key] = full
+        else:
+            dense[key] = value
+    got = client.compute(name, config, as_numpy=True, **dense)
+    for label in ("advantages", "returns"):
+        np.testing.assert_allclose(getattr(got, label)[rows, cols], getattr(packed, label), rtol=1e-6, atol=1e-6,
+                                   err_msg=label)
+
+
+def test_a_tied_group_gets_zero(client):
+    """slime's float32 mean of seven rewards of 0.7 misses 0.7 by an ulp and divides that by (a tiny std + 1e-6):
+    +0.0596 each. The service gives the tie exactly 0 (documented in grpo.py)."""
+    got = client.compute("grpo", {"semantics": "slime"}, as_numpy=True, per_sample=True, prompt_ids=np.zeros(7, np.int64),
+                         rewards=np.full(7, 0.7, np.float32), mask=np.ones((7, 1), np.float32))
+    np.testing.assert_array_equal(got.advantages, np.zeros(7))

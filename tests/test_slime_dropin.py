@@ -165,3 +165,34 @@ def test_the_batch_travels_packed(client, monkeypatch):
     assert list(seen["cu_seqlens"]) == case["cu_seqlens"]
     assert all(np.asarray(v).size in (N, len(case["raw_rewards"])) for k, v in seen.items()
                if k not in ("cu_seqlens", "output_dtype", "as_numpy", "transport", "timeout"))
+
+
+def test_use_rollout_logprobs_sends_the_rollouts_log_probs(client):
+    """--use-rollout-logprobs: slime's KL (and so the hook's request) takes ``rollout_log_probs``, not ``log_probs``
+    (a review found no test sending them apart)."""
+    case = next(c for c in CASES if c["slime_estimator"] == "reinforce_plus_plus" and c["slime_args"]["kl_coef"])
+    want = hook_outputs(case, client)
+    data = rollout_data(case)
+    data["rollout_log_probs"], data["log_probs"] = data["log_probs"], [t + 5.0 for t in data["log_probs"]]
+    args = slime_args(case)
+    args.use_rollout_logprobs = True
+    dropin.compute_advantages_and_returns(args, data, client=client)
+    np.testing.assert_array_equal(torch.cat(data["advantages"]).numpy(), want[0])
+    args.use_rollout_logprobs = False
+    dropin.compute_advantages_and_returns(args, data, client=client)  # the shifted log_probs: another answer
+    assert not np.allclose(torch.cat(data["advantages"]).numpy(), want[0])
+
+
+def test_the_reward_hook_groups_the_whole_batch_when_the_count_differs(client):
+    """slime's _post_process_rewards reshapes to (-1, n_samples_per_prompt) only when the batch holds
+    rollout_batch_size * n samples; otherwise the whole batch is one group (e.g. after dynamic filtering)."""
+    args = argparse.Namespace(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
+                              n_samples_per_prompt=2, rollout_batch_size=3)
+    rewards = [1.0, 0.0, 3.0, 1.0, 2.0]  # 5 != 3 * 2
+    _, got = dropin.post_process_rewards(args, [Sample(r) for r in rewards], client=client)
+    r = torch.tensor(rewards)
+    want = ((r - r.mean()) / (r.std() + 1e-6)).tolist()  # slime's rule for one group (torch.std: unbiased)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    args.rollout_batch_size = 2
+    _, got = dropin.post_process_rewards(args, [Sample(r) for r in rewards[:4]], client=client)
+    np.testing.assert_allclose(got, [0.7071062, -0.7071062, 0.7071064, -0.7071064], rtol=1e-5)  # pairs

@@ -58,7 +58,8 @@ correction n / (n - 1) is rounded to float32 as verl's ``masked_var`` computes i
 the row's LAST position: a packed request's row length - 1 (``cu_seqlens``: the response's last token, whatever
 the loss mask says there, as slime does), and in a dense request, whose padding cannot be told apart from a masked
 end, the row's last mask = 1 position (the same wherever the response ends with a mask = 1 token; send slime's
-batches packed, as its ragged lists are, for the exact placement). Then SkyRL's recursion above over the row (V = 0 after its last
+batches packed, as its ragged lists are, for the exact placement). Past the row's end (the padding) values, rewards
+and KL count as 0, as in slime's padded batch. Then SkyRL's recursion above over the row (V = 0 after its last
 position), returns = A + values, and with ``normalize_advantages`` (slime's ``--normalize-advantages``; off by
 default, as in slime) A whitened over the mask = 1 tokens of the batch
 (:func:`~advantage_server.estimators.whitening.whiten_slime`), masked positions not zeroed. ``gae_lambda`` is
@@ -121,7 +122,7 @@ class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
     length_adaptive_alpha: float | None = field(default=None, metadata={
         "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
-        "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable to verl or skyrl"})
+        "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
         ("nemo_rl", "verl", "skyrl", "openrlhf", "slime"),
         "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0), "
@@ -488,7 +489,11 @@ def slime_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
                                                                  device=mask.device)
     r = r.scatter_add(1, last.clamp(min=0)[:, None], torch.where(last >= 0, at_end, 0.0)[:, None])
     r = apply_kl(r, cfg, batch)  # every position: slime does not mask it
-    returns, adv = unmasked_gae(r, values.to(torch.float64), cfg.gae_gamma, cfg.gae_lambda, None)
+    # past the row's end (padding) nothing enters the recursion: V = r = KL = 0 there, as slime pads its rows
+    beyond = torch.arange(batch.T, device=mask.device)[None, :] > last[:, None]
+    r = r.masked_fill(beyond, 0.0)
+    v = values.to(torch.float64).masked_fill(beyond, 0.0)
+    returns, adv = unmasked_gae(r, v, cfg.gae_gamma, cfg.gae_lambda, None)
     if cfg.normalize_advantages:
         adv = whiten_slime(adv, mask)
     return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))

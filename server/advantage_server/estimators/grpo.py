@@ -45,7 +45,9 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     whitened over the mask = 1 tokens of the batch (:func:`~advantage_server.estimators.whitening.whiten_slime`);
     the returns stay unwhitened. slime groups ``n_samples_per_prompt`` consecutive samples (the whole batch as one
     group when the count differs): send that grouping as ``prompt_ids``. A group of one gets 0 (slime: NaN, the
-    std of one value). Returns: a (every position).
+    std of one value). A tied group gets exactly 0, where slime's float32 mean can miss a non-dyadic tied value by
+    an ulp and divides that by (a tiny std + 1e-6): e.g. +0.0596 for seven rewards of 0.7 (as verl's above).
+    Returns: a (every position).
 ``semantics = skyrl`` (SkyRL 0.4.0 ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is SkyRL's
     ``grpo_norm_by_std``) is verl's code ported unchanged, so it computes verl's numbers above: a [B, T]
     reward summed over all T, a group of one with mean 0 and std 1 (A = r / (1 + eps), 1 + eps in float32),
@@ -176,7 +178,7 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
             _, std = group_baseline_and_std(group, std_rewards, leave_one_out=False)
         adv = scores - mean
     if cfg.semantics == "slime":
-        if cfg.rewards_normalization and cfg.normalize_rewards:  # a tied group's 0 stays 0 (slime: 0 / NaN)
+        if cfg.rewards_normalization and cfg.normalize_rewards:  # a tied group's 0 stays 0 (see the docstring)
             adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
         adv = zero_rows(adv, keep)
         if cfg.normalize_advantages:  # the returns are the advantages before slime's whitening

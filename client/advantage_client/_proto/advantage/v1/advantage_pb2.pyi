@@ -410,7 +410,8 @@ class GRPOConfig(_message.Message):
     Inputs: prompt_ids [B] (or [B, L] token rows), rewards [B] or [B, T]
     (summed over T), mask [B, T], optional std_rewards [B] (DAPO,
     arXiv:2503.14476: the std is computed on it instead of on the rewards).
-    Output: advantages [B, T]; no returns; no metrics.
+    Output: advantages [B, T]; returns under openrlhf and slime only; no
+    metrics.
     Semantics (unset = nemo_rl):
       nemo_rl   NeMo RL GRPOAdvantageEstimator: leave-one-out baseline and std
                 (optional); groups with std 0 stay unscaled; a group of one
@@ -432,6 +433,15 @@ class GRPOConfig(_message.Message):
       skyrl     SkyRL compute_grpo_outcome_advantage (grpo_norm_by_std =
                 normalize_rewards): verl's numbers (the same code), epsilon
                 1e-6; a group of one has mean 0, std 1 (A = r / (1 + eps)).
+      slime     slime's grpo, gspo and cispo (its rollout's _post_process_rewards
+                and its trainer's compute_advantages_and_returns): with
+                rewards_normalization (default) (r - group mean) / (std + 1e-6)
+                (std unbiased; r - mean when normalize_rewards = false), else r;
+                the value on EVERY position of the row (the mask is not
+                applied); whitened over the mask = 1 tokens of the batch with
+                normalize_advantages (default false). Returns: the value before
+                whitening. A group of one and a tied group get 0 (slime: NaN, or
+                an ulp of its float32 mean over 1e-6).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -464,7 +474,7 @@ class GRPOConfig(_message.Message):
     semantics: Global___Semantics.ValueType
     """nemo_rl (default), verl, openrlhf, trl, skyrl or slime"""
     epsilon: _builtins.float
-    """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl), 1e-9
+    """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl, slime), 1e-9
     (openrlhf), 1e-4 (trl). Must be >= 0.
     """
     scale_rewards: Global___ScaleRewards.ValueType
@@ -715,6 +725,14 @@ class ReinforcePlusPlusConfig(_message.Message):
                 hole resets the return; returns not masked), advantages =
                 returns whitened over the mask (unbiased variance), 0 where
                 mask = 0. Returns: G.
+      slime     slime's reinforce_plus_plus: token rewards -penalty * KL_t *
+                mask_t plus r on the row's last mask = 1 position; G_t the
+                discounted reverse sum over the whole row (gamma; returns not
+                masked); advantages = G whitened over the mask = 1 tokens of the
+                batch (normalize_advantages, default true: slime requires it),
+                at every position. Returns: G.
+                KL (slime's compute_approx_kl): k1 by default, no clamps; slime's
+                low_var_kl is k3 with kl_output_clamp_value = 10.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -742,15 +760,15 @@ class ReinforcePlusPlusConfig(_message.Message):
     reference_policy_kl_penalty: _builtins.float
     """default 0.01 (coefficient)"""
     reference_policy_kl_type: Global___KLType.ValueType
-    """default k3"""
+    """default k3; k1 under slime"""
     kl_input_clamp_value: _builtins.float
-    """default 20: |log_ratio| cap"""
+    """default 20 (|log_ratio| cap); none under slime"""
     kl_output_clamp_value: _builtins.float
-    """default 10: |kl| cap"""
+    """default 10 (|kl| cap); none under slime"""
     semantics: Global___Semantics.ValueType
     """nemo_rl (default), verl, openrlhf, skyrl or slime"""
     gamma: _builtins.float
-    """Discount of the returns, in [0, 1]. Default 1.0 for verl, openrlhf and
+    """Discount of the returns, in [0, 1]. Default 1.0 for verl, openrlhf, slime and
     skyrl (SkyRL's algorithm.gamma);
     not applicable to nemo_rl.
     """
@@ -917,6 +935,15 @@ class GAEConfig(_message.Message):
                whitened over the mask = 1 tokens of the batch with the biased
                variance, (A - mean) * rsqrt(max(var, 1e-8)) at every position
                (no_std_norm: A - mean); gae_lambda defaults to 1.0.
+      slime    slime's ppo: -penalty * KL_t at every position (not masked) plus
+               r on the row's LAST position (packed: the row's length - 1,
+               whatever the mask there; dense: its last mask = 1 position),
+               V = r = KL = 0 past it; skyrl's recursion; returns = A + V; A
+               whitened over the mask = 1 tokens of the batch with
+               normalize_advantages (default false under slime), masked
+               positions not zeroed. gae_lambda defaults to 1.0.
+               KL (slime's compute_approx_kl): k1 by default, no clamps; slime's
+               low_var_kl is k3 with kl_output_clamp_value = 10.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -960,11 +987,11 @@ class GAEConfig(_message.Message):
     reference_policy_kl_penalty: _builtins.float
     """default 0.01"""
     reference_policy_kl_type: Global___KLType.ValueType
-    """default k3"""
+    """default k3; k1 under slime"""
     kl_input_clamp_value: _builtins.float
-    """default 20"""
+    """default 20; none under slime"""
     kl_output_clamp_value: _builtins.float
-    """default 10"""
+    """default 10; none under slime"""
     semantics: Global___Semantics.ValueType
     """nemo_rl (default), verl, skyrl, openrlhf or slime"""
     reward_clip_min: _builtins.float
@@ -1277,6 +1304,13 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
                 masked KL penalty; returns G = reverse cumulative sum (gamma 1);
                 advantages = (G - mean) / sqrt(max(var, 1e-8)) over the mask
                 (biased variance), at every position. Returns: G.
+      slime     slime's reinforce_plus_plus_baseline: a = r - group mean with
+                rewards_normalization (default; a group of one gets 0), else r;
+                A_t = a - penalty * KL_t at every position (not masked); returns
+                = A; advantages = A whitened over the mask = 1 tokens of the
+                batch (normalize_advantages, default true: slime requires it).
+                KL (slime's compute_approx_kl): k1 by default, no clamps; slime's
+                low_var_kl is k3 with kl_output_clamp_value = 10.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1301,11 +1335,11 @@ class ReinforcePlusPlusBaselineConfig(_message.Message):
     reference_policy_kl_penalty: _builtins.float
     """default 0.01"""
     reference_policy_kl_type: Global___KLType.ValueType
-    """default k3"""
+    """default k3; k1 under slime"""
     kl_input_clamp_value: _builtins.float
-    """default 20"""
+    """default 20; none under slime"""
     kl_output_clamp_value: _builtins.float
-    """default 10"""
+    """default 10; none under slime"""
     exclude_empty_responses: _builtins.bool
     """Leave a row whose mask is all 0 (a rejected or empty response) out of its
     prompt group: baseline and std are over the group's other rows, and the
