@@ -425,10 +425,16 @@ def test_a_healthy_slow_call_succeeds_once_with_two_replicas(two_slow_processes)
     servers, events = two_slow_processes
     addresses = [srv.address for srv in servers]
     with AdvantageClient(addresses, timeout=SLOW_DEADLINE_S) as client:
+        # connected to both replicas first (ListEstimators is fast): the deadline's slack is for the slow call, not
+        # for connecting on a loaded machine (a first call took 4.8 s beside a busy loop and a fresh clone's tests)
+        client.wait_ready(30.0)
+        client.list_estimators(), client.list_estimators()
         assert [_outcome(client) for _ in range(3)] == ["OK"] * 3
 
     async def run() -> str:
         async with AsyncAdvantageClient(addresses, timeout=SLOW_DEADLINE_S) as client:
+            await client.wait_ready(30.0)
+            await client.list_estimators(), await client.list_estimators()
             result = await client.compute("raw_reward", None, rewards=REWARDS, mask=MASK)
             np.testing.assert_allclose(np.asarray(result.advantages), _expected(), rtol=1e-5, atol=1e-6)
             return "OK"
