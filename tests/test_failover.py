@@ -130,6 +130,48 @@ def test_a_call_cut_to_give_its_place_to_another_is_sent_again_within_bounds():
     assert Failover(1, 0.1).retry(cut) is None  # the wait must fit in the deadline left
 
 
+def test_the_region_api_sends_a_call_cut_for_another_again(monkeypatch):
+    """The region API (``SharedMemoryRegion.compute``, register, unregister) goes through ``AdvantageClient._call``,
+    outside :class:`Failover`: a busy-loop run had 1 of 64 shared-memory processes' calls cut to give its place to
+    another client and raised to the user. ``_call`` now sends such a call again within the same bounds; any other
+    error is raised at once."""
+    import advantage_client.shm as shm_mod
+    from advantage_client.client import CUT_FOR_ANOTHER
+
+    class Rpc(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+        def trailing_metadata(self):
+            return ()
+    answers: list = []
+
+    def fake_call(channel, method, request, response_cls, timeout=None, metadata=()):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    monkeypatch.setattr(shm_mod, "call", fake_call)
+    cut = Rpc(RE, f"{CUT_FOR_ANOTHER}: this call had sent no request bytes for 0.5 s")
+    with AdvantageClient("127.0.0.1:1", timeout=10.0) as client:
+        answers[:] = [cut, cut, "reply"]
+        assert client._call("ComputeAdvantageShm", None, None) == "reply" and not answers
+        answers[:] = [cut] * (PUSHBACK_MAX_RETRIES + 1) + ["never"]
+        with pytest.raises(AdvantageServiceError, match=CUT_FOR_ANOTHER):
+            client._call("ComputeAdvantageShm", None, None)
+        assert answers == ["never"]  # 1 + PUSHBACK_MAX_RETRIES attempts, then raised
+        answers[:] = [Rpc(RE, "the server is at its concurrency limit"), "never"]
+        with pytest.raises(AdvantageServiceError, match="concurrency limit"):
+            client._call("ComputeAdvantageShm", None, None)
+        assert answers == ["never"]
+
+
 def test_the_plan_sends_refusals_to_every_replica_in_turn_within_bounds():
     targets = replica_targets("ipv4:10.0.0.1:1,10.0.0.2:1,10.0.0.3:1")
     assert targets == ["ipv4:10.0.0.1:1", "ipv4:10.0.0.2:1", "ipv4:10.0.0.3:1"]

@@ -162,7 +162,11 @@ def test_refused_calls_cost_no_python_work_on_their_body(tmp_path, capsys):
     assert tokenless_cpu < 0.5, f"3 tokenless 30 MiB requests cost the server {tokenless_cpu:.2f} s of CPU"
     assert tokenless_rss < 100, f"4 tokenless 64 MiB requests grew the server by {tokenless_rss:.0f} MiB"
 
-    srv = start_server(tmp_path, "admission", "--max-concurrent-requests", "2")
+    # the two holders' stalled uploads keep both places for the whole test, however slow a loaded machine makes it:
+    # with the default minimum upload rate they were cut after its 5 s window, and a late caller was admitted
+    # (INVALID_ARGUMENT for its junk body; a busy-loop run at load 16)
+    srv = start_server(tmp_path, "admission", "--max-concurrent-requests", "2", "--min-upload-rate-kib", "0",
+                       "--stream-idle-timeout", "300")
     release = threading.Event()
     try:
         with grpc.insecure_channel(srv.address, options=[("grpc.max_send_message_length", -1)]) as channel:

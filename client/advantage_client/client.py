@@ -962,12 +962,27 @@ class AdvantageClient:
             self._shm_retry_at = now + SHM_RETRY_S
 
     def _call(self, method: str, request: Any, response_cls: type) -> Any:
+        """One shared-memory RPC (the region API's compute, register, unregister). A call the server cut to give its
+        place to another client (``CUT_FOR_ANOTHER``: it had sent no body yet, nothing was computed) is sent again
+        after ``CUT_PAUSE_S`` jittered, at most ``PUSHBACK_MAX_RETRIES`` times within the deadline, as
+        :class:`Failover` does for ``compute``: a busy loop found 1 of 64 shared-memory processes' calls cut and
+        raised (tests/test_shm_many_processes.py). Raises :class:`AdvantageServiceError` otherwise."""
         from advantage_client.shm import call
         timeout = self._call_timeout
-        try:
-            return call(self._channel, method, request, response_cls, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise AdvantageServiceError.from_rpc_error(err, self.target, timeout, self._channel) from None
+        end = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(PUSHBACK_MAX_RETRIES + 1):
+            left = None if end is None else max(end - time.monotonic(), 1e-3)
+            try:
+                return call(self._channel, method, request, response_cls, timeout=left, metadata=self._metadata)
+            except grpc.RpcError as err:
+                error = AdvantageServiceError.from_rpc_error(err, self.target, timeout, self._channel)
+            pause = CUT_PAUSE_S * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
+            cut = error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and CUT_FOR_ANOTHER in str(error)
+            if not cut or attempt == PUSHBACK_MAX_RETRIES or (
+                    end is not None and time.monotonic() + pause + FAILOVER_MIN_ATTEMPT_S > end):
+                raise error from None
+            time.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""
