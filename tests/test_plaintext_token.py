@@ -23,7 +23,7 @@ def test_a_token_to_another_host_without_tls_warns_naming_it(target, hosts):
 
 
 @pytest.mark.parametrize("target", ["127.0.0.1:50051", "localhost:50051", "[::1]:50051", "unix:/tmp/adv.sock",
-                                    "ipv4:127.0.0.1:1,127.0.0.2:2"])
+                                    "ipv4:127.0.0.1:1,127.0.0.2:2", "0.0.0.0:50051"])
 def test_loopback_and_unix_sockets_stay_quiet(target):
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlaintextTokenWarning)

@@ -196,3 +196,30 @@ def test_the_reward_hook_groups_the_whole_batch_when_the_count_differs(client):
     args.rollout_batch_size = 2
     _, got = dropin.post_process_rewards(args, [Sample(r) for r in rewards[:4]], client=client)
     np.testing.assert_allclose(got, [0.7071062, -0.7071062, 0.7071064, -0.7071064], rtol=1e-5)  # pairs
+
+
+def test_what_slime_did_not_provide_is_named_with_the_flag(client):
+    """A newcomer's findings: a missing key was a bare KeyError; a sample's mask of another length than its
+    response passed silently (shifted between samples) when the totals agreed; an empty rank raised torch's
+    ``torch.cat(): expected a non-empty list``."""
+    case = next(c for c in CASES if c["slime_estimator"] == "ppo" and c["slime_args"]["kl_coef"])
+    args = slime_args(case)
+    for key, flag in (("values", "--advantage-estimator ppo"), ("ref_log_probs", "--kl-coef"),
+                      ("loss_masks", "always")):
+        data = rollout_data(case)
+        del data[key]
+        with pytest.raises(ValueError, match=rf"rollout_data\['{key}'\] is missing: slime provides it with {flag}"):
+            dropin.compute_advantages_and_returns(args, data, client=client)
+    data = rollout_data(case)
+    data["loss_masks"][0], data["loss_masks"][1] = (torch.cat([data["loss_masks"][0], data["loss_masks"][1][:1]]),
+                                                    data["loss_masks"][1][1:])  # same total, shifted by one
+    with pytest.raises(ValueError, match=r"rollout_data\['loss_masks'\]\[0\] holds \d+ tokens but "
+                                         r"response_lengths\[0\] is \d+"):
+        dropin.compute_advantages_and_returns(args, data, client=client)
+    data = rollout_data(case)
+    data["rewards"] = data["rewards"][:-1]
+    with pytest.raises(ValueError, match=r"rollout_data\['rewards'\] holds \d+ samples but response_lengths \d+"):
+        dropin.compute_advantages_and_returns(args, data, client=client)
+    empty = {k: [] for k in rollout_data(case)}
+    dropin.compute_advantages_and_returns(args, empty, client=client)
+    assert empty["advantages"] == [] and empty["returns"] == []

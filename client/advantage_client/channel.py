@@ -387,7 +387,8 @@ def _plaintext_hosts(target: str) -> list[str]:
         if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
             continue
         try:
-            if ipaddress.ip_address(host).is_loopback:
+            address_ = ipaddress.ip_address(host)
+            if address_.is_loopback or address_.is_unspecified:  # 0.0.0.0 / :: reach this machine
                 continue
         except ValueError:
             pass
@@ -405,7 +406,8 @@ def warn_plaintext_token(target: str, metadata: Sequence[tuple[str, str]], tls: 
     if hosts:
         warnings.warn(f"the bearer token will travel unencrypted (plaintext channel) to {', '.join(hosts)}: anyone "
                       "on the network path can read it; give tls_ca= (the server's --tls-cert CA; docs/tls.md) "
-                      "or tls=True", PlaintextTokenWarning, stacklevel=stacklevel)
+                      "or tls=True, or for a framework drop-in set $ADVANTAGE_SERVICE_TLS_CA", PlaintextTokenWarning,
+                      stacklevel=stacklevel)
 
 
 def make_channel(target: str, *, max_message_mb: int = 1024, tls: bool = False,

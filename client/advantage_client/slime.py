@@ -100,6 +100,32 @@ def _flat(tensors: Any) -> Any:
     return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
 
 
+#: the rollout_data keys the trainer hook reads, and the slime flag that makes slime provide each
+_WHY = {"rewards": "always", "response_lengths": "always", "loss_masks": "always",
+        "log_probs": "--kl-coef other than 0 (estimators other than grpo, gspo, cispo)",
+        "rollout_log_probs": "--kl-coef other than 0 with --use-rollout-logprobs",
+        "ref_log_probs": "--kl-coef other than 0 (a reference model: slime's --ref-load)",
+        "values": "--advantage-estimator ppo (a critic)"}
+
+
+def _rows(rollout_data: dict[str, Any], key: str, lengths: list[int]) -> list[Any]:
+    """``rollout_data[key]``, checked to hold one entry per sample of the length slime's ``response_lengths`` gives
+    it. Raises ``ValueError`` naming the key, the sample and slime's flag that provides it."""
+    rows = rollout_data.get(key)
+    if rows is None:
+        raise ValueError(f"rollout_data[{key!r}] is missing: slime provides it with {_WHY[key]}; check the "
+                         "slime flags, or unset --custom-advantage-function-path")
+    if len(rows) != len(lengths):
+        raise ValueError(f"rollout_data[{key!r}] holds {len(rows)} samples but response_lengths {len(lengths)}")
+    if key != "rewards":
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            if row.numel() != n:
+                raise ValueError(f"rollout_data[{key!r}][{i}] holds {row.numel()} tokens but response_lengths[{i}] "
+                                 f"is {n}: each sample's tensors must be its response's length (context parallelism "
+                                 "hands each rank a chunk; see --context-parallel-size)")
+    return rows
+
+
 def compute_advantages_and_returns(args: Any, rollout_data: dict[str, Any], *, client: Any = None) -> None:
     """slime's ``--custom-advantage-function-path`` hook: ``rollout_data["advantages"]`` and ``["returns"]`` from
     the service, in place.
@@ -107,9 +133,11 @@ def compute_advantages_and_returns(args: Any, rollout_data: dict[str, Any], *, c
     rollout_data: slime's (``rewards`` list of B floats, ``response_lengths`` list of B ints, ``loss_masks`` list of
     ``[T_i]``, ``log_probs`` / ``rollout_log_probs`` and ``ref_log_probs`` lists of ``[T_i]`` when ``--kl-coef`` is
     not 0, ``values`` list of ``[T_i]`` for ``ppo``, ``kl`` list of ``[T_i]``). Sets lists of ``[T_i]`` float32
-    tensors on ``kl``'s device. client: an :class:`~advantage_client.AdvantageClient` (None: one per process from
-    ``$ADVANTAGE_SERVICE_TARGET``). Raises ``ValueError`` for an estimator not served or context parallelism, and
-    what ``client.compute`` raises (``InvalidArgumentError`` naming the input, e.g. a NaN reward)."""
+    tensors on ``kl``'s device (empty lists, and no request, for a rank with no sample). client: an
+    :class:`~advantage_client.AdvantageClient` (None: one per process from ``$ADVANTAGE_SERVICE_TARGET``). Raises
+    ``ValueError`` for an estimator not served, context parallelism, or a missing key or a sample whose tensors are
+    not its response's length (naming the key, the sample and the slime flag that provides it), and what
+    ``client.compute`` raises (``InvalidArgumentError`` naming the input, e.g. a NaN reward)."""
     import torch
 
     if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
@@ -117,18 +145,24 @@ def compute_advantages_and_returns(args: Any, rollout_data: dict[str, Any], *, c
                          "service takes whole responses: run without context parallelism, or unset "
                          "--custom-advantage-function-path")
     name, config = service_config(args, trainer=True)
+    if rollout_data.get("response_lengths") is None:
+        raise ValueError(f"rollout_data['response_lengths'] is missing: slime provides it {_WHY['response_lengths']}")
     lengths = [int(n) for n in rollout_data["response_lengths"]]
     B = len(lengths)
-    inputs: dict[str, Any] = {"rewards": torch.tensor([float(r) for r in rollout_data["rewards"]], dtype=torch.float32),
-                              "mask": _flat(rollout_data["loss_masks"])}
+    if B == 0:  # nothing on this rank: nothing to ask
+        rollout_data["advantages"], rollout_data["returns"] = [], []
+        return
+    inputs: dict[str, Any] = {
+        "rewards": torch.tensor([float(r) for r in _rows(rollout_data, "rewards", lengths)], dtype=torch.float32),
+        "mask": _flat(_rows(rollout_data, "loss_masks", lengths))}
     if name in ("grpo", "reinforce_plus_plus_baseline"):
         inputs["prompt_ids"] = np.zeros(B, dtype=np.int64)  # read only with rewards_normalization, off here
     if config.get("use_kl_in_reward"):
-        policy = rollout_data["rollout_log_probs"] if getattr(args, "use_rollout_logprobs", False) \
-            else rollout_data["log_probs"]
-        inputs["logprobs"], inputs["reference_logprobs"] = _flat(policy), _flat(rollout_data["ref_log_probs"])
+        policy = "rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs"
+        inputs["logprobs"] = _flat(_rows(rollout_data, policy, lengths))
+        inputs["reference_logprobs"] = _flat(_rows(rollout_data, "ref_log_probs", lengths))
     if name == "gae":
-        inputs["values"] = _flat(rollout_data["values"])
+        inputs["values"] = _flat(_rows(rollout_data, "values", lengths))
     cu_seqlens = np.fromiter(itertools.accumulate(lengths, initial=0), dtype=np.int64, count=B + 1)
     result = (client or _shared_client()).compute(name, config, output_dtype="float32", cu_seqlens=cu_seqlens,
                                                   **inputs)
