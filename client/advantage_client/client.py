@@ -969,20 +969,18 @@ class AdvantageClient:
         raised (tests/test_shm_many_processes.py). Raises :class:`AdvantageServiceError` otherwise."""
         from advantage_client.shm import call
         timeout = self._call_timeout
-        end = None if timeout is None else time.monotonic() + timeout
-        for attempt in range(PUSHBACK_MAX_RETRIES + 1):
-            left = None if end is None else max(end - time.monotonic(), 1e-3)
+        policy = Failover(1, timeout)  # one channel: only the bounds of a resend (count, pause, deadline)
+        while True:
             try:
-                return call(self._channel, method, request, response_cls, timeout=left, metadata=self._metadata)
+                return call(self._channel, method, request, response_cls, timeout=policy.attempt_timeout(),
+                            metadata=self._metadata)
             except grpc.RpcError as err:
                 error = AdvantageServiceError.from_rpc_error(err, self.target, timeout, self._channel)
-            pause = CUT_PAUSE_S * random.uniform(1.0, 1.0 + PUSHBACK_JITTER)
             cut = error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and CUT_FOR_ANOTHER in str(error)
-            if not cut or attempt == PUSHBACK_MAX_RETRIES or (
-                    end is not None and time.monotonic() + pause + FAILOVER_MIN_ATTEMPT_S > end):
+            pause = policy.retry(error) if cut else None  # other refusals are the caller's (the region API's)
+            if pause is None:
                 raise error from None
             time.sleep(pause)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def list_estimators(self) -> pb.ListEstimatorsResponse:
         """Every estimator the server runs, with its config fields and inputs (the service contract)."""

@@ -260,9 +260,9 @@ class AdvantageCore:
                 if biggest is not None:
                     compute_dtype = torch.float64
                 continue
-            if _clamped_infinities(t, owners[key], cfg):  # checked above; the magnitude of the finite values
-                t = t[torch.isfinite(t)]
             biggest = validate.max_abs_over(t, FLOAT32_PROMOTE_MAGNITUDE)
+            if biggest is not None and math.isinf(biggest) and _clamped_infinities(t, owners[key], cfg):
+                biggest = validate.max_abs_over(t[torch.isfinite(t)], FLOAT32_PROMOTE_MAGNITUDE)  # checked above
             checkpoint("while checking the inputs")
             if biggest is None:
                 continue

@@ -956,3 +956,14 @@ def broadcast_rows(adv: torch.Tensor, B: int, T: int, dtype: torch.dtype, batch:
         jit.parallel_rows(jit._fill_rows, B, T, np.ascontiguousarray(jit.numpy_as(adv, dtype)), out.numpy())
         return out
     return adv.to(dtype)[:, None].expand(B, T)
+
+
+def slime_group_norm_field(divides: bool) -> Any:
+    """``rewards_normalization``: slime's rollout reward post-processing (``_post_process_rewards``; slime only,
+    default true). ``divides``: the estimator also divides by the group's std (grpo, with ``normalize_rewards``)."""
+    also = ", and divide by the group's std + epsilon with normalize_rewards" if divides else ""
+    return field(default=None, metadata={
+        "doc": "slime's reward post-processing (its --disable-rewards-normalization turns it off): subtract the "
+               f"prompt group's mean{also}. Off: the rewards are used as sent (what slime's trainer does with "
+               "rewards its rollout already normalised). slime only.",
+        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})

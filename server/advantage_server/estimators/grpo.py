@@ -69,6 +69,7 @@ import torch
 
 from advantage_server.estimators.groups import (
     broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows, exclude_empty_field, groups_of,
+    slime_group_norm_field,
     verl_group_stats, verl_std_plus_eps, zero_rows,
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
@@ -76,7 +77,7 @@ from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig
 from advantage_server.estimators.rewards import (
     OpenRLHFRewardConfig, openrlhf_outcome, outcome_scores, sum_over_mask_field,
 )
-from advantage_server.estimators.whitening import whiten_slime
+from advantage_server.estimators.whitening import slime_whiten_field, whiten_slime
 from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK, UP_TO_LAST_VALID
 from advantage_server.estimators.registry import (
     AdvantageResult, Batch, InputSpec, register, semantics_field,
@@ -113,16 +114,8 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": "Subtract penalty * KL(policy || reference) from every token's reward (OpenRLHF's compute_reward for "
                "group_norm / dr_grpo). openrlhf only: NeMo RL, verl, TRL and SkyRL put GRPO's KL in the loss.",
         "per_semantics": {"openrlhf": False}, "default_text": "false (openrlhf); not applicable otherwise"})
-    rewards_normalization: bool | None = field(default=None, metadata={
-        "doc": "slime's reward post-processing (its --disable-rewards-normalization turns it off): subtract the "
-               "prompt group's mean, and divide by the group's std + epsilon with normalize_rewards. Off: the "
-               "rewards are broadcast as sent (what slime's trainer does with rewards its rollout already "
-               "normalised). slime only.",
-        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
-    normalize_advantages: bool | None = field(default=None, metadata={
-        "doc": "slime --normalize-advantages: whiten the advantages over the mask = 1 tokens of the batch "
-               "(distributed_masked_whiten on one process; the returns stay unwhitened). slime only.",
-        "per_semantics": {"slime": False}, "default_text": "false (slime); not applicable otherwise"})
+    rewards_normalization: bool | None = slime_group_norm_field(divides=True)
+    normalize_advantages: bool | None = slime_whiten_field(default=False)
 
 
 @register("grpo", config=GRPOConfig,

@@ -74,7 +74,7 @@ from advantage_server.estimators.inputs import MASK, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl, kl_clamp_field, kl_type_field
 from advantage_server.estimators.rewards import OpenRLHFRewardConfig, no_std_norm_field, outcome_scores, place_rewards
 from advantage_server.estimators.whitening import (
-    whiten_clamped, whiten_openrlhf, whiten_rows_clamped, whiten_slime, whiten_unbiased,
+    slime_whiten_field, whiten_clamped, whiten_openrlhf, whiten_rows_clamped, whiten_slime, whiten_unbiased,
 )
 from advantage_server.estimators.gae import discounted_reverse_cumsum
 from advantage_client.layout import BROADCAST
@@ -102,10 +102,7 @@ class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig):
                                                         ("slime",))
     kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("nemo_rl", "verl", "openrlhf", "skyrl"),
                                                          ("slime",))
-    normalize_advantages: bool | None = field(default=None, metadata={
-        "doc": "slime --normalize-advantages (which slime requires for this estimator): whiten the advantages over "
-               "the mask = 1 tokens of the batch; the returns stay unwhitened. slime only.",
-        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
+    normalize_advantages: bool | None = slime_whiten_field(default=True)
     reset_returns_at_holes: bool | None = field(default=None, metadata={
         "doc": "verl 0.8 and earlier: a mask = 0 position inside the response resets the running return, and the "
                "returns there are not zeroed. verl 0.9.1 (the default) carries the return across mask = 0 spans.",

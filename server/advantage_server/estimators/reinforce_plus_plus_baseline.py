@@ -33,19 +33,19 @@ per-group loop twin (test oracle) of the per-sample baseline step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from advantage_server.estimators.groups import (
-    group_baseline_and_std, exclude_empty_field, groups_of, verl_group_stats, zero_rows,
+    group_baseline_and_std, exclude_empty_field, groups_of, slime_group_norm_field, verl_group_stats, zero_rows,
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_clamp_field, kl_penalty, kl_total, kl_type_field
 from advantage_server.estimators.rewards import (
     OpenRLHFRewardConfig, no_std_norm_field, openrlhf_outcome, outcome_scores, sum_over_mask_field,
 )
-from advantage_server.estimators.whitening import whiten_slime, whiten_unbiased
+from advantage_server.estimators.whitening import slime_whiten_field, whiten_slime, whiten_unbiased
 from advantage_client.layout import BROADCAST, BROADCAST_TIMES_MASK
 from advantage_server.estimators.registry import AdvantageResult, Batch, register, semantics_field
 
@@ -61,14 +61,8 @@ class ReinforcePlusPlusBaselineConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     reference_policy_kl_type: str | None = kl_type_field(("verl", "openrlhf"), ("slime",))
     kl_input_clamp_value: float | None = kl_clamp_field("input", 20.0, ("verl", "openrlhf"), ("slime",))
     kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("verl", "openrlhf"), ("slime",))
-    rewards_normalization: bool | None = field(default=None, metadata={
-        "doc": "slime's reward post-processing (its --disable-rewards-normalization turns it off): subtract the "
-               "prompt group's mean. Off: the rewards are used as sent. slime only.",
-        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
-    normalize_advantages: bool | None = field(default=None, metadata={
-        "doc": "slime --normalize-advantages (which slime requires for this estimator): whiten the advantages over "
-               "the mask = 1 tokens of the batch; the returns stay unwhitened. slime only.",
-        "per_semantics": {"slime": True}, "default_text": "true (slime); not applicable otherwise"})
+    rewards_normalization: bool | None = slime_group_norm_field(divides=False)
+    normalize_advantages: bool | None = slime_whiten_field(default=True)
     exclude_empty_responses: bool = exclude_empty_field()
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
     no_std_norm: bool | None = no_std_norm_field()

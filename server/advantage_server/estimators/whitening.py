@@ -4,6 +4,8 @@ process), and the per-row form for row-constant advantages."""
 from __future__ import annotations
 
 import math
+from dataclasses import field
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,3 +118,14 @@ def _whiten_const_rows(a, counts, out):  # pragma: no cover - compiled; tested t
     scale = 1.0 / math.sqrt(max(m2 / denom, 1e-8))
     for b in range(a.shape[0]):
         out[b] = (a[b] - mean) * scale
+
+
+def slime_whiten_field(default: bool) -> Any:
+    """``normalize_advantages`` under slime only: its ``--normalize-advantages`` (:func:`whiten_slime`). ``default``:
+    true where slime requires the flag for the estimator (reinforce_plus_plus, reinforce_plus_plus_baseline), false
+    where it is slime's off-by-default option (grpo)."""
+    required = " (which slime requires for this estimator)" if default else ""
+    return field(default=None, metadata={
+        "doc": f"slime --normalize-advantages{required}: whiten the advantages over the mask = 1 tokens of the batch "
+               "(distributed_masked_whiten on one process; the returns stay unwhitened). slime only.",
+        "per_semantics": {"slime": default}, "default_text": f"{str(default).lower()} (slime); not applicable otherwise"})
