@@ -352,9 +352,11 @@ def test_an_idle_connection_is_closed(make_server, monkeypatch):
 def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_server, monkeypatch):
     """Issue #35 item 4, the total cap below the descriptor limit: a server holds at most ``max_connections`` client
     connections (gRPC's ``grpc.max_allowed_incoming_connections``; here 4). With 4 idle connections open (the HTTP/2
-    preface, nothing else), a new client is closed as it arrives (UNAVAILABLE); once one of them closes, the client
-    is served. Before: every connection was taken until descriptors ran out (then a token holder's call ended
-    DEADLINE_EXCEEDED). The bound leaves the shared-memory regions' and the process's own descriptors free."""
+    preface, nothing else), a fifth is closed as it arrives; once the idle ones have been idle for
+    ``CONNECTION_IDLE_MIN_S`` the reaper closes them (:class:`advantage_server.shares.ConnectionShares`: the server
+    keeps room for a newcomer) and a new client is served. Before: every connection was taken until descriptors ran
+    out (then a token holder's call ended DEADLINE_EXCEEDED). The bound leaves the shared-memory regions' and the
+    process's own descriptors free."""
     import socket
 
     from advantage_server import server as server_mod
@@ -365,25 +367,130 @@ def test_connections_past_the_servers_bound_are_closed_as_they_arrive(make_serve
     monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 4)
     srv = make_server()
     host, port = srv.address.rsplit(":", 1)
+    hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0)) + bytes(4)  # empty SETTINGS
     idle = []
-    for _ in range(4):
-        sock = socket.create_connection((host, int(port)), timeout=10)
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0)) + bytes(4))  # empty SETTINGS
-        idle.append(sock)
-    time.sleep(0.5)
-    request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     try:
-        with AdvantageClient(srv.address, timeout=5, retry=False) as client:
-            with pytest.raises(AdvantageServiceError) as err:
-                client.compute("grpo", None, **request)
-        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
-        idle.pop().close()
-        time.sleep(0.5)
+        for _ in range(4):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(hello)
+            idle.append(sock)
+        time.sleep(0.1)
+        fifth = socket.create_connection((host, int(port)), timeout=2)
+        started = time.monotonic()
+        try:
+            fifth.sendall(hello)
+            while fifth.recv(65536):  # gRPC closes it at once (its SETTINGS may come first)
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        finally:
+            fifth.close()
+        assert time.monotonic() - started < shares.CONNECTION_IDLE_MIN_S
+        request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+        assert _wait_for(lambda: srv.connections.closed >= 1, 10), "the reaper closed no idle connection"
         with AdvantageClient(srv.address, timeout=10) as client:
             assert client.compute("grpo", None, **request).advantages.shape == (2, 1)
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_connection_shares_close_idle_connections_of_the_host_over_its_share_first():
+    """:meth:`ConnectionShares.choose` on a fake clock: a host over its share loses its idle connections down to
+    half its share, the longest idle first, never one with a call open nor one idle for less than
+    ``CONNECTION_OVER_SHARE_IDLE_S``; hosts within their share keep theirs until the server nears its total, and
+    then the host holding the most pays first."""
+    clock = Clock()
+    cs = shares.ConnectionShares(total=64, per_host=8, clock=clock)
+    attacker = {f"10.0.0.9:{p}": "ipv4:10.0.0.9" for p in range(1000, 1012)}  # 12 > 8
+    neighbour = {f"10.0.0.9:{p}": "ipv4:10.0.0.9" for p in (2000, 2001)}
+    other = {f"10.0.0.7:{p}": "ipv4:10.0.0.7" for p in range(3000, 3006)}
+    live = {**attacker, **neighbour, **other}
+    assert cs.choose(live) == []  # first seen now: nobody idle yet
+    cs.call_started("10.0.0.9:2000")  # the neighbour's call is open: never closed
+    for key in attacker:  # the attacker's connections end calls 0.1 s apart: 1000 the longest idle
+        clock.now += 0.1
+        cs.call_started(key)
+        cs.call_ended(key)
+    clock.now += 0.01
+    cs.call_started("10.0.0.9:2001")
+    cs.call_ended("10.0.0.9:2001")  # the neighbour's other connection: the youngest idle one
+    clock.now += 0.04
+    assert cs.choose(live) == [f"10.0.0.9:{p}" for p in range(1000, 1011)][:10]  # 1011 is idle 0.05 s, 2001 0.04
+    clock.now += 0.02
+    chosen = cs.choose(live)
+    # 14 on the host, half its share is 4: 10 go, the longest idle first (the neighbour's youngest stays)
+    assert chosen == [f"10.0.0.9:{p}" for p in range(1000, 1010)], chosen
+    assert not set(chosen) & set(other) and "10.0.0.9:2000" not in chosen
+    # within its share, a host keeps its idle connections while the server has room
+    clock.now += 10
+    assert cs.choose(other) == []
+    # near the total (64 - headroom 8 = 56): the host holding the most pays first, down to 64 - 16 = 48
+    crowd = {f"10.0.1.{h}:{p}": f"ipv4:10.0.1.{h}" for h in range(8) for p in range(7)}  # 8 hosts x 7 = 56
+    big = {f"10.0.2.1:{p}": "ipv4:10.0.2.1" for p in range(8)}  # 8: at its share, not over
+    cs.choose({**crowd, **big})
+    clock.now += 1
+    chosen = cs.choose({**crowd, **big})
+    assert len(chosen) == 64 - 48 and sum(k.startswith("10.0.2.1:") for k in chosen) >= 1, chosen
+    left = collections.Counter(h for k, h in {**crowd, **big}.items() if k not in chosen)
+    assert max(left.values()) - min(left.values()) <= 1, left  # max-min: the biggest hosts gave them up
+
+
+def test_connection_keys_name_one_connection_one_way():
+    """The peer gRPC gives a handler and the one its socket gives the reaper name the same connection."""
+    from advantage_server.identity import connection_key, sockaddr_peer
+
+    assert connection_key("ipv4:127.0.0.1:5678") == "127.0.0.1:5678"
+    assert connection_key("ipv6:%5B::ffff:127.0.0.1%5D:5678") == "127.0.0.1:5678"  # a dual-stack socket's client
+    assert connection_key(sockaddr_peer(("::ffff:127.0.0.1", 5678, 0, 0))) == "127.0.0.1:5678"
+    assert connection_key("ipv6:%5B2001:db8::7%5D:9") == connection_key(sockaddr_peer(("2001:db8::7", 9, 0, 0)))
+    assert connection_key("ipv6:%5B2001:db8::7%5D:9") == "[2001:db8::7]:9"
+    assert connection_key("unix:/tmp/s") == "unix:/tmp/s" and connection_key("unknown") == "unknown"
+
+
+def test_a_host_holding_connections_past_its_share_does_not_lock_new_clients_out(make_server, monkeypatch):
+    """Issue #35 item 4, per host: an attacker holds the server's whole connection limit (here 128) with
+    connections that send HTTP/2's preface and nothing else
+    (:func:`advantage_server.bench.adversarial.hold_idle_connections`; it tries 64 more, which gRPC closes as they
+    arrive). Before the reaper a new client's every connection was closed (UNAVAILABLE, 0 calls) for as long as
+    the attacker held them (``CONNECTION_IDLE_S``, 5 min). Now the attacker's host, over its share (64), loses its
+    idle connections down to half its share: a new client on the same host gets 5 of 5 calls, and a health
+    ``Watch`` stream opened before the attack (a call open on an otherwise silent connection) is never closed.
+    An attacker that reopens what is closed is the adversarial benchmark's ``idle-connections`` (BENCHMARKS.md)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from advantage_server import server as server_mod
+    from advantage_server.bench.adversarial import hold_idle_connections
+
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 128)
+    srv = make_server()
+    assert srv.connections.shares.total == 128 and srv.connections.shares.per_host == 64
+    host, port = srv.address.rsplit(":", 1)
+    watch_channel = grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    watch = health_pb2_grpc.HealthStub(watch_channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    stop, full, opened = threading.Event(), threading.Event(), [0]
+    attacker = threading.Thread(target=hold_idle_connections, args=(host, int(port), stop, 128 + 64),
+                                kwargs={"opened": opened, "full": full, "reopen": False}, daemon=True)
+    attacker.start()
+    try:
+        assert full.wait(30)
+        time.sleep(1.0)
+        request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+        with AdvantageClient(srv.address, timeout=20) as client:
+            done = [client.compute("grpo", None, **request).advantages.shape for _ in range(5)]
+        assert done == [(2, 1)] * 5
+        assert srv.connections.closed >= 128 - 32 and opened[0] == 128 + 64
+        assert watch.running()
+        watch.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            next(watch)
+        assert err.value.code() == grpc.StatusCode.CANCELLED  # cancelled by us now, not closed by the reaper
+    finally:
+        stop.set()
+        attacker.join(10)
+        watch_channel.close()
 
 
 def _refusals(clock: Clock):

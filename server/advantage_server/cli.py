@@ -216,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "56 where each customer holds a /56; 128: every address is a host)")
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
                    help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
+    p.add_argument("--max-connections-per-host", type=positive_int, default=None,
+                   help="open connections one client host may hold while others need room: past it, its connections "
+                        "with no call open for 2 s are closed, longest idle first (the client reconnects at its next "
+                        "call); default a quarter of the server's connection limit, at least 64. Behind a proxy or "
+                        "NAT every client is one host: raise it there")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_shm_regions_per_client=args.max_shm_regions_per_client,
                                max_pending_per_peer=args.max_pending_per_peer,
                                max_pending_per_connection=args.max_pending_per_connection,
+                               max_connections_per_host=args.max_connections_per_host,
                                stream_window_mb=args.stream_window_mb,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                auth_token=token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,

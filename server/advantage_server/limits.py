@@ -89,6 +89,9 @@ class Limits:
     max_pending_per_peer: int | None = None
     #: calls of one client connection waiting for their request body at once (None: the per-peer share)
     max_pending_per_connection: int | None = None
+    #: connections one client host may hold open while others need room (None: a quarter of the server's
+    #: connection limit, at least 64: :func:`advantage_server.server.connections_per_host`)
+    max_connections_per_host: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stream_idle_timeout", "upload_rate_window"):
@@ -103,7 +106,7 @@ class Limits:
             if f.name in ("stream_idle_timeout", "upload_rate_window", "min_upload_rate_kib"):
                 continue
             value = getattr(self, f.name)
-            if value is None and f.name.startswith("max_pending_"):  # the default share
+            if value is None and f.name.startswith(("max_pending_", "max_connections_")):  # the default share
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -66,8 +66,8 @@ from advantage_server.limits import (
     Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
-from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, InheritedStalls, ResultLedger
+from advantage_server.identity import CallsPerConnection, ServerSockets, call_peer, connection_key, peer_host
+from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
 from advantage_server.transport import abort, tensor_fields
@@ -129,6 +129,70 @@ def max_connections(descriptors: int | None) -> int:
     if descriptors is None:
         return MAX_CONNECTIONS
     return min(MAX_CONNECTIONS, max(64, (descriptors - RESERVED_DESCRIPTORS) // 2))
+
+
+def connections_per_host(total: int, flag: int | None = None) -> int:
+    """The connections one client host may hold open while others need room: ``--max-connections-per-host``
+    (``flag``), by default a quarter of ``total`` (:func:`max_connections`), at least 64; never more than
+    ``total``. Behind a proxy or NAT every client is one host (RELIABILITY.md): raise it there."""
+    return min(total, flag if flag is not None else max(64, total // 4))
+
+
+#: how often the reaper counts the process's descriptors (a directory listing, ~1 ms per 2,000) and, when they
+#: are enough for a host to be over its share, reads the connections and closes what
+#: :meth:`~advantage_server.shares.ConnectionShares.choose` names
+REAP_INTERVAL_S = 0.25
+
+
+class ConnectionReaper:
+    """The thread that holds each host to its share of the open connections (issue #35 item 4; the rules:
+    :class:`advantage_server.shares.ConnectionShares`). gRPC tells the service nothing of a connection that makes no
+    call, so the connections are read from the process's sockets (:class:`advantage_server.identity.ServerSockets`)
+    and an idle one is ended as a vanished client's would be (its client sees the connection close and reconnects
+    at its next call). ``closed``: connections ended so far. Off where the sockets cannot be read (not Linux, or a
+    unix-socket listener)."""
+
+    def __init__(self, sockets: ServerSockets, shares: ConnectionShares, interval: float = REAP_INTERVAL_S):
+        self.sockets, self.shares, self.interval = sockets, shares, interval
+        self.closed = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged = 0.0
+
+    def start(self) -> None:
+        if self.sockets.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="advantage-connection-reaper", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad read; the server serves on
+                log.exception("connection reaper: a sweep failed")
+
+    def sweep(self) -> int:
+        """One look: the connections closed (0 when the descriptors are too few for anyone to be over a share)."""
+        if self.sockets.descriptors() <= min(self.shares.per_host, self.shares.high_water):
+            return 0
+        found = self.sockets.scan()
+        by_key = {connection_key(peer): (fd, peer) for fd, peer in found.items()}
+        n = 0
+        for key in self.shares.choose({key: peer_host(peer) for key, (_, peer) in by_key.items()}):
+            fd, peer = by_key[key]
+            n += self.sockets.shut(fd, peer)
+        self.closed += n
+        now = time.monotonic()
+        if n and now - self._logged > 10:
+            self._logged = now
+            log.info("closed %d idle connection(s) of hosts over their share (%d open, %d per host, %d in all; "
+                     "%d closed so far)", n, len(found) - n, self.shares.per_host, self.shares.total, self.closed)
+        return n
 
 
 def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB) -> int:
@@ -507,6 +571,7 @@ class BoundServer:
         self.uploads: UploadWatch | None = None  # the servicer's stalled-upload watch (stopped with the server)
         self.results: ResultLedger | None = None  # the servicer's ledger of unread results (closed with the server)
         self.health_reads: Any = None  # health_service._RequestReads: the health pool (closed with the server)
+        self.connections: ConnectionReaper | None = None  # holds each host to its share of the connections
         #: tokenless calls held before their refusal (auth.AnonymousRefusals; answered when the drain begins)
         self.refusals: Any = None
         #: compile every kernel signature in start(), health NOT_SERVING meanwhile (create_server's warmup)
@@ -518,6 +583,8 @@ class BoundServer:
     def start(self) -> "BoundServer":
         self.grpc_server.start()
         self.memory.start()
+        if self.connections is not None:
+            self.connections.start()
         for endpoint in self.endpoints:
             endpoint.start()
         if self.warmup:  # health is NOT_SERVING (set in create_server) until every kernel is compiled or loaded
@@ -581,6 +648,8 @@ class BoundServer:
         if not self.gate.wait_idle(STOP_UNWIND_S):
             log.warning("%d cancelled call(s) still running %.0f s after the stop", self.gate.in_flight, STOP_UNWIND_S)
         self.memory.stop()
+        if self.connections is not None:
+            self.connections.stop()
         if self.uploads is not None:
             self.uploads.stop()
         if self.results is not None:
@@ -633,7 +702,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                   upload_rate_window: float = DEFAULT_UPLOAD_RATE_WINDOW,
                   max_shm_regions_per_client: int = DEFAULT_MAX_SHM_REGIONS_PER_CLIENT,
                   max_pending_per_peer: int | None = None,
-                  max_pending_per_connection: int | None = None, stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB,
+                  max_pending_per_connection: int | None = None, max_connections_per_host: int | None = None,
+                  stream_window_mb: int = DEFAULT_STREAM_WINDOW_MB,
                   warmup: bool = False) -> BoundServer:
     """Build an advantage server bound to ``host:port`` (``port=0``: an ephemeral port).
 
@@ -650,7 +720,10 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     the shares of the places for calls waiting for their request body (None: a quarter of
     ``max_concurrent_requests``, at least 1): when the server is full, a caller whose host (connection) holds
     fewer pending calls than that takes a place back from a host (a connection of its host) holding more, max-min
-    fair (:mod:`advantage_server.shares`; RELIABILITY.md, "The admission model"); a call that gets no place is
+    fair (:mod:`advantage_server.shares`; RELIABILITY.md, "The admission model"); ``max_connections_per_host`` the
+    connections one client host may hold while others need room (None: :func:`connections_per_host`; past it, or
+    near the server's limit for the host holding the most, connections without a call for 2 s are closed:
+    :class:`ConnectionReaper`); a call that gets no place is
     refused with RESOURCE_EXHAUSTED and ``grpc-retry-pushback-ms``; ``stream_window_mb`` the HTTP/2 stream window
     announced, fixed (0: gRPC's BDP tuning; :func:`flow_control_options`). Health means alive: NOT_SERVING while warming
     up and draining, SERVING otherwise, full or not; health ``Watch`` streams beyond their bounds in total and per
@@ -678,15 +751,19 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
                     max_concurrent_requests=max_concurrent_requests, workers=workers,
                     stream_idle_timeout=stream_idle_timeout, min_upload_rate_kib=min_upload_rate_kib,
                     upload_rate_window=upload_rate_window, max_shm_regions_per_client=max_shm_regions_per_client,
-                    max_pending_per_peer=max_pending_per_peer, max_pending_per_connection=max_pending_per_connection)
+                    max_pending_per_peer=max_pending_per_peer, max_pending_per_connection=max_pending_per_connection,
+                    max_connections_per_host=max_connections_per_host)
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca)
     core = AdvantageCore(device, max_batch_elements=limits.max_batch_elements)
     _deterministic(core.device)
     metrics = ServerMetrics(core.device)
     observer = ObservabilityInterceptor(SERVICE_NAME, estimator_fields(_SERVICE), metrics)
+    descriptors = raise_descriptor_limit()
+    total_connections = max_connections(descriptors[0] if descriptors else None)
+    connections = ConnectionShares(total_connections,
+                                   connections_per_host(total_connections, limits.max_connections_per_host))
     auth = TokenAuthInterceptor(auth_token) if auth_token else None
     pool = futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage")
-    descriptors = raise_descriptor_limit()
     options = [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -698,7 +775,8 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
         *flow_control_options(stream_window_mb),
     ]
     servicer = AdvantageServicer(core, limits)
-    server = grpc.server(pool, interceptors=[observer, *([auth] if auth else [])], options=options,
+    calls = CallsPerConnection(connections.call_started, connections.call_ended)
+    server = grpc.server(pool, interceptors=[calls, observer, *([auth] if auth else [])], options=options,
                          maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
     servicer.register(server)
     health_servicer = HealthServicer(experimental_non_blocking=True)  # grpc_health's, minus its shutdown deadlock
@@ -724,6 +802,7 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     result.refusals = auth.refusals if auth else None
     result.uploads = servicer.uploads
     result.results = servicer.results
+    result.connections = ConnectionReaper(ServerSockets(0 if host.startswith("unix") else bound), connections)
     result.warmup = warmup
     metrics.registry.register(KernelCollector())  # advantage_kernel_signatures: grows if a call compiles
     try:

@@ -37,6 +37,8 @@ streams bounds memory without making any token holder's channel unhealthy.
 from __future__ import annotations
 
 import collections
+import heapq
+import math
 import threading
 import time
 from typing import Callable, Mapping
@@ -467,3 +469,111 @@ class ResultLedger:
         reaper = self._reaper
         if reaper is not None:
             reaper.join(2)
+
+
+# ------------------------------------------------------------------------------------------ open connections
+#: a connection with no call open counts as idle (and may be closed to make room, below) once it has had none for
+#: this long: a client channel sends its first call within milliseconds of connecting (so a new client is not cut
+#: before its first call), and a trainer's connection between two calls is closed only when its host or the server
+#: is over its share, and after the idle connections of the host holding the most (it reconnects at its next call).
+#: Short, because an attacker that reopens what is closed holds, besides its share, what it opens in this time
+CONNECTION_IDLE_MIN_S = 0.5
+#: the same for a host over its share: a client sends its first call within milliseconds of connecting, and an
+#: attacker that reopens every connection closed keeps what it reopened in this time
+CONNECTION_OVER_SHARE_IDLE_S = 0.05
+#: call-end times kept for connections no longer seen, at most (older ones are forgotten first)
+CONNECTION_MEMORY = 16384
+
+
+class ConnectionShares:
+    """Open connections a caller holds: the ledger's connections entry (issue #35 item 4).
+
+    gRPC holds at most ``total`` connections (``grpc.max_allowed_incoming_connections``, below the descriptor
+    limit) and closes each one beyond it as it arrives, whoever opens it: one host holding them all would lock every
+    new client out. So connections are shared like places, per host, and only *idle* ones are ever taken back: a
+    connection with no call open (health ``Watch`` streams and calls waiting for a place count as open) for
+    ``CONNECTION_IDLE_MIN_S`` or more. :meth:`choose` names the connections to close, longest idle first:
+
+    * **per host**: a host holding more than ``per_host`` connections loses its idle ones (none for
+      ``CONNECTION_OVER_SHARE_IDLE_S``) down to half of ``per_host``: an attacker that opens a new connection for
+      each one closed must open that many again, each sweep, to fill the server;
+    * **in all**: while more than ``total - headroom`` are open, the host holding the most loses its longest idle
+      one, again and again, down to ``total - 2 headroom`` (``headroom``: a sixteenth of ``total``, at least 8), so
+      that a new client's connection is accepted and a host holding few is never the one that pays.
+
+    The server's reaper (:class:`advantage_server.server.ConnectionReaper`) feeds it what the process's sockets
+    say (:class:`advantage_server.identity.ServerSockets`) and shuts what it names; every call of every service
+    marks its connection busy from its start to its end (:meth:`call_started`, :meth:`call_ended`). Thread-safe."""
+
+    def __init__(self, total: int, per_host: int, clock: Callable[[], float] | None = None):
+        if total < 1 or per_host < 1:
+            raise ValueError(f"connection shares need total >= 1 and per_host >= 1, got {total}, {per_host}")
+        self.total, self.per_host = total, per_host
+        self.headroom = max(8, total // 16)
+        self._clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._open: collections.Counter[str] = collections.Counter()  # connection key -> calls open now
+        self._busy: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> its last call's end
+        self._seen: dict[str, float] = {}  # key -> when choose() first saw it
+
+    @property
+    def high_water(self) -> int:
+        """Open connections above which the host holding the most loses idle ones."""
+        return max(1, self.total - self.headroom)
+
+    def call_started(self, key: str) -> None:
+        with self._lock:
+            self._open[key] += 1
+
+    def call_ended(self, key: str) -> None:
+        with self._lock:
+            left = self._open[key] - 1
+            if left > 0:
+                self._open[key] = left
+            else:
+                self._open.pop(key, None)
+            self._busy[key] = self._clock()
+            self._busy.move_to_end(key)
+            while len(self._busy) > CONNECTION_MEMORY:
+                self._busy.popitem(last=False)
+
+    def choose(self, live: Mapping[str, str]) -> list[str]:
+        """The connections to close now, from ``live`` (every open connection: key -> its host), longest idle first
+        within each rule (see the class docstring); none while nobody is over a share."""
+        now = self._clock()
+        with self._lock:
+            self._seen = {key: self._seen.get(key, now) for key in live}
+            per_host: collections.Counter[str] = collections.Counter(live.values())
+            over = {host for host, n in per_host.items() if n > self.per_host}
+            idle: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
+            for key, host in live.items():
+                if self._open.get(key):
+                    continue
+                since = max(self._busy.get(key, -math.inf), self._seen[key])
+                if now - since >= (CONNECTION_OVER_SHARE_IDLE_S if host in over else CONNECTION_IDLE_MIN_S):
+                    idle[host].append((since, key))
+        for candidates in idle.values():
+            candidates.sort(reverse=True)  # the longest idle last: pop() takes it
+        chosen: list[str] = []
+
+        def take(host: str) -> None:
+            chosen.append(idle[host].pop()[1])
+            per_host[host] -= 1
+
+        for host in over:
+            while per_host[host] > self.per_host // 2 and idle[host]:
+                take(host)
+        open_now = len(live) - len(chosen)
+        if open_now > self.high_water:
+            floor = max(0, self.total - 2 * self.headroom)
+            # the host holding the most first (then the one idle the longest): a heap, each host pushed back after
+            # it gave one up
+            heap = [(-per_host[h], idle[h][-1][0], h) for h in idle if idle[h]]
+            heapq.heapify(heap)
+            while open_now > floor and heap:
+                _, _, host = heapq.heappop(heap)
+                take(host)
+                open_now -= 1
+                if idle[host]:
+                    heapq.heappush(heap, (-per_host[host], idle[host][-1][0], host))
+        return chosen

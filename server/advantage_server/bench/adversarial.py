@@ -29,7 +29,9 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``shm-churn``: 4 processes (token holders) each holding 8 shared-memory regions and registering and
   unregistering another one in a loop;
 * ``unread-results``: a token holder that opens a fresh raw HTTP/2 connection every 20 ms (:mod:`rawh2`), sends
-  one 86-byte packed GRPO call whose result is 8 MiB, and never opens its receive window (issue #35 item 1).
+  one 86-byte packed GRPO call whose result is 8 MiB, and never opens its receive window (issue #35 item 1);
+* ``idle-connections``: the server's connection limit plus 64 TCP connections that send HTTP/2's preface and
+  nothing else, each one the server closes opened again at once (issue #35 item 4; :func:`hold_idle_connections`).
 
 ``pin`` (``--adversarial-pin``, the bench's default; ``--no-adversarial-pin``): the attacker's processes run on
 the machine's last CPU, the server and the legitimate clients on the others (``os.sched_setaffinity``; at least 2
@@ -55,7 +57,7 @@ import time
 from typing import Any, Callable
 
 ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "tokenless-flood", "shm-churn",
-           "unread-results")
+           "unread-results", "idle-connections")
 TARGET_FRACTION = 0.90
 HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
 #: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
@@ -316,9 +318,78 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
         start(body, 0.02)
         threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in list(held)]), daemon=True))
         threads[-1].start()
+    elif kind == "idle-connections":  # issue #35 item 4: connections that send the preface and no call
+        host, port = target.rsplit(":", 1)
+        full = threading.Event()
+        t = threading.Thread(target=hold_idle_connections, args=(host.strip("[]"), int(port), stop, connections),
+                             kwargs={"full": full}, daemon=True)
+        t.start()
+        threads.append(t)
+        full.wait(30)  # the server holds its limit (or all of them): new clients meet a full server from now on
     else:
         raise ValueError(f"unknown attack {kind!r}")
     return threads
+
+
+def hold_idle_connections(host: str, port: int, stop: threading.Event, count: int | None = None,
+                          opened: list[int] | None = None, full: threading.Event | None = None,
+                          reopen: bool = True) -> None:
+    """Hold ``count`` TCP connections to ``host:port`` open, each sending HTTP/2's preface and an empty SETTINGS
+    frame and then nothing, and open another at once for each one the server closes, until ``stop``. ``count``
+    defaults to the server's connection limit (:func:`advantage_server.server.max_connections` at this machine's
+    hard descriptor limit) plus 64: past the limit gRPC closes each new connection as it arrives, and the attacker
+    opens it again. ``opened``: when given, ``opened[0]`` counts the connections opened; ``full``: set once the
+    server first closes a connection, or all ``count`` are open; ``reopen`` False: a connection closed is not
+    opened again (an attacker that only holds what it got)."""
+    import resource
+    import selectors
+
+    from advantage_server.bench.rawh2 import PREFACE
+    from advantage_server.server import max_connections
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    count = min(count or max_connections(hard) + 64, hard - 64)
+    hello = PREFACE + bytes((0, 0, 0, 4, 0, 0, 0, 0, 0))  # an empty SETTINGS frame
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sel = selectors.DefaultSelector()
+    counter = opened if opened is not None else [0]
+
+    def open_one() -> None:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex((host, port))
+        sel.register(sock, selectors.EVENT_WRITE, "connecting")
+        counter[0] += 1
+
+    for _ in range(count):
+        open_one()
+    open_now = 0
+    while not stop.is_set():
+        for key, _events in sel.select(timeout=0.1):
+            sock = key.fileobj
+            try:
+                if key.data == "connecting":
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        raise OSError("refused")
+                    sock.sendall(hello)
+                    sel.modify(sock, selectors.EVENT_READ, "open")
+                    open_now += 1
+                    if full is not None and open_now >= count:
+                        full.set()
+                elif not sock.recv(65536):  # the server's SETTINGS and PINGs are read and ignored
+                    raise OSError("closed")
+            except OSError:
+                if full is not None:
+                    full.set()
+                open_now -= key.data == "open"
+                sel.unregister(sock)
+                sock.close()
+                if reopen and not stop.is_set():
+                    open_one()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    sel.close()
 
 
 def _attack_main(argv: list[str]) -> None:
