@@ -188,7 +188,7 @@ def build(rng, c, torch, TensorDict):
                 resp_mask[i, prompt[i] + response[i] - 1] = 0   # the last response token masked
     if c["mask"] == "single":
         resp_mask[:] = 0
-        resp_mask[0, prompt[0]] = 1
+        resp_mask[B - 1, prompt[B - 1] + response[B - 1] - 1] = 1   # the last token of a row outside the tied group
     position_ids = np.clip(np.cumsum(attention, -1) - 1, 0, None)
     rewards = (rng.standard_normal(B) * c["scale"]).round(3)
     rewards[: c["n"]] = rewards[0]                        # a tied group (exact 0 in ROLL too: dyadic-free mean)
