@@ -89,7 +89,11 @@ def all_paths_config(info, semantics: str | None = None) -> dict:
         where = f.default_value.split("(", 1)[1].split(")", 1)[0]
         return semantics in [w.strip() for w in where.split(",")]
 
-    return {f.name: True for f in info.config_fields if f.type == "bool" and applies(f)}
+    config = {f.name: True for f in info.config_fields if f.type == "bool" and applies(f)}
+    # enum values that open an input path: ROLL's group normalisation reads prompt_ids (gae, reinforce_plus_plus)
+    config.update({f.name: "group" for f in info.config_fields
+                   if f.name in ("norm_mean_type", "norm_std_type") and applies(f)})
+    return config
 
 
 def declared_name(info, key: str) -> str | None:
@@ -408,6 +412,12 @@ VERL_DEFAULTS = {
     ("areal", "mask_no_eos_with_zero"): False,
     ("areal", "recompute_logprob"): False,
     ("areal", "use_decoupled_loss"): False,
+    # ROLL's PPOConfig defaults (roll/configs/base_config.py at the roll reference's commit)
+    **{(est, "reward_clip"): "unset" for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, "advantage_clip"): "unset" for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, "whiten_rewards"): False for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, f): "none" for est in ("reinforce_plus_plus", "gae") for f in ("norm_mean_type", "norm_std_type")},
+    ("grpo", "gamma"): 1.0,
 }
 #: the full listed text of each default that depends on the semantics
 PER_SEMANTICS_TEXT = {
@@ -416,9 +426,9 @@ PER_SEMANTICS_TEXT = {
     ("grpo", "epsilon"): "1e-06 (nemo_rl, verl, skyrl, slime); 1e-09 (openrlhf); 0.0001 (trl)",
     ("grpo", "scale_rewards"): "group (trl); not applicable otherwise",
     ("reinforce_plus_plus", "minus_baseline"): "true (nemo_rl); not applicable otherwise",
-    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl, slime); not applicable to nemo_rl",
-    ("gae", "gae_lambda"): "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf, slime)",
-    ("grpo", "use_kl_in_reward"): "false (openrlhf); not applicable otherwise",
+    ("reinforce_plus_plus", "gamma"): "1.0 (verl, openrlhf, skyrl, slime, roll); not applicable to nemo_rl",
+    ("gae", "gae_lambda"): "0.95 (nemo_rl, roll); 1.0 (verl, skyrl, openrlhf, slime)",
+    ("grpo", "use_kl_in_reward"): "false (openrlhf, roll); not applicable otherwise",
     ("gae", "length_adaptive_alpha"): "0.0 (nemo_rl); not applicable otherwise",
     ("grpo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
     ("rloo", "sum_rewards_over_mask"): "false (verl); not applicable otherwise",
@@ -447,20 +457,32 @@ PER_SEMANTICS_TEXT = {
     ("reinforce_plus_plus_baseline", "no_std_norm"): "false (openrlhf); not applicable otherwise",
     # slime (issue #38)
     ("grpo", "rewards_normalization"): "true (slime); not applicable otherwise",
-    ("grpo", "normalize_advantages"): "false (slime); not applicable otherwise",
-    ("reinforce_plus_plus", "normalize_advantages"): "true (slime); not applicable otherwise",
+    ("grpo", "normalize_advantages"): "false (slime); false (roll); not applicable otherwise",
+    ("reinforce_plus_plus", "normalize_advantages"): "true (slime); false (roll); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "rewards_normalization"): "true (slime); not applicable otherwise",
     ("reinforce_plus_plus_baseline", "normalize_advantages"): "true (slime); not applicable otherwise",
-    ("gae", "normalize_advantages"): "true (nemo_rl, verl, skyrl, openrlhf); false (slime: --normalize-advantages is off by default)",
-    ("reinforce_plus_plus", "reference_policy_kl_type"): "k3 (nemo_rl, verl, openrlhf, skyrl); k1 (slime)",
-    ("reinforce_plus_plus", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, openrlhf, skyrl); none (slime)",
-    ("reinforce_plus_plus", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, openrlhf, skyrl); none (slime)",
+    ("gae", "normalize_advantages"): "true (nemo_rl, verl, skyrl, openrlhf); false (slime: --normalize-advantages is off by default; roll: ROLL's whiten_advantages)",
+    ("reinforce_plus_plus", "reference_policy_kl_type"): "k3 (nemo_rl, verl, openrlhf, skyrl); k1 (slime, roll)",
+    ("reinforce_plus_plus", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, openrlhf, skyrl); none (slime, roll)",
+    ("reinforce_plus_plus", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, openrlhf, skyrl); none (slime, roll)",
     ("reinforce_plus_plus_baseline", "reference_policy_kl_type"): "k3 (verl, openrlhf); k1 (slime)",
     ("reinforce_plus_plus_baseline", "kl_input_clamp_value"): "20.0 (verl, openrlhf); none (slime)",
     ("reinforce_plus_plus_baseline", "kl_output_clamp_value"): "10.0 (verl, openrlhf); none (slime)",
-    ("gae", "reference_policy_kl_type"): "k3 (nemo_rl, verl, skyrl, openrlhf); k1 (slime)",
-    ("gae", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, skyrl, openrlhf); none (slime)",
-    ("gae", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, skyrl, openrlhf); none (slime)",
+    ("gae", "reference_policy_kl_type"): "k3 (nemo_rl, verl, skyrl, openrlhf); k1 (slime, roll)",
+    ("gae", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, skyrl, openrlhf); none (slime, roll)",
+    ("gae", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, skyrl, openrlhf); none (slime, roll)",
+    # ROLL's RLVR step (issue #38): its PPOConfig defaults (roll/configs/base_config.py)
+    **{(est, "reward_clip"): "unset (roll); not applicable otherwise"
+       for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, "advantage_clip"): "unset (roll); not applicable otherwise"
+       for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, "whiten_rewards"): "false (roll); not applicable otherwise" for est in ("grpo", "reinforce_plus_plus", "gae")},
+    **{(est, f): "none (roll); not applicable otherwise"
+       for est in ("reinforce_plus_plus", "gae") for f in ("norm_mean_type", "norm_std_type")},
+    ("grpo", "gamma"): "1.0 (roll); not applicable otherwise",
+    ("grpo", "reference_policy_kl_type"): "k3 (nemo_rl, verl, openrlhf, trl, skyrl, slime); k1 (roll)",
+    ("grpo", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, openrlhf, trl, skyrl, slime); none (roll)",
+    ("grpo", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, openrlhf, trl, skyrl, slime); none (roll)",
 }
 
 
@@ -499,9 +521,9 @@ def test_every_default_listed():
 
 # ------------------------------------------------------------------ returns / metrics contract
 ALWAYS_RETURNS = {"gae", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "areal"}
-RETURNS_WHEN = {"grpo": "semantics = openrlhf or semantics = slime",
+RETURNS_WHEN = {"grpo": "semantics = openrlhf or semantics = slime or semantics = roll",
                 "reinforce_plus_plus": "semantics = verl or semantics = openrlhf or semantics = skyrl or "
-                                       "semantics = slime",
+                                       "semantics = slime or semantics = roll",
                 "reinforce_plus_plus_baseline": "semantics = openrlhf or semantics = slime",
                 "rloo": "semantics = openrlhf"}
 

@@ -20,7 +20,8 @@ class Reference:
                project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL, slime).
     package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
                produced at ``release``, ``tests/golden/nemo-rl``; verl-agent and ROLL: golden cases
-               in ``tests/golden_gigpo``; slime: golden cases in ``tests/golden_slime``, made by its generator).
+               in ``tests/golden_gigpo`` and, for its RLVR step, ``tests/golden_roll``; slime: golden cases in
+               ``tests/golden_slime``, made by its generator).
     code:      where the reproduced estimators live in that release.
     """
 
@@ -52,6 +53,7 @@ REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
     Reference("verl_agent", "verl-agent", "main@29e3e8b3e3412aff53b1e4a461dac77a8eec19bd", None,
               "gigpo/core_gigpo.py"),
     Reference("trinity", "Trinity-RFT", "0.6.0", "trinity-rft", "trinity/algorithm/advantage_fn/gigpo_advantage.py"),
+    # gigpo: roll/pipeline/agentic/utils.py; the RLVR step (grpo, reinforce_plus_plus, gae): roll/utils/functionals.py
     Reference("roll", "ROLL", "main@8eb27cc2dc34c4d1310b169d9b86d339004d811a", None, "roll/pipeline/agentic/utils.py"),
     Reference("skyrl", "SkyRL", "0.4.0", "skyrl", "skyrl/backends/skyrl_train/utils/ppo_utils.py"),
     Reference("areal", "AReaL", "1.0.4", "areal", "areal/trainer/ppo/actor.py"),

@@ -66,6 +66,15 @@ default, as in slime) A whitened over the mask = 1 tokens of the batch
 slime's ``--lambd`` (default 1.0), ``gae_gamma`` its ``--gamma``. ``bootstrap_values`` (slime has none: 0) is V
 after the row's last position: gamma times it joins the reward there, which is the same TD error.
 
+``roll`` reproduces ROLL's RLVR ``gae`` (alibaba/ROLL main@8eb27cc2, ``roll/utils/functionals.py``): the step of
+:mod:`~advantage_server.estimators.roll` (``norm_mean_type`` / ``norm_std_type``, ``reward_clip``, the reward on the
+last attended token, KL, ``whiten_rewards``) gives the masked token rewards r; then SkyRL's recursion above over
+every column with the values NOT masked (ROLL masks the copy it stores, not the one its recursion reads), V = 0 after
+the last column, returns = A + V (not masked); advantages = A whitened with ``normalize_advantages`` (ROLL's
+``whiten_advantages``, default false; none with one valid token or fewer, as ROLL), times the mask, clamped to
++-``advantage_clip``. ``gae_lambda`` is ROLL's ``lambd`` (default 0.95), ``gae_gamma`` its ``gamma``.
+``bootstrap_values`` (ROLL has none: 0) is V after the last column, as under skyrl.
+
 Kernel, CPU (numba, :mod:`~advantage_server.estimators.jit`): one backward pass per row over memory
 (:func:`_gae_rows`, float64 accumulation), rows split over the cores with the GIL released; the
 estimator fuses both lambdas, the returns and per-row moments into that pass and whitens in a second
@@ -78,13 +87,13 @@ Reference: NeMo RL ``GeneralizedAdvantageEstimator`` (nemo_rl); verl ``compute_g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from advantage_server.estimators import jit
-from advantage_server.estimators.inputs import MASK
+from advantage_server.estimators import jit, roll
+from advantage_server.estimators.inputs import MASK, PROMPT_IDS
 from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, apply_kl, kl_clamp_field, kl_type_field
 from advantage_server.estimators.rewards import OpenRLHFRewardConfig, last_valid_index, no_std_norm_field, place_rewards
 from advantage_server.estimators.whitening import masked_moments, whiten_openrlhf, whiten_slime, whiten_unbiased
@@ -97,23 +106,26 @@ _NEMO_ONLY = "nemo_rl only"
 
 
 @dataclass(frozen=True)
-class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
+class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     gae_lambda: float | None = field(default=None, metadata={
         "doc": "GAE lambda.", "range": (0.0, 1.0),
-        "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0, "openrlhf": 1.0, "slime": 1.0},
-        "default_text": "0.95 (nemo_rl); 1.0 (verl, skyrl, openrlhf, slime)"})
+        "per_semantics": {"nemo_rl": 0.95, "verl": 1.0, "skyrl": 1.0, "openrlhf": 1.0, "slime": 1.0, "roll": 0.95},
+        "default_text": "0.95 (nemo_rl, roll); 1.0 (verl, skyrl, openrlhf, slime)"})
     gae_gamma: float = field(default=1.0, metadata={"doc": "Discount factor gamma.", "range": (0.0, 1.0)})
     normalize_advantages: bool | None = field(default=None, metadata={
         "doc": "Whiten the advantages over the valid tokens.",
-        "per_semantics": {"nemo_rl": True, "verl": True, "skyrl": True, "openrlhf": True, "slime": False},
+        "per_semantics": {"nemo_rl": True, "verl": True, "skyrl": True, "openrlhf": True, "slime": False,
+                          "roll": False},
         "default_text": "true (nemo_rl, verl, skyrl, openrlhf); false (slime: --normalize-advantages is off by "
-                        "default)"})
+                        "default; roll: ROLL's whiten_advantages)"})
     # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10), slime's compute_approx_kl under slime
-    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "skyrl", "openrlhf"), ("slime",))
+    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "skyrl", "openrlhf"), ("slime", "roll"))
     kl_input_clamp_value: float | None = kl_clamp_field("input", 20.0, ("nemo_rl", "verl", "skyrl", "openrlhf"),
-                                                        ("slime",))
+                                                        ("slime", "roll"))
     kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("nemo_rl", "verl", "skyrl", "openrlhf"),
-                                                         ("slime",))
+                                                         ("slime", "roll"))
+    norm_mean_type: str | None = roll.norm_field("mean")
+    norm_std_type: str | None = roll.norm_field("std")
     gae_lambda_value: float | None = field(default=None, metadata={
         "doc": f"Lambda for the returns (VAPO); unset = gae_lambda. {_NEMO_ONLY}.", "range": (0.0, 1.0),
         "per_semantics": {"nemo_rl": None}, "default_text": "unset"})
@@ -124,12 +136,13 @@ class GAEConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": f"Per-row lambda_policy = 1 - 1/max(alpha*len, 1); 0 = off. {_NEMO_ONLY}.", "range": (0.0, None),
         "per_semantics": {"nemo_rl": 0.0}, "default_text": "0.0 (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "skyrl", "openrlhf", "slime"),
+        ("nemo_rl", "verl", "skyrl", "openrlhf", "slime", "roll"),
         "Reference reproduced: nemo_rl (NeMo RL GeneralizedAdvantageEstimator: advantages 0 where mask = 0), "
         "verl (compute_gae_advantage_return: masked positions whitened, not zeroed), skyrl "
         "(compute_gae_advantage_return: the recursion ignores the mask; masked positions whitened, not zeroed) or "
         "openrlhf (gae: values and rewards times the mask, skyrl's recursion, the batch whitening with the "
-        "biased variance) or slime (ppo: the reward on the row's last position, unmasked KL, skyrl's recursion).")
+        "biased variance) or slime (ppo: the reward on the row's last position, unmasked KL, skyrl's recursion) or "
+        "roll (RLVR gae: reward_postprocess, compute_token_reward, compute_advantage; unmasked values).")
     no_std_norm: bool | None = no_std_norm_field()
 
 
@@ -499,6 +512,18 @@ def slime_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
     return AdvantageResult(adv.to(values.dtype), returns=returns.to(values.dtype))
 
 
+def roll_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
+    """``semantics = roll`` (module docstring): ROLL's RLVR gae. Inputs as :func:`gae`, plus prompt_ids [B] for a
+    group normalisation and the optional attention_mask [B, T]. Returns advantages and returns ``[B, T]`` in the
+    values' dtype. ``bootstrap_values`` [B], when sent, is V after the last column (ROLL has none: 0)."""
+    tokens, n = roll.token_rewards(cfg, batch, cfg.norm_mean_type, cfg.norm_std_type)
+    values = batch["values"]
+    returns, adv = unmasked_gae(tokens, values.to(torch.float64), cfg.gae_gamma, cfg.gae_lambda,
+                                batch.get("bootstrap_values"))
+    return AdvantageResult(roll.finish(adv, batch["mask"], n, cfg).to(values.dtype),
+                           returns=returns.to(values.dtype))
+
+
 def openrlhf_gae(cfg: "GAEConfig", batch: Batch) -> AdvantageResult:
     """``semantics = openrlhf`` (OpenRLHF 0.11.2 ``gae``: ``compute_reward``, ``get_advantages_and_returns`` and the
     batch whitening of ``compute_advantages_and_returns``). A [B] reward (a [B, T] one elementwise) is clamped to
@@ -550,6 +575,10 @@ def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
                   "Value of the state after each row's last step, for rows cut before their episode ended "
                   "(time limit, end of rollout); 0 = the episode terminated.", required=False),
         *KL_INPUTS,
+        replace(PROMPT_IDS, required=False, required_when=(roll.needs_groups,
+                "semantics = roll and norm_mean_type = group or semantics = roll and norm_std_type = group"),
+                fix=PROMPT_IDS.fix + " (roll's group normalisation), or use a batch norm_mean_type / norm_std_type"),
+        roll.ATTENTION_MASK,
     ],
     reference="arXiv:1506.02438; VAPO arXiv:2504.05118; NeMo RL GeneralizedAdvantageEstimator; "
               "verl compute_gae_advantage_return; SkyRL compute_gae_advantage_return; OpenRLHF gae",
@@ -568,6 +597,8 @@ def gae(cfg: GAEConfig, batch: Batch) -> AdvantageResult:
         return openrlhf_gae(cfg, batch)
     if cfg.semantics == "slime":
         return slime_gae(cfg, batch)
+    if cfg.semantics == "roll":
+        return roll_gae(cfg, batch)
     mask, values = batch["mask"], batch["values"]
     bootstrap = batch.get("bootstrap_values")
     raw = batch["rewards"]

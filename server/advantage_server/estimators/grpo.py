@@ -48,6 +48,16 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     std of one value). A tied group gets exactly 0, where slime's float32 mean can miss a non-dyadic tied value by
     an ulp and divides that by (a tiny std + 1e-6): e.g. +0.0596 for seven rewards of 0.7 (as verl's above).
     Returns: a (every position).
+``semantics = roll`` (ROLL's ``adv_estimator = grpo`` in its RLVR pipeline, alibaba/ROLL main@8eb27cc2,
+    ``roll/utils/functionals.py``; the step is :mod:`~advantage_server.estimators.roll`'s): ROLL forces
+    ``norm_mean_type = norm_std_type = group``, so a_i = (r_i - mean_g) / (std_g + 1e-6) (sample std; ``epsilon`` does
+    not apply), clamped to +-``reward_clip``, placed on the row's last attended token (``attention_mask``), minus
+    penalty * KL_t on the mask = 1 tokens with ``use_kl_in_reward`` (ROLL's ``add_token_level_kl``, its KL
+    controller's value as the penalty), clamped again, times the mask; returns G_t = sum_{k >= t} gamma^(k - t) r_k
+    over every column (``gamma``, default 1); advantages = G whitened with ``normalize_advantages`` (ROLL's
+    ``whiten_advantages``), times the mask, clamped to +-``advantage_clip``. [B, T] rewards are ROLL's
+    ``token_level_rewards`` (the step from ``compute_advantage`` on). ``normalize_rewards = false`` is rejected (ROLL
+    always divides). Returns: G.
 ``semantics = skyrl`` (SkyRL 0.4.0 ``compute_grpo_outcome_advantage``; ``normalize_rewards`` is SkyRL's
     ``grpo_norm_by_std``) is verl's code ported unchanged, so it computes verl's numbers above: a [B, T]
     reward summed over all T, a group of one with mean 0 and std 1 (A = r / (1 + eps), 1 + eps in float32),
@@ -73,7 +83,10 @@ from advantage_server.estimators.groups import (
     verl_group_stats, verl_std_plus_eps, zero_rows,
 )
 from advantage_server.estimators.inputs import MASK, OUTCOME_REWARDS, PROMPT_IDS
-from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig
+from advantage_server.errors import InvalidInput
+from advantage_server.estimators import roll
+from advantage_server.estimators.gae import discounted_reverse_cumsum
+from advantage_server.estimators.kl import KL_INPUTS, KLInRewardConfig, kl_clamp_field, kl_type_field
 from advantage_server.estimators.rewards import (
     OpenRLHFRewardConfig, openrlhf_outcome, outcome_scores, sum_over_mask_field,
 )
@@ -87,7 +100,7 @@ _EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl
 
 
 @dataclass(frozen=True)
-class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
+class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     normalize_rewards: bool = field(default=True, metadata={
         "doc": "Divide by the group std + epsilon (nemo_rl: groups with std 0 stay unscaled). verl's "
                "norm_adv_by_std_in_grpo; false = Dr. GRPO (OpenRLHF dr_grpo)."})
@@ -95,10 +108,11 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
         "doc": "Baseline and std over the other samples of the prompt (RLOO). nemo_rl only.",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime"),
+        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime", "roll"),
         "Reference reproduced: nemo_rl (NeMo RL GRPOAdvantageEstimator), verl (compute_grpo_outcome_advantage), "
         "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer), skyrl (compute_grpo_outcome_advantage), slime "
-        "(grpo / gspo / cispo: _post_process_rewards and compute_advantages_and_returns).")
+        "(grpo / gspo / cispo: _post_process_rewards and compute_advantages_and_returns), roll (RLVR grpo: "
+        "reward_postprocess, compute_token_reward and compute_advantage).")
     epsilon: float | None = field(default=None, metadata={
         "doc": "Added to the std before dividing.", "range": (0.0, None),
         "per_semantics": dict(_EPSILON),
@@ -112,20 +126,31 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig):
     sum_rewards_over_mask: bool | None = sum_over_mask_field({"verl": False})
     use_kl_in_reward: bool | None = field(default=None, metadata={
         "doc": "Subtract penalty * KL(policy || reference) from every token's reward (OpenRLHF's compute_reward for "
-               "group_norm / dr_grpo). openrlhf only: NeMo RL, verl, TRL and SkyRL put GRPO's KL in the loss.",
-        "per_semantics": {"openrlhf": False}, "default_text": "false (openrlhf); not applicable otherwise"})
+               "group_norm / dr_grpo); roll: ROLL's add_token_level_kl (compute_token_reward). openrlhf and roll "
+               "only: NeMo RL, verl, TRL, SkyRL and slime put GRPO's KL in the loss.",
+        "per_semantics": {"openrlhf": False, "roll": False},
+        "default_text": "false (openrlhf, roll); not applicable otherwise"})
+    # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10); ROLL's compute_approx_kl (kl = k1, no clamps)
+    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime"),
+                                                         ("roll",))
+    kl_input_clamp_value: float | None = kl_clamp_field(
+        "input", 20.0, ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime"), ("roll",))
+    kl_output_clamp_value: float | None = kl_clamp_field(
+        "output", 10.0, ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime"), ("roll",))
     rewards_normalization: bool | None = slime_group_norm_field(divides=True)
-    normalize_advantages: bool | None = slime_whiten_field(default=False)
+    normalize_advantages: bool | None = slime_whiten_field(default=False, roll=True)
+    gamma: float | None = roll.gamma_field()
 
 
 @register("grpo", config=GRPOConfig,
           inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK,
                   InputSpec("std_rewards", ("[B]",), "float",
                             "DAPO: per-sample values the std is computed on instead of the rewards.",
-                            required=False), *KL_INPUTS],
+                            required=False), *KL_INPUTS, roll.ATTENTION_MASK],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
                     "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
-          produces_returns=(lambda cfg: cfg.semantics in ("openrlhf", "slime"), "semantics = openrlhf or semantics = slime"),
+          produces_returns=(lambda cfg: cfg.semantics in ("openrlhf", "slime", "roll"),
+                            "semantics = openrlhf or semantics = slime or semantics = roll"),
           per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
                       ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID),
                       ("semantics = trl", BROADCAST), ("semantics = slime", BROADCAST)),
@@ -140,6 +165,8 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     Inputs: prompt_ids [B], rewards [B] or [B, T], mask [B, T], optional std_rewards [B].
     Returns advantages [B, T]; no returns, no metrics.
     """
+    if cfg.semantics == "roll":
+        return roll_grpo(cfg, batch)
     rewards, mask = batch["rewards"], batch["mask"]
     group, keep = groups_of(cfg, batch)  # exclude_empty_responses: empty rows each on their own
     std_rewards = batch.get("std_rewards")
@@ -194,3 +221,22 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     if cfg.normalize_rewards and cfg.scale_rewards != "none":  # 0 stays 0 with epsilon = 0 (TRL: 0 / 0)
         adv = torch.where(adv == 0, adv, adv / (std + cfg.epsilon))
     return AdvantageResult(broadcast_rows(zero_rows(adv, keep), batch.B, batch.T, dtype, batch))
+
+
+def roll_grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
+    """``semantics = roll`` (module docstring): ROLL's RLVR grpo, the group normalisation forced, then the discounted
+    returns of its token rewards (:mod:`~advantage_server.estimators.roll`).
+
+    Inputs: prompt_ids [B], rewards [B] (or ROLL's token_level_rewards [B, T]), mask [B, T] (ROLL's
+    final_response_mask), optional attention_mask [B, T], logprobs and reference_logprobs with use_kl_in_reward.
+    Returns advantages and returns [B, T] in the rewards' dtype. Raises InvalidInput on
+    ``config.normalize_rewards`` = false."""
+    if not cfg.normalize_rewards:
+        raise InvalidInput("config.normalize_rewards", "ROLL's grpo always divides by the group std (it forces "
+                                                       "norm_mean_type = norm_std_type = group); for the mean alone use "
+                                                       "reinforce_plus_plus with semantics = roll and norm_mean_type = group")
+    tokens, n = roll.token_rewards(cfg, batch, "group", "group")
+    g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=tokens.device)
+    returns = discounted_reverse_cumsum(tokens, g)
+    dtype = batch["rewards"].dtype
+    return AdvantageResult(roll.finish(returns, batch["mask"], n, cfg).to(dtype), returns=returns.to(dtype))

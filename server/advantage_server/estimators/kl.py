@@ -39,9 +39,11 @@ class KLInRewardConfig(EstimatorConfig):
     def validate(self) -> None:
         super().validate()
         # None: a config whose default depends on its semantics (rloo: k1 under trl), filled in after validate
-        if self.reference_policy_kl_type is not None and self.reference_policy_kl_type not in ("k1", "k2", "k3"):
+        kinds = ("k1", "k2", "k3", "abs") if getattr(self, "semantics", None) == "roll" else ("k1", "k2", "k3")
+        if self.reference_policy_kl_type is not None and self.reference_policy_kl_type not in kinds:
+            extra = " (abs: semantics = roll only, ROLL's kl_penalty = abs)" if self.reference_policy_kl_type == "abs" else ""
             raise InvalidInput("config.reference_policy_kl_type",
-                               f"{self.reference_policy_kl_type!r} is not a KL estimator; use k1, k2 or k3")
+                               f"{self.reference_policy_kl_type!r} is not a KL estimator; use {', '.join(kinds)}{extra}")
 
 
 def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type: str,
@@ -49,7 +51,7 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type
     """Per-token KL estimate, float64 ``[B, T]`` (Schulman 2020, http://joschu.net/blog/kl-approx.html).
 
     With r = clamp(reference_logprobs - logprobs, +-input_clamp):
-    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; the estimate is clamped to +-output_clamp (a clamp of None:
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r, abs = |r| (ROLL's ``kl_penalty = abs``); the estimate is clamped to +-output_clamp (a clamp of None:
     none). Computed in
     float64 whatever the log-probs' dtype: the log ratio of two close float32 log-probs and k3's
     ``expm1(r) - r`` cancel, so the references' float32 arithmetic loses digits the float64 answer keeps
@@ -62,6 +64,8 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, kl_type
         kl = -r
     elif kl_type == "k2":
         kl = 0.5 * r * r
+    elif kl_type == "abs":
+        kl = r.abs()
     else:  # k3, validated by the config
         kl = torch.expm1(r) - r
     return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
@@ -94,11 +98,15 @@ def kl_total(cfg, batch, mask: torch.Tensor) -> torch.Tensor | float:
 
 def kl_type_field(k3: tuple[str, ...], k1: tuple[str, ...] = ()) -> Any:
     """``reference_policy_kl_type`` for a config whose default depends on its semantics: k3 (NeMo RL's default)
-    under ``k3``, k1 under ``k1`` (slime's ``--kl-loss-type`` default; TRL's RLOO)."""
+    under ``k3``, k1 under ``k1`` (slime's ``--kl-loss-type`` default, ROLL's ``kl_penalty = kl``; TRL's RLOO).
+    With ``roll`` among them, ``abs`` is offered too (ROLL's ``kl_penalty = abs``; roll only, checked by
+    :meth:`KLInRewardConfig.validate`)."""
     per = {**{s: "k3" for s in k3}, **{s: "k1" for s in k1}}
     text = "; ".join(f"{v} ({', '.join(s for s in per if per[s] == v)})" for v in dict.fromkeys(per.values()))
+    roll = "roll" in per
     return field(default=None, metadata={
-        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020).", "enum": "KLType", "choices": ("k1", "k2", "k3"),
+        "doc": "KL estimator: k1, k2 or k3 (Schulman 2020)" + ("; abs = |log ratio| (roll only)." if roll else "."),
+        "enum": "KLType", "choices": ("k1", "k2", "k3", "abs") if roll else ("k1", "k2", "k3"),
         "per_semantics": per, "default_text": text})
 
 

@@ -47,7 +47,13 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
                :func:`~advantage_server.estimators.whitening.whiten_slime`).
     KL: slime's ``compute_approx_kl``: k1 by default, no clamps (its ``low_var_kl`` is k3 with
     ``kl_output_clamp_value = 10``). No reward clamp.
-``gamma`` (verl, openrlhf, skyrl, slime) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
+``semantics = roll`` (ROLL's ``adv_estimator = reinforce`` and ``step_reinforce``, which its RLVR
+    ``compute_advantage`` treats alike; alibaba/ROLL main@8eb27cc2, ``roll/utils/functionals.py``): the step of
+    :mod:`~advantage_server.estimators.roll` with ``norm_mean_type`` / ``norm_std_type`` (unset: none, ROLL's
+    default), returns G_t = sum_{k >= t} gamma^(k - t) r_k of the masked token rewards over every column, advantages
+    = G whitened with ``normalize_advantages`` (ROLL's ``whiten_advantages``, default false), times the mask,
+    clamped to +-``advantage_clip``. KL: ROLL's ``kl_penalty`` (k1 by default, no clamps; abs offered). Returns: G.
+``gamma`` (verl, openrlhf, skyrl, slime, roll) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
 nemo_rl only.
 
 Kernel: nemo_rl without KL on the CPU whitens the per-row values with per-row valid counts (no [B, T]
@@ -66,7 +72,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from advantage_server.estimators import jit
+from advantage_server.estimators import jit, roll
 from advantage_server.estimators.groups import (
     broadcast_rows, exclude_empty_field, exclude_rows, group_relative, nonempty_rows, zero_rows,
 )
@@ -82,27 +88,30 @@ from advantage_server.estimators.registry import AdvantageResult, Batch, InputSp
 
 
 @dataclass(frozen=True)
-class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig):
+class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     minus_baseline: bool | None = field(default=None, metadata={
         "doc": "Subtract the per-prompt mean reward. nemo_rl only (use reinforce_plus_plus_baseline otherwise).",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "skyrl", "slime"),
+        ("nemo_rl", "verl", "openrlhf", "skyrl", "slime", "roll"),
         "Reference reproduced: nemo_rl (NeMo RL ReinforcePlusPlusAdvantageEstimator), verl "
         "(compute_reinforce_plus_plus_outcome_advantage), openrlhf (reinforce), skyrl "
         "(compute_reinforce_plus_plus_outcome_advantage, verl 0.8's reset at holes), slime "
-        "(reinforce_plus_plus: get_reinforce_plus_plus_returns).")
+        "(reinforce_plus_plus: get_reinforce_plus_plus_returns), roll (RLVR reinforce / step_reinforce: "
+        "reward_postprocess, compute_token_reward and compute_advantage).")
     gamma: float | None = field(default=None, metadata={
         "doc": "Discount of the returns.", "range": (0.0, 1.0),
-        "per_semantics": {"verl": 1.0, "openrlhf": 1.0, "skyrl": 1.0, "slime": 1.0},
-        "default_text": "1.0 (verl, openrlhf, skyrl, slime); not applicable to nemo_rl"})
+        "per_semantics": {"verl": 1.0, "openrlhf": 1.0, "skyrl": 1.0, "slime": 1.0, "roll": 1.0},
+        "default_text": "1.0 (verl, openrlhf, skyrl, slime, roll); not applicable to nemo_rl"})
+    norm_mean_type: str | None = roll.norm_field("mean")
+    norm_std_type: str | None = roll.norm_field("std")
     # KL in the reward: NeMo RL's defaults (k3, clamps 20 and 10), slime's compute_approx_kl under slime
-    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "openrlhf", "skyrl"), ("slime",))
+    reference_policy_kl_type: str | None = kl_type_field(("nemo_rl", "verl", "openrlhf", "skyrl"), ("slime", "roll"))
     kl_input_clamp_value: float | None = kl_clamp_field("input", 20.0, ("nemo_rl", "verl", "openrlhf", "skyrl"),
-                                                        ("slime",))
+                                                        ("slime", "roll"))
     kl_output_clamp_value: float | None = kl_clamp_field("output", 10.0, ("nemo_rl", "verl", "openrlhf", "skyrl"),
-                                                         ("slime",))
-    normalize_advantages: bool | None = slime_whiten_field(default=True)
+                                                         ("slime", "roll"))
+    normalize_advantages: bool | None = slime_whiten_field(default=True, roll=True)
     reset_returns_at_holes: bool | None = field(default=None, metadata={
         "doc": "verl 0.8 and earlier: a mask = 0 position inside the response resets the running return, and the "
                "returns there are not zeroed. verl 0.9.1 (the default) carries the return across mask = 0 spans.",
@@ -114,8 +123,10 @@ class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig):
 
 
 _PROMPT_IDS = replace(PROMPT_IDS, required=False,
-                      required_when=(lambda cfg: bool(cfg.minus_baseline), "semantics = nemo_rl and minus_baseline = true"),
-                      fix=PROMPT_IDS.fix + ", or set minus_baseline = false")
+                      required_when=(lambda cfg: bool(cfg.minus_baseline) or roll.needs_groups(cfg),
+                                     "semantics = nemo_rl and minus_baseline = true or semantics = roll and "
+                                     "norm_mean_type = group or semantics = roll and norm_std_type = group"),
+                      fix=PROMPT_IDS.fix + ", or set minus_baseline = false (roll: no group normalisation)")
 _REWARDS = InputSpec(
     "rewards", ("[B]", "[B, T]"), "float",
     "Reward of each sample [B], or token-level rewards [B, T]. nemo_rl sums [B, T] over T; verl and openrlhf "
@@ -189,11 +200,12 @@ def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
 
 
 @register("reinforce_plus_plus", config=ReinforcePlusPlusConfig,
-          inputs=[_PROMPT_IDS, _REWARDS, MASK, *KL_INPUTS],
+          inputs=[_PROMPT_IDS, _REWARDS, MASK, *KL_INPUTS, roll.ATTENTION_MASK],
           reference="arXiv:2501.03262; NeMo RL ReinforcePlusPlusAdvantageEstimator; verl "
                     "compute_reinforce_plus_plus_outcome_advantage; OpenRLHF reinforce",
-          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf", "skyrl", "slime"),
-                            "semantics = verl or semantics = openrlhf or semantics = skyrl or semantics = slime"),
+          produces_returns=(lambda cfg: cfg.semantics in ("verl", "openrlhf", "skyrl", "slime", "roll"),
+                            "semantics = verl or semantics = openrlhf or semantics = skyrl or semantics = slime or "
+                            "semantics = roll"),
           # whitening keeps a row-constant matrix row-constant; the KL penalty is per token
           per_sample=(("semantics = nemo_rl and use_kl_in_reward = false", BROADCAST),))
 def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> AdvantageResult:
@@ -222,6 +234,11 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
         a = a.to(dtype)
         adv = apply_kl(a[:, None].expand(batch.B, batch.T), cfg, batch)
         return AdvantageResult(zero_rows(whiten_clamped(adv, mask), keep))
+    if cfg.semantics == "roll":  # ROLL's RLVR step (module docstring), discounted returns of its token rewards
+        tokens, n = roll.token_rewards(cfg, batch, cfg.norm_mean_type, cfg.norm_std_type)
+        returns = discounted_reverse_cumsum(tokens, torch.full((batch.B,), cfg.gamma, dtype=torch.float64,
+                                                               device=tokens.device))
+        return AdvantageResult(roll.finish(returns, mask, n, cfg).to(dtype), returns=returns.to(dtype))
     if cfg.semantics == "openrlhf":
         rewards = cfg.clip(rewards)  # --reward.clip_range
     tokens = apply_kl(place_rewards(rewards, mask).to(torch.float64), cfg, batch, mask=mask)

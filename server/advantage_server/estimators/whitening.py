@@ -120,12 +120,17 @@ def _whiten_const_rows(a, counts, out):  # pragma: no cover - compiled; tested t
         out[b] = (a[b] - mean) * scale
 
 
-def slime_whiten_field(default: bool) -> Any:
-    """``normalize_advantages`` under slime only: its ``--normalize-advantages`` (:func:`whiten_slime`). ``default``:
+def slime_whiten_field(default: bool, roll: bool = False) -> Any:
+    """``normalize_advantages`` under slime: its ``--normalize-advantages`` (:func:`whiten_slime`). ``default``:
     true where slime requires the flag for the estimator (reinforce_plus_plus, reinforce_plus_plus_baseline), false
-    where it is slime's off-by-default option (grpo)."""
+    where it is slime's off-by-default option (grpo). ``roll``: also under roll, ROLL's ``whiten_advantages``
+    (default false; :func:`whiten_unbiased`, see :mod:`~advantage_server.estimators.roll`)."""
     required = " (which slime requires for this estimator)" if default else ""
+    per = {"slime": default, **({"roll": False} if roll else {})}
+    also = "; roll: ROLL's whiten_advantages (masked_whiten, unbiased)" if roll else ""
     return field(default=None, metadata={
         "doc": f"slime --normalize-advantages{required}: whiten the advantages over the mask = 1 tokens of the batch "
-               "(distributed_masked_whiten on one process; the returns stay unwhitened). slime only.",
-        "per_semantics": {"slime": default}, "default_text": f"{str(default).lower()} (slime); not applicable otherwise"})
+               f"(distributed_masked_whiten on one process; the returns stay unwhitened){also}. "
+               f"{'slime and roll' if roll else 'slime'} only.",
+        "per_semantics": per,
+        "default_text": f"{str(default).lower()} (slime){'; false (roll)' if roll else ''}; not applicable otherwise"})

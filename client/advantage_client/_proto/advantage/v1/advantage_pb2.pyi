@@ -125,6 +125,8 @@ class _KLTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KLType.ValueTy
     KL_TYPE_K1: _KLType.ValueType  # 1
     KL_TYPE_K2: _KLType.ValueType  # 2
     KL_TYPE_K3: _KLType.ValueType  # 3
+    KL_TYPE_ABS: _KLType.ValueType  # 4
+    """|log ratio| (ROLL's kl_penalty = abs); semantics = roll only"""
 
 class KLType(_KLType, metaclass=_KLTypeEnumTypeWrapper):
     """KL estimator used when a KL penalty is folded into the token rewards.
@@ -140,6 +142,8 @@ KL_TYPE_UNSPECIFIED: KLType.ValueType  # 0
 KL_TYPE_K1: KLType.ValueType  # 1
 KL_TYPE_K2: KLType.ValueType  # 2
 KL_TYPE_K3: KLType.ValueType  # 3
+KL_TYPE_ABS: KLType.ValueType  # 4
+"""|log ratio| (ROLL's kl_penalty = abs); semantics = roll only"""
 Global___KLType: _TypeAlias = KLType  # noqa: Y015
 
 class _Semantics:
@@ -170,7 +174,9 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     SEMANTICS_ROLL: _Semantics.ValueType  # 7
     """alibaba ROLL (no PyPI release)
     main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
-    roll/pipeline/agentic/utils.py
+    roll/pipeline/agentic/utils.py (gigpo), roll/utils/functionals.py (the
+    RLVR step: reward_postprocess, compute_token_reward, compute_advantage;
+    grpo, reinforce_plus_plus for reinforce / step_reinforce, gae)
     """
     SEMANTICS_SKYRL: _Semantics.ValueType  # 8
     """NovaSky SkyRL 0.4.0 (PyPI),
@@ -221,7 +227,9 @@ trinity/algorithm/advantage_fn/gigpo_advantage.py
 SEMANTICS_ROLL: Semantics.ValueType  # 7
 """alibaba ROLL (no PyPI release)
 main@8eb27cc2dc34c4d1310b169d9b86d339004d811a,
-roll/pipeline/agentic/utils.py
+roll/pipeline/agentic/utils.py (gigpo), roll/utils/functionals.py (the
+RLVR step: reward_postprocess, compute_token_reward, compute_advantage;
+grpo, reinforce_plus_plus for reinforce / step_reinforce, gae)
 """
 SEMANTICS_SKYRL: Semantics.ValueType  # 8
 """NovaSky SkyRL 0.4.0 (PyPI),
@@ -239,6 +247,37 @@ slime/backends/megatron_utils/loss.py (compute_advantages_and_returns),
 slime/ray/rollout.py (_post_process_rewards), slime/utils/ppo_utils.py
 """
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
+
+class _RollRewardNorm:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RollRewardNormEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RollRewardNorm.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLL_REWARD_NORM_UNSPECIFIED: _RollRewardNorm.ValueType  # 0
+    """none"""
+    ROLL_REWARD_NORM_BATCH: _RollRewardNorm.ValueType  # 1
+    """over the whole batch"""
+    ROLL_REWARD_NORM_GROUP: _RollRewardNorm.ValueType  # 2
+    """over each prompt group (prompt_ids)"""
+    ROLL_REWARD_NORM_NONE: _RollRewardNorm.ValueType  # 3
+    """ROLL's None: no mean subtracted / no division"""
+
+class RollRewardNorm(_RollRewardNorm, metaclass=_RollRewardNormEnumTypeWrapper):
+    """ROLL's norm_mean_type / norm_std_type (reward_norm in
+    roll/utils/functionals.py): the mean subtracted from, or the std (unbiased,
+    plus 1e-6) the [B] rewards are divided by. Unset: none (ROLL's None).
+    """
+
+ROLL_REWARD_NORM_UNSPECIFIED: RollRewardNorm.ValueType  # 0
+"""none"""
+ROLL_REWARD_NORM_BATCH: RollRewardNorm.ValueType  # 1
+"""over the whole batch"""
+ROLL_REWARD_NORM_GROUP: RollRewardNorm.ValueType  # 2
+"""over each prompt group (prompt_ids)"""
+ROLL_REWARD_NORM_NONE: RollRewardNorm.ValueType  # 3
+"""ROLL's None: no mean subtracted / no division"""
+Global___RollRewardNorm: _TypeAlias = RollRewardNorm  # noqa: Y015
 
 class _ScaleRewards:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -462,6 +501,10 @@ class GRPOConfig(_message.Message):
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     REWARDS_NORMALIZATION_FIELD_NUMBER: _builtins.int
     NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
+    GAMMA_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_FIELD_NUMBER: _builtins.int
+    ADVANTAGE_CLIP_FIELD_NUMBER: _builtins.int
+    WHITEN_REWARDS_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """Divide by the std + epsilon. Default true. nemo_rl: groups whose std is 0
     are left unscaled.
@@ -472,7 +515,7 @@ class GRPOConfig(_message.Message):
     nemo_rl; not applicable to the other semantics (INVALID_ARGUMENT if set).
     """
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf, trl, skyrl or slime"""
+    """nemo_rl (default), verl, openrlhf, trl, skyrl, slime or roll"""
     epsilon: _builtins.float
     """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl, slime), 1e-9
     (openrlhf), 1e-4 (trl). Must be >= 0.
@@ -519,6 +562,18 @@ class GRPOConfig(_message.Message):
     --disable-rewards-normalization), and --normalize-advantages (default false)
     """
     normalize_advantages: _builtins.bool
+    """also roll: whiten_advantages (default false)"""
+    gamma: _builtins.float
+    """roll only: ROLL's gamma, the discount of the returns (default 1.0)"""
+    reward_clip: _builtins.float
+    """roll only (INVALID_ARGUMENT otherwise), ROLL's pipeline config names:
+    reward_clip clamps the [B] rewards after their normalisation and the
+    token rewards after the KL to +-reward_clip (unset or 0: off);
+    advantage_clip clamps the advantages last (unset: off); whiten_rewards
+    whitens the token rewards over the mask (default false).
+    """
+    advantage_clip: _builtins.float
+    whiten_rewards: _builtins.bool
     def __init__(
         self,
         *,
@@ -538,15 +593,23 @@ class GRPOConfig(_message.Message):
         reward_clip_max: _builtins.float | None = ...,
         rewards_normalization: _builtins.bool | None = ...,
         normalize_advantages: _builtins.bool | None = ...,
+        gamma: _builtins.float | None = ...,
+        reward_clip: _builtins.float | None = ...,
+        advantage_clip: _builtins.float | None = ...,
+        whiten_rewards: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__advantage_clip: _TypeAlias = _typing.Literal["advantage_clip"]  # noqa: Y015
+    _WhichOneofArgType__advantage_clip: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip"]  # noqa: Y015
     _WhichOneofReturnType__epsilon: _TypeAlias = _typing.Literal["epsilon"]  # noqa: Y015
     _WhichOneofArgType__epsilon: _TypeAlias = _typing.Literal["_epsilon", b"_epsilon"]  # noqa: Y015
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
+    _WhichOneofReturnType__gamma: _TypeAlias = _typing.Literal["gamma"]  # noqa: Y015
+    _WhichOneofArgType__gamma: _TypeAlias = _typing.Literal["_gamma", b"_gamma"]  # noqa: Y015
     _WhichOneofReturnType__kl_input_clamp_value: _TypeAlias = _typing.Literal["kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
@@ -557,6 +620,8 @@ class GRPOConfig(_message.Message):
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip: _TypeAlias = _typing.Literal["reward_clip"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip: _TypeAlias = _typing.Literal["_reward_clip", b"_reward_clip"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
@@ -569,10 +634,16 @@ class GRPOConfig(_message.Message):
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
     _WhichOneofReturnType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["use_leave_one_out_baseline"]  # noqa: Y015
     _WhichOneofArgType__use_leave_one_out_baseline: _TypeAlias = _typing.Literal["_use_leave_one_out_baseline", b"_use_leave_one_out_baseline"]  # noqa: Y015
+    _WhichOneofReturnType__whiten_rewards: _TypeAlias = _typing.Literal["whiten_rewards"]  # noqa: Y015
+    _WhichOneofArgType__whiten_rewards: _TypeAlias = _typing.Literal["_whiten_rewards", b"_whiten_rewards"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__advantage_clip) -> _WhichOneofReturnType__advantage_clip | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epsilon) -> _WhichOneofReturnType__epsilon | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gamma) -> _WhichOneofReturnType__gamma | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_input_clamp_value) -> _WhichOneofReturnType__kl_input_clamp_value | None: ...
     @_typing.overload
@@ -583,6 +654,8 @@ class GRPOConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip) -> _WhichOneofReturnType__reward_clip | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
@@ -595,6 +668,8 @@ class GRPOConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_leave_one_out_baseline) -> _WhichOneofReturnType__use_leave_one_out_baseline | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__whiten_rewards) -> _WhichOneofReturnType__whiten_rewards | None: ...
 
 Global___GRPOConfig: _TypeAlias = GRPOConfig  # noqa: Y015
 
@@ -751,6 +826,11 @@ class ReinforcePlusPlusConfig(_message.Message):
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     NO_STD_NORM_FIELD_NUMBER: _builtins.int
     NORMALIZE_ADVANTAGES_FIELD_NUMBER: _builtins.int
+    NORM_MEAN_TYPE_FIELD_NUMBER: _builtins.int
+    NORM_STD_TYPE_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_FIELD_NUMBER: _builtins.int
+    ADVANTAGE_CLIP_FIELD_NUMBER: _builtins.int
+    WHITEN_REWARDS_FIELD_NUMBER: _builtins.int
     minus_baseline: _builtins.bool
     """Subtract the per-prompt mean reward. Default true for nemo_rl; not
     applicable to verl and openrlhf (use reinforce_plus_plus_baseline).
@@ -766,7 +846,7 @@ class ReinforcePlusPlusConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10 (|kl| cap); none under slime"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf, skyrl or slime"""
+    """nemo_rl (default), verl, openrlhf, skyrl, slime or roll"""
     gamma: _builtins.float
     """Discount of the returns, in [0, 1]. Default 1.0 for verl, openrlhf, slime and
     skyrl (SkyRL's algorithm.gamma);
@@ -798,7 +878,21 @@ class ReinforcePlusPlusConfig(_message.Message):
     the mask = 1 tokens and does not divide by the std. Default false.
     """
     normalize_advantages: _builtins.bool
-    """slime only: --normalize-advantages (default true: slime requires it here)"""
+    """slime only: --normalize-advantages (default true: slime requires it here);
+    roll: whiten_advantages (default false)
+    """
+    norm_mean_type: Global___RollRewardNorm.ValueType
+    """roll only: ROLL's norm_mean_type and norm_std_type (unset: none)"""
+    norm_std_type: Global___RollRewardNorm.ValueType
+    reward_clip: _builtins.float
+    """roll only (INVALID_ARGUMENT otherwise), ROLL's pipeline config names:
+    reward_clip clamps the [B] rewards after their normalisation and the
+    token rewards after the KL to +-reward_clip (unset or 0: off);
+    advantage_clip clamps the advantages last (unset: off); whiten_rewards
+    whitens the token rewards over the mask (default false).
+    """
+    advantage_clip: _builtins.float
+    whiten_rewards: _builtins.bool
     def __init__(
         self,
         *,
@@ -816,11 +910,18 @@ class ReinforcePlusPlusConfig(_message.Message):
         reward_clip_max: _builtins.float | None = ...,
         no_std_norm: _builtins.bool | None = ...,
         normalize_advantages: _builtins.bool | None = ...,
+        norm_mean_type: Global___RollRewardNorm.ValueType = ...,
+        norm_std_type: Global___RollRewardNorm.ValueType = ...,
+        reward_clip: _builtins.float | None = ...,
+        advantage_clip: _builtins.float | None = ...,
+        whiten_rewards: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "norm_mean_type", b"norm_mean_type", "norm_std_type", b"norm_std_type", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__advantage_clip: _TypeAlias = _typing.Literal["advantage_clip"]  # noqa: Y015
+    _WhichOneofArgType__advantage_clip: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip"]  # noqa: Y015
     _WhichOneofReturnType__exclude_empty_responses: _TypeAlias = _typing.Literal["exclude_empty_responses"]  # noqa: Y015
     _WhichOneofArgType__exclude_empty_responses: _TypeAlias = _typing.Literal["_exclude_empty_responses", b"_exclude_empty_responses"]  # noqa: Y015
     _WhichOneofReturnType__gamma: _TypeAlias = _typing.Literal["gamma"]  # noqa: Y015
@@ -839,12 +940,18 @@ class ReinforcePlusPlusConfig(_message.Message):
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reset_returns_at_holes: _TypeAlias = _typing.Literal["reset_returns_at_holes"]  # noqa: Y015
     _WhichOneofArgType__reset_returns_at_holes: _TypeAlias = _typing.Literal["_reset_returns_at_holes", b"_reset_returns_at_holes"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip: _TypeAlias = _typing.Literal["reward_clip"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip: _TypeAlias = _typing.Literal["_reward_clip", b"_reward_clip"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
+    _WhichOneofReturnType__whiten_rewards: _TypeAlias = _typing.Literal["whiten_rewards"]  # noqa: Y015
+    _WhichOneofArgType__whiten_rewards: _TypeAlias = _typing.Literal["_whiten_rewards", b"_whiten_rewards"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__advantage_clip) -> _WhichOneofReturnType__advantage_clip | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exclude_empty_responses) -> _WhichOneofReturnType__exclude_empty_responses | None: ...
     @_typing.overload
@@ -864,11 +971,15 @@ class ReinforcePlusPlusConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reset_returns_at_holes) -> _WhichOneofReturnType__reset_returns_at_holes | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip) -> _WhichOneofReturnType__reward_clip | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__whiten_rewards) -> _WhichOneofReturnType__whiten_rewards | None: ...
 
 Global___ReinforcePlusPlusConfig: _TypeAlias = ReinforcePlusPlusConfig  # noqa: Y015
 
@@ -963,6 +1074,11 @@ class GAEConfig(_message.Message):
     REWARD_CLIP_MIN_FIELD_NUMBER: _builtins.int
     REWARD_CLIP_MAX_FIELD_NUMBER: _builtins.int
     NO_STD_NORM_FIELD_NUMBER: _builtins.int
+    NORM_MEAN_TYPE_FIELD_NUMBER: _builtins.int
+    NORM_STD_TYPE_FIELD_NUMBER: _builtins.int
+    REWARD_CLIP_FIELD_NUMBER: _builtins.int
+    ADVANTAGE_CLIP_FIELD_NUMBER: _builtins.int
+    WHITEN_REWARDS_FIELD_NUMBER: _builtins.int
     gae_lambda: _builtins.float
     """Default 0.95 (nemo_rl), 1.0 (verl, its algorithm.lam default; skyrl,
     its algorithm.lambd default).
@@ -993,7 +1109,7 @@ class GAEConfig(_message.Message):
     kl_output_clamp_value: _builtins.float
     """default 10; none under slime"""
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, skyrl, openrlhf or slime"""
+    """nemo_rl (default), verl, skyrl, openrlhf, slime or roll"""
     reward_clip_min: _builtins.float
     """openrlhf only (INVALID_ARGUMENT otherwise): OpenRLHF's --reward.clip_range,
     the shaped reward clamped to [reward_clip_min, reward_clip_max] before it
@@ -1005,6 +1121,18 @@ class GAEConfig(_message.Message):
     --algo.advantage.no_std_norm: the batch whitening subtracts the mean over
     the mask = 1 tokens and does not divide by the std. Default false.
     """
+    norm_mean_type: Global___RollRewardNorm.ValueType
+    """roll only: ROLL's norm_mean_type and norm_std_type (unset: none)"""
+    norm_std_type: Global___RollRewardNorm.ValueType
+    reward_clip: _builtins.float
+    """roll only (INVALID_ARGUMENT otherwise), ROLL's pipeline config names:
+    reward_clip clamps the [B] rewards after their normalisation and the
+    token rewards after the KL to +-reward_clip (unset or 0: off);
+    advantage_clip clamps the advantages last (unset: off); whiten_rewards
+    whitens the token rewards over the mask (default false).
+    """
+    advantage_clip: _builtins.float
+    whiten_rewards: _builtins.bool
     def __init__(
         self,
         *,
@@ -1023,11 +1151,18 @@ class GAEConfig(_message.Message):
         reward_clip_min: _builtins.float | None = ...,
         reward_clip_max: _builtins.float | None = ...,
         no_std_norm: _builtins.bool | None = ...,
+        norm_mean_type: Global___RollRewardNorm.ValueType = ...,
+        norm_std_type: Global___RollRewardNorm.ValueType = ...,
+        reward_clip: _builtins.float | None = ...,
+        advantage_clip: _builtins.float | None = ...,
+        whiten_rewards: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_gae_gamma", b"_gae_gamma", "_gae_lambda", b"_gae_lambda", "_gae_lambda_policy", b"_gae_lambda_policy", "_gae_lambda_value", b"_gae_lambda_value", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_adaptive_alpha", b"_length_adaptive_alpha", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "gae_gamma", b"gae_gamma", "gae_lambda", b"gae_lambda", "gae_lambda_policy", b"gae_lambda_policy", "gae_lambda_value", b"gae_lambda_value", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_adaptive_alpha", b"length_adaptive_alpha", "no_std_norm", b"no_std_norm", "norm_mean_type", b"norm_mean_type", "norm_std_type", b"norm_std_type", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__advantage_clip: _TypeAlias = _typing.Literal["advantage_clip"]  # noqa: Y015
+    _WhichOneofArgType__advantage_clip: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip"]  # noqa: Y015
     _WhichOneofReturnType__gae_gamma: _TypeAlias = _typing.Literal["gae_gamma"]  # noqa: Y015
     _WhichOneofArgType__gae_gamma: _TypeAlias = _typing.Literal["_gae_gamma", b"_gae_gamma"]  # noqa: Y015
     _WhichOneofReturnType__gae_lambda: _TypeAlias = _typing.Literal["gae_lambda"]  # noqa: Y015
@@ -1048,12 +1183,18 @@ class GAEConfig(_message.Message):
     _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reward_clip: _TypeAlias = _typing.Literal["reward_clip"]  # noqa: Y015
+    _WhichOneofArgType__reward_clip: _TypeAlias = _typing.Literal["_reward_clip", b"_reward_clip"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_max: _TypeAlias = _typing.Literal["reward_clip_max"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
+    _WhichOneofReturnType__whiten_rewards: _TypeAlias = _typing.Literal["whiten_rewards"]  # noqa: Y015
+    _WhichOneofArgType__whiten_rewards: _TypeAlias = _typing.Literal["_whiten_rewards", b"_whiten_rewards"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__advantage_clip) -> _WhichOneofReturnType__advantage_clip | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gae_gamma) -> _WhichOneofReturnType__gae_gamma | None: ...
     @_typing.overload
@@ -1075,11 +1216,15 @@ class GAEConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip) -> _WhichOneofReturnType__reward_clip | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__whiten_rewards) -> _WhichOneofReturnType__whiten_rewards | None: ...
 
 Global___GAEConfig: _TypeAlias = GAEConfig  # noqa: Y015
 
