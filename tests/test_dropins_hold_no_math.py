@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 CLIENT = pathlib.Path(__file__).resolve().parent.parent / "client" / "advantage_client"
-FRAMEWORKS = ("openrlhf", "verl", "trl", "skyrl", "areal", "nemo", "slime")
+FRAMEWORKS = ("openrlhf", "verl", "trl", "skyrl", "areal", "nemo", "slime", "prime_rl")
 MATH = {"mean", "std", "var", "cumsum", "cumprod", "rsqrt", "sqrt", "exp", "log", "clamp", "clip", "nansum", "nanmean",
         "nanstd", "softmax", "log_softmax", "logsumexp", "flip", "sum", "abs", "where", "pow", "square", "div", "sub",
         "mul", "expm1", "log1p", "whiten", "normalize", "max", "min", "prod", "reciprocal"}
@@ -33,6 +33,7 @@ ALLOWED: dict[str, dict[str, tuple[set[str], str]]] = {
              "warn_unapplied": ({"add"}, "a set of unapplied option names (not numbers of a batch)")},
     "skyrl": {},
     "slime": {},
+    "prime_rl": {},
 }
 
 
