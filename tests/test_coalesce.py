@@ -129,6 +129,10 @@ def batches(draw, info, base: dict):
             if spec.name in tensors or spec.required or not spec.required_when:
                 continue
             if group_local([spec.required_when], cfg, defaults):
+                if "[B, T]" not in spec.shapes:  # per-sample counts (prime_rl's length penalty)
+                    tensors[spec.name] = np.array(draw(st.lists(st.integers(0, 50), min_size=B, max_size=B)),
+                                                  dtype=np.float32)
+                    continue
                 vals = draw(st.lists(st.floats(-3, 0, width=32), min_size=B * T, max_size=B * T))
                 tensors[spec.name] = np.array(vals, dtype=np.float32).reshape(B, T)
         calls.append(tensors)

@@ -101,7 +101,7 @@ from advantage_server.estimators.registry import (
 _EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6, "slime": 1e-6}
 #: prime-rl's LinearLengthPenaltyConfig defaults (packages/prime-rl-configs/src/prime_rl/configs/algorithm.py)
 _LENGTH_WEIGHTS = {"num_output_tokens_weight": 0.25, "num_input_tokens_weight": 0.1, "num_turns_weight": 0.1}
-_LENGTH_NEEDED = (lambda cfg: bool(cfg.length_penalty), "length_penalty = true (semantics = prime_rl)")
+_LENGTH_NEEDED = (lambda cfg: bool(cfg.length_penalty), "length_penalty = true")
 
 
 def _length_weight_field(name: str, what: str) -> object:
