@@ -299,6 +299,7 @@ def test_list_estimators_says_which_are_per_sample(target):
     assert rules["grpo"] == [("semantics = nemo_rl", "broadcast"),
                              ("semantics = verl or semantics = skyrl", "broadcast_times_mask"),  # SkyRL's is verl's code
                              ("semantics = openrlhf and use_kl_in_reward = false", "up_to_last_valid"), ("semantics = trl", "broadcast"),
-                             ("semantics = slime", "broadcast")]  # slime's whole row, whitened or not
+                             ("semantics = slime", "broadcast"),  # slime's whole row, whitened or not
+                             ("semantics = prime_rl", "broadcast_times_mask")]  # prime-rl's sampled tokens
     assert rules["maxrl"] == [("", "broadcast_times_mask")]
     assert rules["gae"] == [] and rules["opd"] == []

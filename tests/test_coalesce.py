@@ -105,7 +105,8 @@ def batches(draw, info, base: dict):
                 # contract's: test_client_reads_the_declarations_as_the_server_evaluates_them covers it
                 if group_local(list(info.group_local), dict(cfg, **{f.name: value}), defaults):
                     cfg[f.name] = value
-    if "reference_policy_kl_type" in defaults:
+    if "reference_policy_kl_type" in defaults and \
+            _default(defaults["reference_policy_kl_type"], semantics) is not _UNKNOWN:  # (prime_rl has no KL)
         cfg["reference_policy_kl_type"] = draw(st.sampled_from(["k1", "k2", "k3"]))
     T = draw(st.integers(1, 6))
     dtype = draw(st.sampled_from([np.float32, np.float64]))
@@ -129,6 +130,10 @@ def batches(draw, info, base: dict):
             if spec.name in tensors or spec.required or not spec.required_when:
                 continue
             if group_local([spec.required_when], cfg, defaults):
+                if "[B, T]" not in spec.shapes:  # per-sample counts (prime_rl's length penalty)
+                    tensors[spec.name] = np.array(draw(st.lists(st.integers(0, 50), min_size=B, max_size=B)),
+                                                  dtype=np.float32)
+                    continue
                 vals = draw(st.lists(st.floats(-3, 0, width=32), min_size=B * T, max_size=B * T))
                 tensors[spec.name] = np.array(vals, dtype=np.float32).reshape(B, T)
         calls.append(tensors)

@@ -379,6 +379,11 @@ VERL_DEFAULTS = {
     ("reinforce_plus_plus", "normalize_advantages"): True,
     ("reinforce_plus_plus_baseline", "rewards_normalization"): True,
     ("reinforce_plus_plus_baseline", "normalize_advantages"): True,
+    # prime-rl (prime_rl semantics only): its length_penalty is unset by default; LinearLengthPenaltyConfig's weights
+    ("grpo", "length_penalty"): False,
+    ("grpo", "num_output_tokens_weight"): 0.25,
+    ("grpo", "num_input_tokens_weight"): 0.1,
+    ("grpo", "num_turns_weight"): 0.1,
     ("grpo_passk", "normalize_rewards"): True,
     ("grpo_passk", "epsilon"): 1e-6,
     ("gpg", "f_norm"): 1.0,
@@ -483,6 +488,12 @@ PER_SEMANTICS_TEXT = {
     ("grpo", "reference_policy_kl_type"): "k3 (nemo_rl, verl, openrlhf, trl, skyrl, slime); k1 (roll)",
     ("grpo", "kl_input_clamp_value"): "20.0 (nemo_rl, verl, openrlhf, trl, skyrl, slime); none (roll)",
     ("grpo", "kl_output_clamp_value"): "10.0 (nemo_rl, verl, openrlhf, trl, skyrl, slime); none (roll)",
+    # prime-rl (issue #38)
+    ("grpo", "length_penalty"): "false (prime_rl); not applicable otherwise",
+    ("grpo", "num_output_tokens_weight"): "0.25 (prime_rl); not applicable otherwise",
+    ("grpo", "num_input_tokens_weight"): "0.1 (prime_rl); not applicable otherwise",
+    ("grpo", "num_turns_weight"): "0.1 (prime_rl); not applicable otherwise",
+    ("maxrl", "epsilon"): "1e-06 (skyrl); not applicable otherwise",
 }
 
 

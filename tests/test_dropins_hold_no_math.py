@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 CLIENT = pathlib.Path(__file__).resolve().parent.parent / "client" / "advantage_client"
-FRAMEWORKS = ("openrlhf", "verl", "trl", "skyrl", "areal", "nemo", "slime", "roll")
+FRAMEWORKS = ("openrlhf", "verl", "trl", "skyrl", "areal", "nemo", "slime", "roll", "prime_rl")
 MATH = {"mean", "std", "var", "cumsum", "cumprod", "rsqrt", "sqrt", "exp", "log", "clamp", "clip", "nansum", "nanmean",
         "nanstd", "softmax", "log_softmax", "logsumexp", "flip", "sum", "abs", "where", "pow", "square", "div", "sub",
         "mul", "expm1", "log1p", "whiten", "normalize", "max", "min", "prod", "reciprocal"}
@@ -34,6 +34,7 @@ ALLOWED: dict[str, dict[str, tuple[set[str], str]]] = {
     "skyrl": {},
     "slime": {},
     "roll": {},
+    "prime_rl": {},
 }
 
 

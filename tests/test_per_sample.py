@@ -128,7 +128,7 @@ def test_declarations_hold_and_are_complete(name, cfg):
 
 
 def test_every_estimator_the_issue_names_is_per_sample_under_each_semantics():
-    want = {"grpo": 5, "rloo": 3, "opo": 1, "gpg": 1, "grpo_passk": 1, "gdpo": 2, "raw_reward": 1,
+    want = {"grpo": 6, "rloo": 3, "opo": 1, "gpg": 1, "grpo_passk": 1, "gdpo": 2, "raw_reward": 1,
             "reinforce_plus_plus": 1, "reinforce_plus_plus_baseline": 2, "pkpo": 1, "qae": 1,
             "gigpo": 1, "maxrl": 1}
     assert {n: len(s.per_sample) for n, s in REGISTRY.items() if s.per_sample} == want

@@ -63,7 +63,7 @@ EXPECTED = {
     "docs/docker.md": {},
     "docs/errors.md": {},
     "docs/estimators.md": {},
-    "docs/frameworks.md": {"python": 3, "skipped": 1},
+    "docs/frameworks.md": {"python": 3, "skipped": 2},
     "docs/kubernetes.md": {"skipped": 1},
     "docs/observability.md": {"python": 1},
     "docs/other-languages.md": {"js": 1},

@@ -93,7 +93,7 @@ def test_table_parser_reads_names_not_shapes():
 
 #: the README's adoption table: framework (first cell) -> its adapter module under client/advantage_client/
 ADAPTERS = {"NeMo RL": "nemo", "verl": "verl", "OpenRLHF": "openrlhf", "TRL": "trl", "SkyRL": "skyrl", "AReaL": "areal",
-            "slime": "slime", "ROLL": "roll"}
+            "slime": "slime", "ROLL": "roll", "prime-rl": "prime_rl"}
 
 
 def test_readme_adoption_table_has_every_framework_and_its_tests():

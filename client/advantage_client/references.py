@@ -17,11 +17,13 @@ class Reference:
     semantics: the ``Semantics`` enum's short name (``"verl"``).
     project:   the project's own name (``"verl"``).
     release:   the release reproduced: a PyPI version (``"0.9.1"``), or ``"main@<commit>"`` where the
-               project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL, slime).
+               project publishes no release containing the estimators (NeMo RL, verl-agent, ROLL, slime,
+               prime-rl).
     package:   the PyPI distribution the differential tests install, or ``None`` (NeMo RL: golden vectors
                produced at ``release``, ``tests/golden/nemo-rl``; verl-agent and ROLL: golden cases
                in ``tests/golden_gigpo`` and, for its RLVR step, ``tests/golden_roll``; slime: golden cases in
-               ``tests/golden_slime``, made by its generator).
+               ``tests/golden_slime``, made by its generator; prime-rl: golden cases in ``tests/golden_prime_rl``,
+               made by its generator).
     code:      where the reproduced estimators live in that release.
     """
 
@@ -59,6 +61,8 @@ REFERENCES: dict[str, Reference] = {r.semantics: r for r in (
     Reference("areal", "AReaL", "1.0.4", "areal", "areal/trainer/ppo/actor.py"),
     Reference("slime", "slime", "main@624b824a898ab0ec1fcb4d373004c7f3852bf515", None,
               "slime/backends/megatron_utils/loss.py"),
+    Reference("prime_rl", "prime-rl", "main@559b44772e471d1538537b8805cc77f3824a5e64", None,
+              "src/prime_rl/orchestrator/algo/grpo.py"),
 )}
 
 #: the ``Semantics`` enum's short names

@@ -881,6 +881,14 @@ def group_sum(group: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(xd).index_add_(0, group, xd)[group]
 
 
+def group_max(group: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64: the largest ``x`` of each sample's group (``group``: ``[B]`` int64 index 0..G-1)."""
+    xd = x.to(torch.float64)
+    out = torch.full((int(group.max()) + 1 if group.numel() else 0,), -torch.inf, dtype=torch.float64,
+                     device=xd.device)
+    return out.scatter_reduce_(0, group, xd, reduce="amax", include_self=True)[group]
+
+
 def verl_group_stats(group: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's per-group mean and sample std (``torch.std``) of ``scores``, float64 ``[B]`` each, with verl's
     convention for a group of one: mean 0, std 1. Tied groups get their exact value and std 0."""

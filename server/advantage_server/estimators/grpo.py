@@ -62,6 +62,21 @@ Math, per sample i of prompt group g (n samples), r = reward, s = the values the
     ``grpo_norm_by_std``) is verl's code ported unchanged, so it computes verl's numbers above: a [B, T]
     reward summed over all T, a group of one with mean 0 and std 1 (A = r / (1 + eps), 1 + eps in float32),
     eps = 1e-6, A_{i,t} = A_i * mask_{i,t}. ``sum_rewards_over_mask`` is verl's only.
+``semantics = prime_rl`` (prime-rl main@559b447, ``src/prime_rl/orchestrator/algo/grpo.py``
+    ``GRPOAlgorithm.score_group``, which its ``echo`` inherits; ``hierarchical_grpo.py`` computes the same numbers
+    over its peer sets: send one prompt id per peer set, as ``advantage_client.prime_rl`` does)
+    A_i = r_i - mean_g, never divided (``normalize_rewards`` and ``epsilon`` are not read: prime-rl has no std).
+    With ``length_penalty`` (prime-rl's ``[orchestrator.algo.length_penalty]``, type ``linear``), from the
+    inputs ``num_output_tokens`` o, ``num_total_tokens`` n and ``num_turns`` u ([B], the trace's counts) and
+    the weights w_o, w_i, w_u (``num_output_tokens_weight`` 0.25, ``num_input_tokens_weight`` 0.1,
+    ``num_turns_weight`` 0.1), with i = n - o the input tokens and max_g(x) = max(1, the group's largest x):
+    f_i = w_o o_i / max_g(o) + w_i i_i / max_g(i) + w_u u_i / max_g(u); r'_i = r_i - mean_g(r) f_i (the
+    unshaped mean: prime-rl's pass rate); A_i = r'_i - mean_g(r'). A_{i,t} = A_i * mask_{i,t} (prime-rl puts the
+    value on the sampled tokens only). A group of one and a tied group (without the penalty) get exactly 0.
+    prime-rl computes in float32 (it casts the rewards and counts to float32): send float32 rewards for its
+    numbers; prime-rl's ``hierarchical_grpo`` keeps Python floats: send float64 there. prime-rl scores only the
+    traces ``iter_trainable_traces`` keeps (no error, a trainable agent, a sampled token): send those, or
+    send traces without a sampled token as all-zero mask rows with ``exclude_empty_responses``.
 
 Numerics: group statistics in float64, two-pass, tied groups exact (A = 0), so where the reference's
 float32 arithmetic loses the answer this matches the float64 answer. Where a reference divides by
@@ -78,7 +93,7 @@ from dataclasses import dataclass, field
 import torch
 
 from advantage_server.estimators.groups import (
-    broadcast_rows, group_baseline_and_std, group_relative, group_relative_rows, exclude_empty_field, groups_of,
+    broadcast_rows, group_baseline_and_std, group_max, group_relative, group_relative_rows, exclude_empty_field, groups_of,
     slime_group_norm_field,
     verl_group_stats, verl_std_plus_eps, zero_rows,
 )
@@ -97,6 +112,17 @@ from advantage_server.estimators.registry import (
 )
 
 _EPSILON = {"nemo_rl": 1e-6, "verl": 1e-6, "openrlhf": 1e-9, "trl": 1e-4, "skyrl": 1e-6, "slime": 1e-6}
+#: prime-rl's LinearLengthPenaltyConfig defaults (packages/prime-rl-configs/src/prime_rl/configs/algorithm.py)
+_LENGTH_WEIGHTS = {"num_output_tokens_weight": 0.25, "num_input_tokens_weight": 0.1, "num_turns_weight": 0.1}
+_LENGTH_NEEDED = (lambda cfg: bool(cfg.length_penalty), "length_penalty = true")
+
+
+def _length_weight_field(name: str, what: str) -> object:
+    return field(default=None, metadata={
+        "doc": f"prime-rl's length_penalty.{name}: the weight of the {what} term (0 turns it off). prime_rl with "
+               "length_penalty only.", "range": (0.0, None),
+        "per_semantics": {"prime_rl": _LENGTH_WEIGHTS[name]},
+        "default_text": f"{_LENGTH_WEIGHTS[name]} (prime_rl); not applicable otherwise"})
 
 
 @dataclass(frozen=True)
@@ -108,11 +134,12 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
         "doc": "Baseline and std over the other samples of the prompt (RLOO). nemo_rl only.",
         "per_semantics": {"nemo_rl": True}, "default_text": "true (nemo_rl); not applicable otherwise"})
     semantics: str | None = semantics_field(
-        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime", "roll"),
+        ("nemo_rl", "verl", "openrlhf", "trl", "skyrl", "slime", "roll", "prime_rl"),
         "Reference reproduced: nemo_rl (NeMo RL GRPOAdvantageEstimator), verl (compute_grpo_outcome_advantage), "
         "openrlhf (group_norm / dr_grpo), trl (GRPOTrainer), skyrl (compute_grpo_outcome_advantage), slime "
         "(grpo / gspo / cispo: _post_process_rewards and compute_advantages_and_returns), roll (RLVR grpo: "
-        "reward_postprocess, compute_token_reward and compute_advantage).")
+        "reward_postprocess, compute_token_reward and compute_advantage), prime_rl (grpo, echo "
+        "and hierarchical_grpo: GRPOAlgorithm.score_group).")
     epsilon: float | None = field(default=None, metadata={
         "doc": "Added to the std before dividing.", "range": (0.0, None),
         "per_semantics": dict(_EPSILON),
@@ -140,25 +167,70 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     rewards_normalization: bool | None = slime_group_norm_field(divides=True)
     normalize_advantages: bool | None = slime_whiten_field(default=False, roll=True)
     gamma: float | None = roll.gamma_field()
+    length_penalty: bool | None = field(default=None, metadata={
+        "doc": "prime-rl's linear length penalty ([orchestrator.algo.length_penalty]): shape each reward by the "
+               "group's mean reward times the weighted output-token, input-token and turn fractions of the group's "
+               "largest, then centre. Needs num_output_tokens, num_total_tokens and num_turns. prime_rl only.",
+        "per_semantics": {"prime_rl": False}, "default_text": "false (prime_rl); not applicable otherwise"})
+    num_output_tokens_weight: float | None = _length_weight_field("num_output_tokens_weight", "output-token")
+    num_input_tokens_weight: float | None = _length_weight_field("num_input_tokens_weight", "input-token")
+    num_turns_weight: float | None = _length_weight_field("num_turns_weight", "turns")
+
+
+def prime_rl_scalars(cfg: GRPOConfig, group: torch.Tensor, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """prime-rl's GRPO advantage per sample, float64 ``[B]`` (module docstring, ``semantics = prime_rl``).
+
+    group: ``[B]`` int64 group index; rewards: ``[B]`` float. With ``cfg.length_penalty`` reads the batch's
+    ``num_output_tokens``, ``num_total_tokens`` and ``num_turns`` (``[B]``). A tied group gives exactly 0 without
+    the penalty. Source: prime-rl main@559b447 ``src/prime_rl/orchestrator/algo/grpo.py``.
+    """
+    r = rewards.to(torch.float64)
+    mean, _ = group_baseline_and_std(group, r, leave_one_out=False)
+    if not cfg.length_penalty:
+        return r - mean
+    out = batch["num_output_tokens"].to(torch.float64)
+    inp = batch["num_total_tokens"].to(torch.float64) - out
+    turns = batch["num_turns"].to(torch.float64)
+    frac = torch.zeros_like(r)
+    for weight, x in ((cfg.num_output_tokens_weight, out), (cfg.num_input_tokens_weight, inp),
+                      (cfg.num_turns_weight, turns)):
+        frac = frac + weight * (x / group_max(group, x).clamp(min=1.0))
+    shaped = r - mean * frac
+    shaped_mean, _ = group_baseline_and_std(group, shaped, leave_one_out=False)
+    return shaped - shaped_mean
 
 
 @register("grpo", config=GRPOConfig,
           inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK,
                   InputSpec("std_rewards", ("[B]",), "float",
                             "DAPO: per-sample values the std is computed on instead of the rewards.",
-                            required=False), *KL_INPUTS, roll.ATTENTION_MASK],
+                            required=False), *KL_INPUTS, roll.ATTENTION_MASK,
+                  InputSpec("num_output_tokens", ("[B]",), "float",
+                            "prime_rl length_penalty: the tokens each trace sampled (prime-rl's num_output_tokens).",
+                            required=False, required_when=_LENGTH_NEEDED,
+                            fix="send each trace's num_output_tokens, or set length_penalty = false"),
+                  InputSpec("num_total_tokens", ("[B]",), "float",
+                            "prime_rl length_penalty: every token of each trace, prompt and tool output included "
+                            "(prime-rl's num_total_tokens; input tokens = num_total_tokens - num_output_tokens).",
+                            required=False, required_when=_LENGTH_NEEDED,
+                            fix="send each trace's num_total_tokens, or set length_penalty = false"),
+                  InputSpec("num_turns", ("[B]",), "float",
+                            "prime_rl length_penalty: the turns of each trace (prime-rl's num_turns).",
+                            required=False, required_when=_LENGTH_NEEDED,
+                            fix="send each trace's num_turns, or set length_penalty = false")],
           reference="arXiv:2402.03300; NeMo RL GRPOAdvantageEstimator; verl compute_grpo_outcome_advantage; "
-                    "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer",
+                    "OpenRLHF group_norm/dr_grpo; TRL GRPOTrainer; prime-rl GRPOAlgorithm",
           produces_returns=(lambda cfg: cfg.semantics in ("openrlhf", "slime", "roll"),
                             "semantics = openrlhf or semantics = slime or semantics = roll"),
           per_sample=(("semantics = nemo_rl", BROADCAST), ("semantics = verl or semantics = skyrl", BROADCAST_TIMES_MASK),
                       ("semantics = openrlhf and use_kl_in_reward = false", UP_TO_LAST_VALID),
-                      ("semantics = trl", BROADCAST), ("semantics = slime", BROADCAST)),
+                      ("semantics = trl", BROADCAST), ("semantics = slime", BROADCAST),
+                      ("semantics = prime_rl", BROADCAST_TIMES_MASK)),
           # group statistics only; trl's scale_rewards = batch divides by the std of the whole batch, slime's
           # normalize_advantages whitens over the whole batch
           group_local=("semantics = nemo_rl or semantics = verl or semantics = skyrl or semantics = openrlhf or "
                        "semantics = trl and scale_rewards = group or semantics = trl and scale_rewards = none or "
-                       "semantics = slime and normalize_advantages = false",))
+                       "semantics = slime and normalize_advantages = false or semantics = prime_rl",))
 def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
     """Group-relative advantage: reward minus the per-prompt baseline, optionally over the per-prompt std.
 
@@ -178,6 +250,9 @@ def grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
         if out is not None:
             return AdvantageResult(out)
     scores = outcome_scores(rewards, mask if cfg.sum_rewards_over_mask else None)
+    if cfg.semantics == "prime_rl":
+        adv = zero_rows(prime_rl_scalars(cfg, group, scores, batch), keep)
+        return AdvantageResult((adv[:, None] * mask.to(torch.float64)).to(dtype))
     if cfg.semantics == "nemo_rl":
         adv = group_relative(group, scores, cfg.use_leave_one_out_baseline, cfg.normalize_rewards,
                              cfg.epsilon, std_rewards)

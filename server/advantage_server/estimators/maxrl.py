@@ -1,17 +1,30 @@
 """MaxRL: Maximum Likelihood Reinforcement Learning (Tajwar et al. 2026, arXiv:2602.02710), the group-relative
 advantage normalised by the group's mean reward instead of its std.
 
-Reference: SkyRL 0.4.0 ``compute_maxrl_advantage`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``; SkyRL's
-``algorithm.advantage_estimator = "maxrl"``), the only released implementation.
+References: SkyRL 0.4.0 ``compute_maxrl_advantage`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``; SkyRL's
+``algorithm.advantage_estimator = "maxrl"``; ``semantics = skyrl``, the default) and prime-rl main@559b447
+``MaxRLAlgorithm.score_group`` (``src/prime_rl/orchestrator/algo/max_rl.py``; prime-rl's
+``[orchestrator.algo] type = "max_rl"``; ``semantics = prime_rl``).
 
 Inputs: ``prompt_ids`` [B] (or [B, L]), ``rewards`` [B] or [B, T] (token-level rewards summed over all T
 positions, masked ones included, as SkyRL does), ``mask`` [B, T]. Output: advantages [B, T]; no returns
 (SkyRL returns the advantages twice), no metrics.
 
 Math, per prompt group g of n samples, s = the summed reward, eps = ``epsilon``:
+
+``semantics = skyrl``
     n >= 2:  A_i = (s_i - mean_g) / (mean_g + eps)
     n == 1:  A_i = s_i                          (SkyRL: the group's mean is taken as 0 and not divided)
     A_{i,t} = A_i * mask_{i,t}
+``semantics = prime_rl`` (``epsilon`` does not apply: prime-rl adds nothing)
+    mean_g > 0:   A_i = (s_i - mean_g) / mean_g  (a group of one: 0)
+    mean_g <= 0:  A_i = 0 for the whole group    (prime-rl: "carries no signal")
+    A_{i,t} = A_i * mask_{i,t} (prime-rl puts the value on the sampled tokens only)
+    This is not SkyRL's number: no epsilon (a relative difference of eps / mean_g), 0 rather than s for a group of
+    one, and 0 rather than a sign-flipped quotient for a group mean <= 0. prime-rl computes in float32 (it casts
+    the rewards to float32): send float32 rewards for its numbers; the service's mean is float64, so a group whose
+    float32 mean rounds to 0 or below while its float64 mean is positive (or the reverse) is decided by the
+    float64 mean.
 With binary rewards (MaxRL's setting) mean_g is the group's pass rate p and A_i = (s_i - p) / p: rarely solved
 prompts weigh more, the pass@k-weighted objective of the paper. The (mean + eps) denominator is kept as SkyRL
 has it: for a group mean below -eps it is negative (the advantages' signs flip) and near -eps it is small
@@ -43,9 +56,11 @@ from advantage_server.estimators.rewards import outcome_scores
 @dataclass(frozen=True)
 class MaxRLConfig(EstimatorConfig):
     semantics: str | None = semantics_field(
-        ("skyrl",), "Reference reproduced: skyrl (compute_maxrl_advantage).")
-    epsilon: float = field(default=1e-6, metadata={
-        "doc": "Added to the group mean before dividing (SkyRL's epsilon, 1e-6).", "range": (0.0, None)})
+        ("skyrl", "prime_rl"), "Reference reproduced: skyrl (compute_maxrl_advantage), prime_rl (max_rl: "
+                               "MaxRLAlgorithm.score_group).")
+    epsilon: float | None = field(default=None, metadata={
+        "doc": "Added to the group mean before dividing (SkyRL's epsilon, 1e-6). skyrl only.", "range": (0.0, None),
+        "per_semantics": {"skyrl": 1e-6}, "default_text": "1e-06 (skyrl); not applicable otherwise"})
 
 
 def maxrl_scalars(group: torch.Tensor, scores: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -63,6 +78,17 @@ def maxrl_scalars(group: torch.Tensor, scores: torch.Tensor, epsilon: float) -> 
     return torch.where(group_sizes(group) > 1, a, s)
 
 
+def prime_rl_maxrl_scalars(group: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """prime-rl's per-sample MaxRL advantage, float64 ``[B]``: ``(s - mean) / mean`` per group, 0 for a group whose
+    mean is <= 0 (and so 0 for a group of one and a tied group). group: ``[B]`` int64 group index; scores: ``[B]``.
+    Source: prime-rl main@559b447 ``src/prime_rl/orchestrator/algo/max_rl.py``."""
+    s = scores.to(torch.float64)
+    mean, _ = group_baseline_and_std(group, s, leave_one_out=False)
+    positive = mean > 0
+    num = torch.where(positive, s - mean, torch.zeros_like(s))
+    return num / torch.where(positive, mean, torch.ones_like(mean))
+
+
 def maxrl_scalars_loop(group: torch.Tensor, scores: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Loop twin of :func:`maxrl_scalars` (test oracle), one sample at a time on the loop twin's group means."""
     mean, _ = verl_group_stats_loop(group, scores)  # a group of one: mean 0
@@ -75,7 +101,7 @@ def maxrl_scalars_loop(group: torch.Tensor, scores: torch.Tensor, epsilon: float
 
 
 @register("maxrl", config=MaxRLConfig, inputs=[PROMPT_IDS, OUTCOME_REWARDS, MASK],
-          reference="arXiv:2602.02710; SkyRL compute_maxrl_advantage",
+          reference="arXiv:2602.02710; SkyRL compute_maxrl_advantage; prime-rl MaxRLAlgorithm",
           per_sample=(("", BROADCAST_TIMES_MASK),),
           group_local=("",))  # the group's own mean only
 def maxrl(cfg: MaxRLConfig, batch: Batch) -> AdvantageResult:
@@ -85,5 +111,8 @@ def maxrl(cfg: MaxRLConfig, batch: Batch) -> AdvantageResult:
     mask = 0); no returns, no metrics.
     """
     rewards, mask = batch["rewards"], batch["mask"]
-    a = maxrl_scalars(batch["prompt_ids"], outcome_scores(rewards), cfg.epsilon)
+    if cfg.semantics == "prime_rl":
+        a = prime_rl_maxrl_scalars(batch["prompt_ids"], outcome_scores(rewards))
+    else:
+        a = maxrl_scalars(batch["prompt_ids"], outcome_scores(rewards), cfg.epsilon)
     return AdvantageResult((a[:, None] * mask.to(torch.float64)).to(rewards.dtype))

@@ -193,6 +193,12 @@ class _SemanticsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Semantics.V
     slime/backends/megatron_utils/loss.py (compute_advantages_and_returns),
     slime/ray/rollout.py (_post_process_rewards), slime/utils/ppo_utils.py
     """
+    SEMANTICS_PRIME_RL: _Semantics.ValueType  # 11
+    """PrimeIntellect-ai prime-rl (no PyPI release)
+    main@559b44772e471d1538537b8805cc77f3824a5e64,
+    src/prime_rl/orchestrator/algo/grpo.py (GRPOAlgorithm; echo.py and
+    hierarchical_grpo.py the same numbers), src/prime_rl/orchestrator/algo/max_rl.py
+    """
 
 class Semantics(_Semantics, metaclass=_SemanticsEnumTypeWrapper):
     """Which public reference an estimator reproduces, where references that share
@@ -245,6 +251,12 @@ SEMANTICS_SLIME: Semantics.ValueType  # 10
 main@624b824a898ab0ec1fcb4d373004c7f3852bf515,
 slime/backends/megatron_utils/loss.py (compute_advantages_and_returns),
 slime/ray/rollout.py (_post_process_rewards), slime/utils/ppo_utils.py
+"""
+SEMANTICS_PRIME_RL: Semantics.ValueType  # 11
+"""PrimeIntellect-ai prime-rl (no PyPI release)
+main@559b44772e471d1538537b8805cc77f3824a5e64,
+src/prime_rl/orchestrator/algo/grpo.py (GRPOAlgorithm; echo.py and
+hierarchical_grpo.py the same numbers), src/prime_rl/orchestrator/algo/max_rl.py
 """
 Global___Semantics: _TypeAlias = Semantics  # noqa: Y015
 
@@ -481,6 +493,12 @@ class GRPOConfig(_message.Message):
                 normalize_advantages (default false). Returns: the value before
                 whitening. A group of one and a tied group get 0 (slime: NaN, or
                 an ulp of its float32 mean over 1e-6).
+      prime_rl  prime-rl's grpo and echo (GRPOAlgorithm.score_group; also its
+                hierarchical_grpo with one prompt id per peer set): r - group
+                mean, never divided (normalize_rewards and epsilon are not
+                read); with length_penalty the rewards are shaped first (see
+                length_penalty). The value on every mask = 1 position, 0
+                elsewhere. A group of one and a tied group get 0.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -505,6 +523,10 @@ class GRPOConfig(_message.Message):
     REWARD_CLIP_FIELD_NUMBER: _builtins.int
     ADVANTAGE_CLIP_FIELD_NUMBER: _builtins.int
     WHITEN_REWARDS_FIELD_NUMBER: _builtins.int
+    LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
+    NUM_OUTPUT_TOKENS_WEIGHT_FIELD_NUMBER: _builtins.int
+    NUM_INPUT_TOKENS_WEIGHT_FIELD_NUMBER: _builtins.int
+    NUM_TURNS_WEIGHT_FIELD_NUMBER: _builtins.int
     normalize_rewards: _builtins.bool
     """Divide by the std + epsilon. Default true. nemo_rl: groups whose std is 0
     are left unscaled.
@@ -515,7 +537,7 @@ class GRPOConfig(_message.Message):
     nemo_rl; not applicable to the other semantics (INVALID_ARGUMENT if set).
     """
     semantics: Global___Semantics.ValueType
-    """nemo_rl (default), verl, openrlhf, trl, skyrl, slime or roll"""
+    """nemo_rl (default), verl, openrlhf, trl, skyrl, slime, roll or prime_rl"""
     epsilon: _builtins.float
     """Added to the std before dividing. Default 1e-6 (nemo_rl, verl, skyrl, slime), 1e-9
     (openrlhf), 1e-4 (trl). Must be >= 0.
@@ -574,6 +596,18 @@ class GRPOConfig(_message.Message):
     """
     advantage_clip: _builtins.float
     whiten_rewards: _builtins.bool
+    length_penalty: _builtins.bool
+    """prime_rl only: prime-rl's [orchestrator.algo.length_penalty] (type
+    "linear"; default false = prime-rl's unset length_penalty). Each reward is
+    first reduced by the group's mean reward times num_output_tokens_weight *
+    out / max(1, group max out) + num_input_tokens_weight * in / max(1, group
+    max in) + num_turns_weight * turns / max(1, group max turns), with in =
+    num_total_tokens - num_output_tokens; needs the inputs num_output_tokens,
+    num_total_tokens and num_turns [B]. Weights >= 0, defaults 0.25, 0.1, 0.1.
+    """
+    num_output_tokens_weight: _builtins.float
+    num_input_tokens_weight: _builtins.float
+    num_turns_weight: _builtins.float
     def __init__(
         self,
         *,
@@ -597,10 +631,14 @@ class GRPOConfig(_message.Message):
         reward_clip: _builtins.float | None = ...,
         advantage_clip: _builtins.float | None = ...,
         whiten_rewards: _builtins.bool | None = ...,
+        length_penalty: _builtins.bool | None = ...,
+        num_output_tokens_weight: _builtins.float | None = ...,
+        num_input_tokens_weight: _builtins.float | None = ...,
+        num_turns_weight: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_penalty", b"_length_penalty", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_num_input_tokens_weight", b"_num_input_tokens_weight", "_num_output_tokens_weight", b"_num_output_tokens_weight", "_num_turns_weight", b"_num_turns_weight", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_penalty", b"length_penalty", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "num_input_tokens_weight", b"num_input_tokens_weight", "num_output_tokens_weight", b"num_output_tokens_weight", "num_turns_weight", b"num_turns_weight", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_epsilon", b"_epsilon", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_length_penalty", b"_length_penalty", "_normalize_advantages", b"_normalize_advantages", "_normalize_rewards", b"_normalize_rewards", "_num_input_tokens_weight", b"_num_input_tokens_weight", "_num_output_tokens_weight", b"_num_output_tokens_weight", "_num_turns_weight", b"_num_turns_weight", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_rewards_normalization", b"_rewards_normalization", "_sum_rewards_over_mask", b"_sum_rewards_over_mask", "_use_kl_in_reward", b"_use_kl_in_reward", "_use_leave_one_out_baseline", b"_use_leave_one_out_baseline", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "epsilon", b"epsilon", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "length_penalty", b"length_penalty", "normalize_advantages", b"normalize_advantages", "normalize_rewards", b"normalize_rewards", "num_input_tokens_weight", b"num_input_tokens_weight", "num_output_tokens_weight", b"num_output_tokens_weight", "num_turns_weight", b"num_turns_weight", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "rewards_normalization", b"rewards_normalization", "scale_rewards", b"scale_rewards", "semantics", b"semantics", "sum_rewards_over_mask", b"sum_rewards_over_mask", "use_kl_in_reward", b"use_kl_in_reward", "use_leave_one_out_baseline", b"use_leave_one_out_baseline", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__advantage_clip: _TypeAlias = _typing.Literal["advantage_clip"]  # noqa: Y015
     _WhichOneofArgType__advantage_clip: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip"]  # noqa: Y015
@@ -614,10 +652,18 @@ class GRPOConfig(_message.Message):
     _WhichOneofArgType__kl_input_clamp_value: _TypeAlias = _typing.Literal["_kl_input_clamp_value", b"_kl_input_clamp_value"]  # noqa: Y015
     _WhichOneofReturnType__kl_output_clamp_value: _TypeAlias = _typing.Literal["kl_output_clamp_value"]  # noqa: Y015
     _WhichOneofArgType__kl_output_clamp_value: _TypeAlias = _typing.Literal["_kl_output_clamp_value", b"_kl_output_clamp_value"]  # noqa: Y015
+    _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
+    _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
     _WhichOneofReturnType__normalize_advantages: _TypeAlias = _typing.Literal["normalize_advantages"]  # noqa: Y015
     _WhichOneofArgType__normalize_advantages: _TypeAlias = _typing.Literal["_normalize_advantages", b"_normalize_advantages"]  # noqa: Y015
     _WhichOneofReturnType__normalize_rewards: _TypeAlias = _typing.Literal["normalize_rewards"]  # noqa: Y015
     _WhichOneofArgType__normalize_rewards: _TypeAlias = _typing.Literal["_normalize_rewards", b"_normalize_rewards"]  # noqa: Y015
+    _WhichOneofReturnType__num_input_tokens_weight: _TypeAlias = _typing.Literal["num_input_tokens_weight"]  # noqa: Y015
+    _WhichOneofArgType__num_input_tokens_weight: _TypeAlias = _typing.Literal["_num_input_tokens_weight", b"_num_input_tokens_weight"]  # noqa: Y015
+    _WhichOneofReturnType__num_output_tokens_weight: _TypeAlias = _typing.Literal["num_output_tokens_weight"]  # noqa: Y015
+    _WhichOneofArgType__num_output_tokens_weight: _TypeAlias = _typing.Literal["_num_output_tokens_weight", b"_num_output_tokens_weight"]  # noqa: Y015
+    _WhichOneofReturnType__num_turns_weight: _TypeAlias = _typing.Literal["num_turns_weight"]  # noqa: Y015
+    _WhichOneofArgType__num_turns_weight: _TypeAlias = _typing.Literal["_num_turns_weight", b"_num_turns_weight"]  # noqa: Y015
     _WhichOneofReturnType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofArgType__reference_policy_kl_penalty: _TypeAlias = _typing.Literal["_reference_policy_kl_penalty", b"_reference_policy_kl_penalty"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip: _TypeAlias = _typing.Literal["reward_clip"]  # noqa: Y015
@@ -649,9 +695,17 @@ class GRPOConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kl_output_clamp_value) -> _WhichOneofReturnType__kl_output_clamp_value | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_advantages) -> _WhichOneofReturnType__normalize_advantages | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_rewards) -> _WhichOneofReturnType__normalize_rewards | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_input_tokens_weight) -> _WhichOneofReturnType__num_input_tokens_weight | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_output_tokens_weight) -> _WhichOneofReturnType__num_output_tokens_weight | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_turns_weight) -> _WhichOneofReturnType__num_turns_weight | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reference_policy_kl_penalty) -> _WhichOneofReturnType__reference_policy_kl_penalty | None: ...
     @_typing.overload
@@ -2060,6 +2114,9 @@ class MaxRLConfig(_message.Message):
              is finite: a tied group gives 0 (also at mean = -epsilon, where
              SkyRL gives NaN), and an untied group whose mean + epsilon is
              exactly 0 gives 0 (SkyRL: +-inf).
+      prime_rl  prime-rl's max_rl (MaxRLAlgorithm.score_group): A_i =
+             (s_i - mean) / mean with no epsilon, and 0 for every sample of a
+             group whose mean is <= 0; a group of one gets 0.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2067,10 +2124,10 @@ class MaxRLConfig(_message.Message):
     SEMANTICS_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     semantics: Global___Semantics.ValueType
-    """skyrl (default)"""
+    """skyrl (default) or prime_rl"""
     epsilon: _builtins.float
     """Added to the group mean before dividing. Default 1e-6 (SkyRL's). Must be
-    >= 0.
+    >= 0. skyrl only (INVALID_ARGUMENT with prime_rl, which adds nothing).
     """
     def __init__(
         self,
