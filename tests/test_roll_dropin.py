@@ -2,18 +2,31 @@
 ``compute_advantage`` name ROLL's ``roll/pipeline/rlvr/rlvr_pipeline.py`` imported, and the pipeline's call then goes
 to the service.
 
-ROLL's pipeline module (ray, datasets, Megatron workers) cannot be imported in CI, so a module registered under its
-name holds the name as the pipeline module holds it (``from roll.utils.functionals import compute_advantage``, here a
-sentinel), ``install()`` rebinds it, and the test calls it exactly as ``RLVRPipeline.run`` does (keyword arguments,
-``response_mask=final_response_mask``, ``pipeline_config``) on a DataProto-shaped batch (a tensordict ``TensorDict``
-with ROLL's keys and shapes: ``response_mask`` [B, T + 1], ``token_level_rewards`` / ``values`` [B, T]) made from each
-golden case (tests/golden_roll: ROLL's own outputs at the pinned commit, ``token_level_rewards`` being what its
-``compute_token_reward`` left). Requests are counted at the server (one per call); with the server's answers scaled
-by 1.0001 every case fails.
+Two proofs, one recorded and one run here:
+
+* With ROLL's own code (run by hand, recorded): ``tests/golden_roll/generate.py --check-dropin`` imports ROLL's real
+  pipeline module from the pinned source, calls ``install()``, and runs the statements of ``RLVRPipeline.run`` from
+  the domain grouping through ``DataProto.concat`` (ROLL's get_sample_level_mask, reward_postprocess,
+  compute_token_reward and the rebound compute_advantage, on ROLL's real DataProto) on every golden case, against an
+  in-process server counting requests, and with the server's answers scaled by 1.0001. Its outcome is in the cases'
+  ``source.dropin_check``; :func:`test_the_check_in_rolls_own_pipeline_is_recorded_for_these_cases` requires that
+  record to exist, to be for exactly these cases (their hash) and to have passed. CI has neither ROLL's source nor
+  its dependencies, so it cannot run that check itself.
+* Here, in CI: a module registered under the pipeline module's name (a stand-in for ROLL's, which CI cannot import)
+  holds the name as ROLL's holds it (``from roll.utils.functionals import compute_advantage``, here a sentinel),
+  ``install()`` rebinds it, and the test calls it as ``RLVRPipeline.run`` does, with exactly the keyword arguments
+  ROLL's call site passes (read from ROLL's file by the check and recorded: ``pipeline.call_keywords``) on a
+  DataProto-shaped batch (a tensordict ``TensorDict`` with ROLL's keys and shapes: ``response_mask`` [B, T + 1],
+  ``token_level_rewards`` / ``values`` [B, T]) made from each golden case (tests/golden_roll: ROLL's own outputs at
+  the pinned commit, ``token_level_rewards`` being what its ``compute_token_reward`` left). Requests are counted at
+  the server (one per call); with the server's answers scaled by 1.0001 every case fails.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import inspect
 import json
 import pathlib
 import sys
@@ -28,7 +41,12 @@ torch = pytest.importorskip("torch")
 tensordict = pytest.importorskip("tensordict")
 
 HERE = pathlib.Path(__file__).resolve().parent / "golden_roll"
-CASES = json.loads((HERE / "roll_cases.json").read_text())["cases"]
+GOLDEN = json.loads((HERE / "roll_cases.json").read_text())
+CASES = GOLDEN["cases"]
+#: the outcome of generate.py --check-dropin (ROLL's own pipeline code), None when it was never recorded
+CHECK = GOLDEN["source"].get("dropin_check")
+#: the keyword arguments RLVRPipeline.run passes to compute_advantage (read from ROLL's file by the check)
+ROLL_CALL_KEYWORDS = tuple((CHECK or {}).get("pipeline", {}).get("call_keywords", ()))
 RTOL, ATOL = 1e-5, 2e-6
 
 
@@ -91,12 +109,17 @@ def roll_batch(case: dict) -> tuple[DataProto, torch.Tensor, types.SimpleNamespa
     return DataProto(tensordict.TensorDict(fields, batch_size=[B])), final, config
 
 
-def call_as_the_pipeline(mod, case: dict, client) -> tuple[np.ndarray, np.ndarray, DataProto]:
+def call_as_the_pipeline(mod, case: dict) -> tuple[np.ndarray, np.ndarray, DataProto]:
+    """``mod.compute_advantage`` called with exactly ROLL's keywords (ROLL_CALL_KEYWORDS), valued as
+    RLVRPipeline.run values them; the client is the one the drop-in holds (the ``served`` fixture)."""
     data, final, cfg = roll_batch(case)
-    out = mod.compute_advantage(
-        data=data, gamma=cfg.gamma, lambd=cfg.lambd, adv_estimator=cfg.adv_estimator,
-        advantage_clip=cfg.advantage_clip, whiten_advantages=cfg.whiten_advantages,
-        whiten_rewards=cfg.whiten_rewards, response_mask=final, pipeline_config=cfg, client=client)
+    values = {"data": data, "gamma": cfg.gamma, "lambd": cfg.lambd, "adv_estimator": cfg.adv_estimator,
+              "advantage_clip": cfg.advantage_clip, "whiten_advantages": cfg.whiten_advantages,
+              "whiten_rewards": cfg.whiten_rewards, "response_mask": final, "pipeline_config": cfg}
+    assert ROLL_CALL_KEYWORDS, "no recorded ROLL call site: run tests/golden_roll/generate.py --check-dropin"
+    missing = set(ROLL_CALL_KEYWORDS) - set(values)
+    assert not missing, f"ROLL's call passes {sorted(missing)}, which this test does not know how to value"
+    out = mod.compute_advantage(**{k: values[k] for k in ROLL_CALL_KEYWORDS})
     return out.batch["advantages"].numpy(), out.batch["returns"].numpy(), out
 
 
@@ -106,15 +129,56 @@ def close(got, want) -> bool:
     return got.shape == want.shape and bool((np.abs(got - want) <= RTOL * np.abs(want) + ATOL * scale).all())
 
 
+@pytest.fixture
+def served(monkeypatch, client):
+    """The drop-in's per-process client is the test server's (ROLL's call passes no client)."""
+    monkeypatch.setattr(dropin, "_client", client)
+    return client
+
+
+def cases_sha256(cases) -> str:  # as tests/golden_roll/generate.py hashes them
+    text = json.dumps(cases, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_the_check_in_rolls_own_pipeline_is_recorded_for_these_cases():
+    """generate.py --check-dropin ran ROLL's own RLVRPipeline.run statements with install() on exactly these cases
+    (recorded hash), every case passed (one request per domain), and every case failed at x1.0001."""
+    assert CHECK is not None, "no source.dropin_check: run tests/golden_roll/generate.py --check-dropin"
+    n = len(CASES)
+    assert CHECK["cases"] == n and CHECK["cases_sha256"] == cases_sha256(CASES), \
+        "the cases changed since the check ran: run tests/golden_roll/generate.py --check-dropin again"
+    assert CHECK["roll_run_matches_goldens"] == n   # ROLL's statements, not installed, give the goldens
+    per_estimator = collections.Counter(dropin.ESTIMATORS[c["roll_estimator"]] for c in CASES)
+    assert set(CHECK["domains"]) == {"math", "math+code"}
+    for layout, rec in CHECK["domains"].items():
+        domains = len(layout.split("+"))
+        assert rec["passed"] == n, (layout, rec)
+        assert rec["fail_at_x1.0001"] == n, (layout, rec)
+        assert rec["requests"] == {**{k: v * domains for k, v in per_estimator.items()}, "total": n * domains}, rec
+    pipe = CHECK["pipeline"]
+    assert pipe["path"] == "roll/pipeline/rlvr/rlvr_pipeline.py" and "compute_advantage" in pipe["globals"]
+    assert GOLDEN["source"]["commit"] in CHECK["command"]
+    assert dropin.PIPELINE_MODULE in CHECK["roll_modules_run_from_source"]
+    assert not set(CHECK["stubs"]) & {"roll.utils.functionals", "roll.utils.kl_controller",
+                                      "roll.distributed.scheduler.protocol", dropin.PIPELINE_MODULE}
+
+
+def test_rolls_call_binds_to_the_dropin():
+    """Every keyword ROLL's call site passes is a parameter of the drop-in's compute_advantage."""
+    assert ROLL_CALL_KEYWORDS
+    inspect.signature(dropin.compute_advantage).bind(**dict.fromkeys(ROLL_CALL_KEYWORDS))
+
+
 def test_install_rebinds_the_pipelines_name(pipeline):
     assert dropin.install() is released_compute_advantage
     assert pipeline.compute_advantage is dropin.compute_advantage
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
-def test_the_pipelines_call_gives_rolls_advantages_and_returns(pipeline, client, counted, case):
+def test_the_pipelines_call_gives_rolls_advantages_and_returns(pipeline, served, counted, case):
     dropin.install()
-    advantages, returns, data = call_as_the_pipeline(pipeline, case, client)
+    advantages, returns, data = call_as_the_pipeline(pipeline, case)
     assert counted["calls"] == 1
     assert close(advantages, case["expected_advantages"])
     assert close(returns, case["expected_returns"])
@@ -123,11 +187,11 @@ def test_the_pipelines_call_gives_rolls_advantages_and_returns(pipeline, client,
         assert torch.equal(data.batch["raw_advantages"], data.batch["returns"])
 
 
-def test_every_case_fails_with_the_servers_answers_scaled(pipeline, client, counted):
+def test_every_case_fails_with_the_servers_answers_scaled(pipeline, served, counted):
     dropin.install()
     counted["scale"] = 1.0001
     passed = [c["name"] for c in CASES
-              if all(close(a, w) for a, w in zip(call_as_the_pipeline(pipeline, c, client)[:2],
+              if all(close(a, w) for a, w in zip(call_as_the_pipeline(pipeline, c)[:2],
                                                  (c["expected_advantages"], c["expected_returns"])))]
     assert not passed, passed
     assert counted["calls"] == len(CASES)
