@@ -1,7 +1,32 @@
 """AReaL drop-in: :class:`RemotePPOActor` is AReaL's ``PPOActor`` with ``compute_advantages`` done by the service.
 
-An AReaL 1.0.4 user changes one class name and keeps everything else (``PPOActorConfig``, the engine, the
-rollout data, ``compute_logp`` and ``ppo_update``)::
+AReaL's documented launch (``python3 examples/math/gsm8k_rl.py --config ... scheduler.type=local|ray|slurm``) is
+single-controller: ``trainer.actor`` is a ``PPOActorController`` and the engines live in worker processes. There the
+one change is the launch command::
+
+    # was: python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_grpo.yaml scheduler.type=local ...
+    python -m advantage_client.areal examples/math/gsm8k_rl.py --config examples/math/gsm8k_grpo.yaml \
+        scheduler.type=local ...        # the server: $ADVANTAGE_SERVICE_TARGET
+
+(:func:`main`: :func:`install`, then the script as ``python`` runs it), or two lines in one's own script before the
+``PPOTrainer`` is made: ``import advantage_client.areal; advantage_client.areal.install()``. :func:`install` wraps
+``PPOTrainer._create_train_engine`` (areal/trainer/rl_trainer.py:951-976), the one place AReaL 1.0.4 picks the
+engine class, so the actor's goes through :func:`use_service` before ``initialize``: the controller's
+``train_engine`` becomes ``RemoteFSDPPPOActor`` (or ``RemoteMegatronPPOActor``, ``RemoteArchonPPOActor``:
+:func:`remote_engine_class`, AReaL's engine actor with :class:`RemotePPOActor` in ``.actor``), the class AReaL's
+controller sends every worker as the import path ``advantage_client.areal.RemoteFSDPPPOActor`` (workers import it:
+infra/rpc/guard/engine_blueprint.py:349, infra/rpc/ray_rpc_server.py:101; the client must be installed where AReaL
+is, on every node); and ``$ADVANTAGE_SERVICE_TARGET`` / ``_TLS_CA`` / ``_TOKEN_FILE`` are added to the actor's
+``scheduling_spec[i].env_vars``, which AReaL gives the role's worker processes on every node (Ray: the actor's
+``runtime_env``). AReaL parses those as ``k=v,k=v``, so replicas travel space-separated. The ref and teacher engines
+keep AReaL's class. A controller made by hand: ``use_service(FSDPPPOActor.as_controller(config, scheduler))`` or
+``RemoteFSDPPPOActor.as_controller(config, scheduler)``; ``RemotePPOActor(controller.config, controller)`` raises
+``TypeError`` (setting ``.actor`` on a controller would do nothing). AReaL's own launch with this change, on its
+local and Ray schedulers: ``tests/installed/test_areal_launch.py``.
+
+Where the engine is in one's own process (built by hand, or AReaL's SPMD mode: ``torchrun``, no scheduler), an AReaL
+1.0.4 user changes one class name and keeps everything else (``PPOActorConfig``, the engine, the rollout data,
+``compute_logp`` and ``ppo_update``)::
 
     # was: from areal.trainer.ppo.actor import PPOActor
     from advantage_client.areal import RemotePPOActor as PPOActor
@@ -14,27 +39,6 @@ AReaL's engine actors (``FSDPPPOActor``, ``MegatronPPOActor``, ``ArchonPPOActor`
 construction (``engine.actor = RemotePPOActor(engine.config, engine)``) or in a subclass's ``__init__``. Any
 other class with AReaL's ``self.config`` and ``_compute_advantages`` contract can take :class:`RemoteAdvantagesMixin`
 first among its bases.
-
-AReaL's documented launch (``python3 examples/math/gsm8k_rl.py --config ... scheduler.type=local|ray|slurm``) is
-single-controller: ``trainer.actor`` is a ``PPOActorController`` and the engines live in worker processes. There the
-one change is the launch command::
-
-    python -m advantage_client.areal examples/math/gsm8k_rl.py --config examples/math/gsm8k_grpo.yaml \
-        scheduler.type=local ...        # was: python3 examples/math/gsm8k_rl.py ...   (server: $ADVANTAGE_SERVICE_TARGET)
-
-(:func:`main`: :func:`install`, then the script as ``python`` runs it), or two lines in one's own script before the
-``PPOTrainer`` is made: ``import advantage_client.areal; advantage_client.areal.install()``. :func:`install` wraps
-``PPOTrainer._create_train_engine``, the one place AReaL 1.0.4 picks the engine class, so the actor's goes through
-:func:`use_service` before ``initialize``: the controller's ``train_engine`` becomes ``RemoteFSDPPPOActor`` (or
-``RemoteMegatronPPOActor``, ``RemoteArchonPPOActor``: :func:`remote_engine_class`, AReaL's engine actor with
-:class:`RemotePPOActor` in ``.actor``), the class AReaL's controller sends every worker as the import path
-``advantage_client.areal.RemoteFSDPPPOActor`` (workers import it: the client must be installed where AReaL is, on
-every node); and ``$ADVANTAGE_SERVICE_TARGET`` / ``_TLS_CA`` / ``_TOKEN_FILE`` are added to the actor's
-``scheduling_spec[i].env_vars``, which AReaL gives the role's worker processes on every node (Ray: the actor's
-``runtime_env``). AReaL parses those as ``k=v,k=v``, so replicas travel space-separated. The ref and teacher engines
-keep AReaL's class. A controller made by hand: ``use_service(FSDPPPOActor.as_controller(config, scheduler))`` or
-``RemoteFSDPPPOActor.as_controller(config, scheduler)``; ``RemotePPOActor(controller.config, controller)`` raises
-``TypeError`` (setting ``.actor`` on a controller would do nothing).
 
 The server: ``advantage_client=`` (an :class:`~advantage_client.AdvantageClient`, or any object with its
 ``compute``), else ``advantage_target=`` (``"host:port"``, or a list or comma-separated string of replicas), else
@@ -73,7 +77,11 @@ reward score once from float64), tested in ``tests/test_areal_actor.py``.
 Errors: the service's INVALID_ARGUMENT (e.g. ``config.adv_norm.eps`` <= 0, a ``discount`` outside [0, 1]) as
 :class:`~advantage_client.InvalidArgumentError` (a ``ValueError``) naming ``config.<field>``; ``ValueError`` as
 AReaL for ``prox_logp`` None under ``recompute_logprob`` and for ``overlong_reward_penalty`` without
-``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed.
+``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed;
+``TypeError`` for ``RemotePPOActor`` on a controller and for :func:`use_service` on another object than AReaL's
+actor controller or engine actor; ``RuntimeError`` for :func:`use_service` on a controller whose workers exist;
+``ValueError`` for an ``ADVANTAGE_SERVICE_*`` value holding ``=`` (AReaL's ``env_vars`` cannot carry it);
+``SystemExit`` for ``python -m advantage_client.areal`` without a script.
 
 Installing beside AReaL 1.0.4: one ``pip install areal==1.0.4 advantage-client`` fails (ResolutionImpossible):
 AReaL pins ``swanlab[dashboard]==0.6.12``, which declares ``protobuf<7``, and this client's generated stubs need
@@ -376,7 +384,11 @@ def _target_from_env() -> Any:
 def forward_service_env(config: Any) -> Any:
     """Adds this process's ``$ADVANTAGE_SERVICE_TARGET`` / ``_TLS_CA`` / ``_TOKEN_FILE`` to every
     ``config.scheduling_spec[i].env_vars`` that does not set them (AReaL gives those variables to the role's worker
-    processes on every node, local, Ray or Slurm). Returns ``config``."""
+    processes on every node, local, Ray or Slurm: areal/infra/scheduler/local.py:740-757, ray.py:130-143).
+
+    config: AReaL's ``PPOActorConfig`` (or any object with ``scheduling_spec``: ``SchedulingSpec`` objects or dicts).
+    Replicas (``h1:p,h2:p``) are written space-separated. Returns ``config``, changed in place. Raises ``ValueError``
+    for a value holding ``=``, which AReaL's ``k=v,k=v`` parsing cannot carry."""
     for spec in getattr(config, "scheduling_spec", ()) or ():
         # a SchedulingSpec (AReaL's pinned omegaconf 2.4.0.dev2 builds them); a dict with other omegaconf releases
         env = (spec.get("env_vars") if isinstance(spec, dict) else spec.env_vars) or {}
@@ -424,6 +436,8 @@ def remote_engine_class(base: type) -> type:
 
 
 def _is_controller(obj: Any) -> bool:
+    """Whether ``obj`` is one of AReaL's train controllers (``TrainController``: areal/infra/controller/
+    train_controller.py:174; ``GatewayTrainController``, the v2 controller), subclasses included."""
     return any(c.__name__ in ("TrainController", "GatewayTrainController") and c.__module__.startswith("areal.")
                for c in type(obj).__mro__)
 
@@ -435,7 +449,9 @@ def use_service(engine: Any) -> Any:
     A controller: its ``train_engine`` (the class every worker builds) becomes :func:`remote_engine_class` of it, and
     its config's ``scheduling_spec`` env_vars get the service's variables. ``RuntimeError`` once its workers exist
     (the engines are built: too late). An engine (SPMD mode, or one built by hand): ``engine.actor =
-    RemotePPOActor(engine.config, engine)``, the README's swap."""
+    RemotePPOActor(engine.config, engine)``, the README's swap.
+
+    Raises ``TypeError`` for any other object (no ``actor`` and ``config``, not a controller)."""
     if _is_controller(engine):
         if getattr(engine, "workers", None) or getattr(engine, "_initialized", False):
             raise RuntimeError("use_service(controller) after controller.initialize(): the engines are built in the "
@@ -461,7 +477,8 @@ def install() -> None:
     """Every ``PPOTrainer`` made after this computes the actor's advantages on the service: its
     ``_create_train_engine`` (areal/trainer/rl_trainer.py:951-976, the one place the trainer picks the engine class;
     called for the actor, the ref and the train-engine teacher) is wrapped so the actor's goes through
-    :func:`use_service` before ``initialize`` (rl_trainer.py:279-281). Idempotent; :func:`uninstall` undoes it."""
+    :func:`use_service` (``self.actor`` is made at rl_trainer.py:171, initialised at :288). Idempotent;
+    :func:`uninstall` undoes it. ``ImportError`` where ``areal.trainer.rl_trainer`` does not import."""
     from areal.trainer.rl_trainer import PPOTrainer
 
     if "create" in _installed:
@@ -480,6 +497,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
+    """Undoes :func:`install` (``PPOTrainer._create_train_engine`` is AReaL's again); nothing when not installed."""
     entry = _installed.pop("create", None)
     if entry is not None:
         entry[0]._create_train_engine = entry[1]
@@ -487,7 +505,8 @@ def uninstall() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m advantage_client.areal <script.py> <its arguments>``: :func:`install`, then the script as
-    ``python <script.py> <its arguments>`` would run it (``__main__``, its directory first on ``sys.path``)."""
+    ``python <script.py> <its arguments>`` would run it (``__main__``, its directory first on ``sys.path``).
+    Raises ``SystemExit`` (usage) without a ``.py`` script; the script's own exceptions propagate."""
     import runpy
 
     args = list(sys.argv[1:] if argv is None else argv)
