@@ -91,7 +91,7 @@ $(AREAL_STAMP): tests/installed/requirements-areal.txt tests/installed/constrain
 
 test-frameworks: $(STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(SKYRL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_skyrl_installed.py
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(AREAL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_areal_installed.py
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(AREAL_VENV)/bin/python -m pytest -q -s -p no:cacheprovider --confcutdir=tests/installed tests/installed/test_areal_installed.py tests/installed/test_areal_launch.py
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests/test_deploy_docker.py tests/test_deploy_k8s.py tests/test_deploy_proto.py

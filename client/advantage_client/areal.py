@@ -1,7 +1,32 @@
 """AReaL drop-in: :class:`RemotePPOActor` is AReaL's ``PPOActor`` with ``compute_advantages`` done by the service.
 
-An AReaL 1.0.4 user changes one class name and keeps everything else (``PPOActorConfig``, the engine, the
-rollout data, ``compute_logp`` and ``ppo_update``)::
+AReaL's documented launch (``python3 examples/math/gsm8k_rl.py --config ... scheduler.type=local|ray|slurm``) is
+single-controller: ``trainer.actor`` is a ``PPOActorController`` and the engines live in worker processes. There the
+one change is the launch command::
+
+    # was: python3 examples/math/gsm8k_rl.py --config examples/math/gsm8k_grpo.yaml scheduler.type=local ...
+    python -m advantage_client.areal examples/math/gsm8k_rl.py --config examples/math/gsm8k_grpo.yaml \
+        scheduler.type=local ...        # the server: $ADVANTAGE_SERVICE_TARGET
+
+(:func:`main`: :func:`install`, then the script as ``python`` runs it), or two lines in one's own script before the
+``PPOTrainer`` is made: ``import advantage_client.areal; advantage_client.areal.install()``. :func:`install` wraps
+``PPOTrainer._create_train_engine`` (areal/trainer/rl_trainer.py:951-976), the one place AReaL 1.0.4 picks the
+engine class, so the actor's goes through :func:`use_service` before ``initialize``: the controller's
+``train_engine`` becomes ``RemoteFSDPPPOActor`` (or ``RemoteMegatronPPOActor``, ``RemoteArchonPPOActor``:
+:func:`remote_engine_class`, AReaL's engine actor with :class:`RemotePPOActor` in ``.actor``), the class AReaL's
+controller sends every worker as the import path ``advantage_client.areal.RemoteFSDPPPOActor`` (workers import it:
+infra/rpc/guard/engine_blueprint.py:349, infra/rpc/ray_rpc_server.py:101; the client must be installed where AReaL
+is, on every node); and ``$ADVANTAGE_SERVICE_TARGET`` / ``_TLS_CA`` / ``_TOKEN_FILE`` are added to the actor's
+``scheduling_spec[i].env_vars``, which AReaL gives the role's worker processes on every node (Ray: the actor's
+``runtime_env``). AReaL parses those as ``k=v,k=v``, so replicas travel space-separated. The ref and teacher engines
+keep AReaL's class. A controller made by hand: ``use_service(FSDPPPOActor.as_controller(config, scheduler))`` or
+``RemoteFSDPPPOActor.as_controller(config, scheduler)``; ``RemotePPOActor(controller.config, controller)`` raises
+``TypeError`` (setting ``.actor`` on a controller would do nothing). AReaL's own launch with this change, on its
+local and Ray schedulers: ``tests/installed/test_areal_launch.py``.
+
+Where the engine is in one's own process (built by hand, or AReaL's SPMD mode: ``torchrun``, no scheduler), an AReaL
+1.0.4 user changes one class name and keeps everything else (``PPOActorConfig``, the engine, the rollout data,
+``compute_logp`` and ``ppo_update``)::
 
     # was: from areal.trainer.ppo.actor import PPOActor
     from advantage_client.areal import RemotePPOActor as PPOActor
@@ -52,7 +77,11 @@ reward score once from float64), tested in ``tests/test_areal_actor.py``.
 Errors: the service's INVALID_ARGUMENT (e.g. ``config.adv_norm.eps`` <= 0, a ``discount`` outside [0, 1]) as
 :class:`~advantage_client.InvalidArgumentError` (a ``ValueError``) naming ``config.<field>``; ``ValueError`` as
 AReaL for ``prox_logp`` None under ``recompute_logprob`` and for ``overlong_reward_penalty`` without
-``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed.
+``overlong_tokens``/``overlong_penalty_factor``; ``ImportError`` for ``RemotePPOActor`` without AReaL installed;
+``TypeError`` for ``RemotePPOActor`` on a controller and for :func:`use_service` on another object than AReaL's
+actor controller or engine actor; ``RuntimeError`` for :func:`use_service` on a controller whose workers exist;
+``ValueError`` for an ``ADVANTAGE_SERVICE_*`` value holding ``=`` (AReaL's ``env_vars`` cannot carry it);
+``SystemExit`` for ``python -m advantage_client.areal`` without a script.
 
 Installing beside AReaL 1.0.4: one ``pip install areal==1.0.4 advantage-client`` fails (ResolutionImpossible):
 AReaL pins ``swanlab[dashboard]==0.6.12``, which declares ``protobuf<7``, and this client's generated stubs need
@@ -66,13 +95,19 @@ This module imports without AReaL and without torch: AReaL's ``PPOActor`` is imp
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
+import re
+import sys
 import threading
 from typing import Any, Callable
 
+from advantage_client import channel
 from advantage_client.trl import client_from_environment
 
-__all__ = ["RemotePPOActor", "RemoteAdvantagesMixin", "remote_actor_class", "areal_advantages", "service_config"]
+__all__ = ["RemotePPOActor", "RemoteAdvantagesMixin", "remote_actor_class", "areal_advantages", "service_config",
+           "remote_engine_class", "use_service", "forward_service_env", "install", "uninstall", "main"]
 
 #: PPOActorConfig fields the service's ``areal`` estimator takes as they are
 _SCALARS = ("reward_bias", "reward_scaling", "reward_clip", "kl_ctl", "kl_estimator", "discount", "gae_lambda",
@@ -269,6 +304,11 @@ def _make_class(base: type) -> type:
             if advantage_client is not None and not callable(getattr(advantage_client, "compute", None)):
                 raise TypeError(f"advantage_client must be an AdvantageClient (or have its compute), "
                                 f"got {type(advantage_client).__name__}")
+            if _is_controller(engine):
+                raise TypeError(f"{type(engine).__name__} is AReaL's single controller: its engines run in worker "
+                                "processes, and an actor set here would never run. Launch with python -m "
+                                "advantage_client.areal <script.py> ..., or call advantage_client.areal."
+                                "use_service(controller) before controller.initialize()")
             super().__init__(config, engine)
             self.advantage_client = advantage_client if advantage_client is not None else \
                 client_from_environment(advantage_target, advantage_timeout)
@@ -280,6 +320,9 @@ def __getattr__(name: str) -> Any:
     """``RemotePPOActor``: the subclass of the installed ``areal.trainer.ppo.actor.PPOActor``."""
     if name == "RemotePPOActor":
         return remote_actor_class(_installed_ppo_actor())
+    base_name = name[len("Remote"):] if name.startswith("Remote") else ""
+    if base_name in ENGINE_ACTORS:  # what AReaL's workers import by path (import_from_string)
+        return remote_engine_class(getattr(importlib.import_module(ENGINE_ACTORS[base_name]), base_name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -314,3 +357,169 @@ def _areal_import_error(exc: ImportError) -> ImportError:
     return ImportError(f"{what}; AReaL is installed, but a module it imports is not: no module named {name!r}. "
                        f"Install the package that provides {top!r} (pip install areal==1.0.4 installs every "
                        f"dependency AReaL declares) ({exc})")
+
+
+# ---- single controller (scheduler.type=local|ray|slurm): the engine class AReaL sends its workers ----
+
+#: AReaL 1.0.4's engine actors (each builds ``self.actor = PPOActor(config, self)`` in ``__init__``:
+#: fsdp_engine.py:2163-2167, megatron_engine.py:2286-2290, experimental/engine/archon_engine.py:1403-1407)
+ENGINE_ACTORS = {"FSDPPPOActor": "areal.engine.fsdp_engine", "MegatronPPOActor": "areal.engine.megatron_engine",
+                 "ArchonPPOActor": "areal.experimental.engine.archon_engine"}
+#: AReaL's ``get_env_vars`` parses ``scheduling_spec.env_vars`` joined as ``k=v,k=v`` (areal/infra/utils/launcher.py:
+#: 140-144): a value with ``,`` or ``=`` breaks worker creation, so replicas travel space-separated
+_SEP = " "
+_engine_classes: dict[type, type] = {}
+
+
+def _target_from_env() -> Any:
+    """``$ADVANTAGE_SERVICE_TARGET`` as forwarded to a worker: replicas separated by commas or (as forwarded through
+    AReaL's env_vars) spaces; None when unset (the client's default)."""
+    raw = os.environ.get(channel.TARGET_ENV, "").strip()
+    if not raw:
+        return None
+    parts = [p for p in re.split(r"[,\s]+", raw) if p]
+    return parts if len(parts) > 1 else parts[0]
+
+
+def forward_service_env(config: Any) -> Any:
+    """Adds this process's ``$ADVANTAGE_SERVICE_TARGET`` / ``_TLS_CA`` / ``_TOKEN_FILE`` to every
+    ``config.scheduling_spec[i].env_vars`` that does not set them (AReaL gives those variables to the role's worker
+    processes on every node, local, Ray or Slurm: areal/infra/scheduler/local.py:740-757, ray.py:130-143).
+
+    config: AReaL's ``PPOActorConfig`` (or any object with ``scheduling_spec``: ``SchedulingSpec`` objects or dicts).
+    Replicas (``h1:p,h2:p``) are written space-separated. Returns ``config``, changed in place. Raises ``ValueError``
+    for a value holding ``=``, which AReaL's ``k=v,k=v`` parsing cannot carry."""
+    for spec in getattr(config, "scheduling_spec", ()) or ():
+        # a SchedulingSpec (AReaL's pinned omegaconf 2.4.0.dev2 builds them); a dict with other omegaconf releases
+        env = (spec.get("env_vars") if isinstance(spec, dict) else spec.env_vars) or {}
+        for key in channel.FORWARDED_ENV:
+            value = os.environ.get(key, "").strip()
+            if value and key not in env:
+                if "=" in value:
+                    raise ValueError(f"${key}={value!r}: AReaL's scheduling_spec.env_vars cannot carry '='")
+                env[key] = _SEP.join(p for p in re.split(r"[,\s]+", value) if p)
+        if isinstance(spec, dict):
+            spec["env_vars"] = env
+        else:
+            spec.env_vars = env
+    return config
+
+
+def remote_engine_class(base: type) -> type:
+    """``Remote<Base>``: AReaL's engine actor ``base`` (``FSDPPPOActor``, ``MegatronPPOActor``, ``ArchonPPOActor``)
+    whose ``.actor`` is :class:`RemotePPOActor` (made once per base; importable as ``<this module>.Remote<Base>``,
+    the path AReaL's controller sends its workers). Its ``as_controller`` forwards the service's variables
+    (:func:`forward_service_env`) and returns AReaL's controller for this class."""
+    with _lock:  # (the module's lock, as remote_actor_class)
+        made = _engine_classes.get(base)
+        if made is not None:
+            return made
+        if base.__name__ not in ENGINE_ACTORS or base in _engine_classes.values():
+            raise TypeError(f"remote_engine_class takes one of AReaL's engine actors ({', '.join(ENGINE_ACTORS)}), "
+                            f"got {base.__module__}.{base.__qualname__}")
+        name = "Remote" + base.__name__
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, config, *args, **kwargs)
+            # the RemotePPOActor of AReaL's own PPOActor (not a patched name): advantages from the service
+            self.actor = remote_actor_class(_installed_ppo_actor())(config, self, advantage_target=_target_from_env())
+
+        def as_controller(cls, config: Any, scheduler: Any) -> Any:
+            forward_service_env(config)
+            return base.as_controller.__func__(cls, config, scheduler)
+
+        cls = type(name, (base,), {"__init__": __init__, "as_controller": classmethod(as_controller),
+                                   "__module__": __name__, "__qualname__": name,
+                                   "__doc__": f"AReaL's {base.__name__} with compute_advantages on the service."})
+        _engine_classes[base] = cls
+        return cls
+
+
+def _is_controller(obj: Any) -> bool:
+    """Whether ``obj`` is one of AReaL's train controllers (``TrainController``: areal/infra/controller/
+    train_controller.py:174; ``GatewayTrainController``, the v2 controller), subclasses included."""
+    return any(c.__name__ in ("TrainController", "GatewayTrainController") and c.__module__.startswith("areal.")
+               for c in type(obj).__mro__)
+
+
+def use_service(engine: Any) -> Any:
+    """The actor ``engine`` (AReaL's ``PPOActorController``/``PPOActorControllerV2`` before ``initialize``, or an
+    engine actor built in this process) with its advantages from the service; returns it.
+
+    A controller: its ``train_engine`` (the class every worker builds) becomes :func:`remote_engine_class` of it, and
+    its config's ``scheduling_spec`` env_vars get the service's variables. ``RuntimeError`` once its workers exist
+    (the engines are built: too late). An engine (SPMD mode, or one built by hand): ``engine.actor =
+    RemotePPOActor(engine.config, engine)``, the README's swap.
+
+    Raises ``TypeError`` for any other object (no ``actor`` and ``config``, not a controller)."""
+    if _is_controller(engine):
+        if getattr(engine, "workers", None) or getattr(engine, "_initialized", False):
+            raise RuntimeError("use_service(controller) after controller.initialize(): the engines are built in the "
+                               "workers already; call it first (python -m advantage_client.areal does)")
+        train_engine = engine.train_engine
+        if isinstance(train_engine, str):  # the v2 controller also takes an import path
+            module, _, attr = train_engine.rpartition(".")
+            train_engine = getattr(importlib.import_module(module), attr)
+        if train_engine not in _engine_classes.values():
+            engine.train_engine = remote_engine_class(train_engine)
+        forward_service_env(engine.config)
+        return engine
+    if hasattr(engine, "actor") and hasattr(engine, "config"):
+        engine.actor = remote_actor_class(_installed_ppo_actor())(engine.config, engine)
+        return engine
+    raise TypeError(f"use_service takes AReaL's actor controller or engine actor, got {type(engine).__name__}")
+
+
+_installed: dict[str, Any] = {}
+
+
+def install() -> None:
+    """Every ``PPOTrainer`` made after this computes the actor's advantages on the service: its
+    ``_create_train_engine`` (areal/trainer/rl_trainer.py:951-976, the one place the trainer picks the engine class;
+    called for the actor, the ref and the train-engine teacher) is wrapped so the actor's goes through
+    :func:`use_service` (``self.actor`` is made at rl_trainer.py:171, initialised at :288). Idempotent;
+    :func:`uninstall` undoes it. ``ImportError`` where ``areal.trainer.rl_trainer`` does not import."""
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    if "create" in _installed:
+        return
+    original = PPOTrainer._create_train_engine
+
+    def _create_train_engine(self: Any, actor_config: Any, alloc: Any) -> Any:
+        engine = original(self, actor_config, alloc)
+        if actor_config is self.config.actor:  # the ref and a teacher keep AReaL's class
+            use_service(engine)
+        return engine
+
+    _create_train_engine.__wrapped__ = original  # type: ignore[attr-defined]
+    PPOTrainer._create_train_engine = _create_train_engine
+    _installed["create"] = (PPOTrainer, original)
+
+
+def uninstall() -> None:
+    """Undoes :func:`install` (``PPOTrainer._create_train_engine`` is AReaL's again); nothing when not installed."""
+    entry = _installed.pop("create", None)
+    if entry is not None:
+        entry[0]._create_train_engine = entry[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m advantage_client.areal <script.py> <its arguments>``: :func:`install`, then the script as
+    ``python <script.py> <its arguments>`` would run it (``__main__``, its directory first on ``sys.path``).
+    Raises ``SystemExit`` (usage) without a ``.py`` script; the script's own exceptions propagate."""
+    import runpy
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or not args[0].endswith(".py"):
+        raise SystemExit("usage: python -m advantage_client.areal <script.py> --config <yaml> [overrides...]")
+    install()
+    script = os.path.abspath(args[0])
+    sys.argv = [script, *args[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":  # python -m advantage_client.areal <script.py> <its arguments>
+    import advantage_client.areal  # the importable module (classes made here carry its path, not "__main__")
+
+    advantage_client.areal.main()
