@@ -48,7 +48,9 @@ def _configs():
     makes a clipped reward beside unclipped values neither scale-invariant nor linear, by design."""
     def accepted(name: str, cfg: dict) -> bool:
         try:
-            REGISTRY[name].config(**cfg).resolved()
+            config = REGISTRY[name].config(**cfg)
+            config.validate()
+            config.resolved()
             return True
         except InvalidInput:  # an option this semantics does not take
             return False

@@ -245,7 +245,7 @@ def _extra(first: EstimatorSpec) -> Iterator[tuple[str, dict[str, Any], dict[str
         tensors["lengths"] = torch.from_numpy(tensors.pop("mask").numpy().astype(bool).sum(1).astype(np.int64))
         yield first.name, {}, tensors, {}
     rows = next((spec for name, spec in REGISTRY.items() if not name.startswith("_") and any(
-        s.kind == "integer" and len(s.shapes) > 1 for s in spec.inputs)), None)
+        s.kind == "integer" and len(s.shapes) > 1 and s.required for s in spec.inputs)), None)  # sent here
     if rows is not None:
         yield rows.name, {}, batch(rows, np.float32, rng, ids_shape=1, layout="mixed", optional=False,
                                    rows=1200), {}

@@ -176,6 +176,16 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     num_input_tokens_weight: float | None = _length_weight_field("num_input_tokens_weight", "input-token")
     num_turns_weight: float | None = _length_weight_field("num_turns_weight", "turns")
 
+    def validate(self) -> None:
+        """The fields' checks, and: ROLL's grpo cannot leave the std out (``config.normalize_rewards`` = false with
+        ``semantics = roll``: InvalidInput naming the option that gives the mean alone)."""
+        super().validate()
+        if self.semantics == "roll" and self.normalize_rewards is False:
+            raise InvalidInput("config.normalize_rewards", "ROLL's grpo always divides by the group std (it forces "
+                                                           "norm_mean_type = norm_std_type = group); for the mean alone "
+                                                           "use reinforce_plus_plus with semantics = roll and "
+                                                           "norm_mean_type = group")
+
 
 def prime_rl_scalars(cfg: GRPOConfig, group: torch.Tensor, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
     """prime-rl's GRPO advantage per sample, float64 ``[B]`` (module docstring, ``semantics = prime_rl``).
@@ -304,12 +314,8 @@ def roll_grpo(cfg: GRPOConfig, batch: Batch) -> AdvantageResult:
 
     Inputs: prompt_ids [B], rewards [B] (or ROLL's token_level_rewards [B, T]), mask [B, T] (ROLL's
     final_response_mask), optional attention_mask [B, T], logprobs and reference_logprobs with use_kl_in_reward.
-    Returns advantages and returns [B, T] in the rewards' dtype. Raises InvalidInput on
-    ``config.normalize_rewards`` = false."""
-    if not cfg.normalize_rewards:
-        raise InvalidInput("config.normalize_rewards", "ROLL's grpo always divides by the group std (it forces "
-                                                       "norm_mean_type = norm_std_type = group); for the mean alone use "
-                                                       "reinforce_plus_plus with semantics = roll and norm_mean_type = group")
+    Returns advantages and returns [B, T] in the rewards' dtype (``config.normalize_rewards`` = false is refused
+    with InvalidInput by the config's validation, before any input is read)."""
     tokens, n = roll.token_rewards(cfg, batch, "group", "group")
     g = torch.full((batch.B,), cfg.gamma, dtype=torch.float64, device=tokens.device)
     returns = discounted_reverse_cumsum(tokens, g)
