@@ -421,6 +421,7 @@ VERL_DEFAULTS = {
     **{(est, "reward_clip"): "unset" for est in ("grpo", "reinforce_plus_plus", "gae")},
     **{(est, "advantage_clip"): "unset" for est in ("grpo", "reinforce_plus_plus", "gae")},
     **{(est, "whiten_rewards"): False for est in ("grpo", "reinforce_plus_plus", "gae")},
+    ("reinforce_plus_plus", "segment_returns"): False,  # roll only: true = ROLL's agentic_reinforce
     **{(est, f): "none" for est in ("reinforce_plus_plus", "gae") for f in ("norm_mean_type", "norm_std_type")},
     ("grpo", "gamma"): 1.0,
 }
@@ -482,6 +483,7 @@ PER_SEMANTICS_TEXT = {
     **{(est, "advantage_clip"): "unset (roll); not applicable otherwise"
        for est in ("grpo", "reinforce_plus_plus", "gae")},
     **{(est, "whiten_rewards"): "false (roll); not applicable otherwise" for est in ("grpo", "reinforce_plus_plus", "gae")},
+    ("reinforce_plus_plus", "segment_returns"): "false (roll); not applicable otherwise",
     **{(est, f): "none (roll); not applicable otherwise"
        for est in ("reinforce_plus_plus", "gae") for f in ("norm_mean_type", "norm_std_type")},
     ("grpo", "gamma"): "1.0 (roll); not applicable otherwise",

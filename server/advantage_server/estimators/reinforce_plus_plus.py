@@ -53,6 +53,12 @@ KL_t = the k1/k2/k3 estimate of KL(policy || reference) (clamped as configured),
     default), returns G_t = sum_{k >= t} gamma^(k - t) r_k of the masked token rewards over every column, advantages
     = G whitened with ``normalize_advantages`` (ROLL's ``whiten_advantages``, default false), times the mask,
     clamped to +-``advantage_clip``. KL: ROLL's ``kl_penalty`` (k1 by default, no clamps; abs offered). Returns: G.
+    ROLL's agentic ``agentic_compute_advantage`` (``roll/pipeline/agentic/utils.py``) is the same step for its
+    reinforce, grpo, step_reinforce and gigpo (from its token rewards). ``segment_returns = true`` is its
+    ``agentic_reinforce`` (``compute_agentic_reinforce_return``): G is one value per run of consecutive mask = 1
+    positions (a turn), G = r_e + gamma * G of the next run with r_e the token reward at the run's last position
+    (the run's other token rewards are not read), 0 on mask = 0 positions (:func:`segment_returns`); the
+    advantages as above.
 ``gamma`` (verl, openrlhf, skyrl, slime, roll) defaults to 1.0 (SkyRL's ``algorithm.gamma``); ``minus_baseline`` applies to
 nemo_rl only.
 
@@ -120,6 +126,12 @@ class ReinforcePlusPlusConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollS
         {"nemo_rl": False}, extra=" nemo_rl: the row is left out of the minus_baseline group mean and its "
                                   "whitened advantage is 0.")
     no_std_norm: bool | None = no_std_norm_field()
+    segment_returns: bool | None = roll._roll(
+        "ROLL's agentic adv_estimator = agentic_reinforce (compute_agentic_reinforce_return, "
+        "roll/pipeline/agentic/utils.py): one return per run of consecutive mask = 1 positions (a turn), "
+        "G = r_end + gamma * G of the next run, r_end the token reward at the run's last position (the run's other "
+        "token rewards are not read), 0 on mask = 0 positions; advantages = G whitened with "
+        "normalize_advantages, times the mask, clamped to +-advantage_clip.", False, "false")
 
 
 _PROMPT_IDS = replace(PROMPT_IDS, required=False,
@@ -181,6 +193,42 @@ def segmented_returns(r: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
     return G
 
 
+def segment_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """ROLL's ``agentic_reinforce`` returns, float64 ``[B, T]``: per row, each run of consecutive mask = 1 positions
+    (a turn) gets G = r_e + gamma * G' at all its positions, r_e the token reward at the run's last position e and G'
+    the next run's value (0 after the last run); mask = 0 positions get 0.
+
+    The affine reverse scan ``S_t = b_t + c_t S_{t+1}`` with b_t = r_t, c_t = gamma at a run's last position
+    (mask_t = 1, mask_{t+1} = 0 or t = T - 1) and b_t = 0, c_t = 1 elsewhere (:func:`segmented_returns`), times the
+    mask. :func:`segment_returns_loop` is its per-run loop twin (test oracle)."""
+    m = mask.to(torch.float64) != 0
+    end = m & ~torch.nn.functional.pad(m[:, 1:], (0, 1))                          # a run's last position
+    r = torch.where(end, token_rewards.to(torch.float64), 0.0)
+    carry = torch.where(end, torch.full_like(r, gamma), torch.ones_like(r))
+    return torch.where(m, segmented_returns(r, carry), 0.0)
+
+
+def segment_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-row, per-run loop twin of :func:`segment_returns` (test oracle)."""
+    r, m = token_rewards.to(torch.float64), mask.to(torch.float64) != 0
+    out = torch.zeros_like(r)
+    for b in range(r.shape[0]):
+        runs, t, T = [], 0, r.shape[1]
+        while t < T:
+            if m[b, t]:
+                s = t
+                while t < T and m[b, t]:
+                    t += 1
+                runs.append((s, t))
+            else:
+                t += 1
+        running = 0.0
+        for s, e in reversed(runs):
+            running = float(r[b, e - 1]) + gamma * running
+            out[b, s:e] = running
+    return out
+
+
 def verl_returns_loop(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
                       reset_at_holes: bool = False) -> torch.Tensor:
     """Per-step loop twin of :func:`verl_returns` (test oracle), backwards over t as verl does."""
@@ -236,8 +284,11 @@ def reinforce_plus_plus(cfg: ReinforcePlusPlusConfig, batch: Batch) -> Advantage
         return AdvantageResult(zero_rows(whiten_clamped(adv, mask), keep))
     if cfg.semantics == "roll":  # ROLL's RLVR step (module docstring), discounted returns of its token rewards
         tokens, n = roll.token_rewards(cfg, batch, cfg.norm_mean_type, cfg.norm_std_type)
-        returns = discounted_reverse_cumsum(tokens, torch.full((batch.B,), cfg.gamma, dtype=torch.float64,
-                                                               device=tokens.device))
+        if cfg.segment_returns:  # ROLL's agentic_reinforce
+            returns = segment_returns(tokens, mask, cfg.gamma)
+        else:
+            returns = discounted_reverse_cumsum(tokens, torch.full((batch.B,), cfg.gamma, dtype=torch.float64,
+                                                                   device=tokens.device))
         return AdvantageResult(roll.finish(returns, mask, n, cfg).to(dtype), returns=returns.to(dtype))
     if cfg.semantics == "openrlhf":
         rewards = cfg.clip(rewards)  # --reward.clip_range

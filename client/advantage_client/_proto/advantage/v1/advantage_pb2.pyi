@@ -885,6 +885,7 @@ class ReinforcePlusPlusConfig(_message.Message):
     REWARD_CLIP_FIELD_NUMBER: _builtins.int
     ADVANTAGE_CLIP_FIELD_NUMBER: _builtins.int
     WHITEN_REWARDS_FIELD_NUMBER: _builtins.int
+    SEGMENT_RETURNS_FIELD_NUMBER: _builtins.int
     minus_baseline: _builtins.bool
     """Subtract the per-prompt mean reward. Default true for nemo_rl; not
     applicable to verl and openrlhf (use reinforce_plus_plus_baseline).
@@ -947,6 +948,13 @@ class ReinforcePlusPlusConfig(_message.Message):
     """
     advantage_clip: _builtins.float
     whiten_rewards: _builtins.bool
+    segment_returns: _builtins.bool
+    """roll only (INVALID_ARGUMENT otherwise): ROLL's agentic adv_estimator =
+    agentic_reinforce (compute_agentic_reinforce_return): one return per run of
+    consecutive mask = 1 positions (a turn), G = r_end + gamma * G of the next
+    run, r_end the token reward at the run's last position; 0 where mask = 0.
+    Default false (the discounted sum over every token).
+    """
     def __init__(
         self,
         *,
@@ -969,10 +977,11 @@ class ReinforcePlusPlusConfig(_message.Message):
         reward_clip: _builtins.float | None = ...,
         advantage_clip: _builtins.float | None = ...,
         whiten_rewards: _builtins.bool | None = ...,
+        segment_returns: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_segment_returns", b"_segment_returns", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "segment_returns", b"segment_returns", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "norm_mean_type", b"norm_mean_type", "norm_std_type", b"norm_std_type", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip", "_exclude_empty_responses", b"_exclude_empty_responses", "_gamma", b"_gamma", "_kl_input_clamp_value", b"_kl_input_clamp_value", "_kl_output_clamp_value", b"_kl_output_clamp_value", "_minus_baseline", b"_minus_baseline", "_no_std_norm", b"_no_std_norm", "_normalize_advantages", b"_normalize_advantages", "_reference_policy_kl_penalty", b"_reference_policy_kl_penalty", "_reset_returns_at_holes", b"_reset_returns_at_holes", "_reward_clip", b"_reward_clip", "_reward_clip_max", b"_reward_clip_max", "_reward_clip_min", b"_reward_clip_min", "_segment_returns", b"_segment_returns", "_use_kl_in_reward", b"_use_kl_in_reward", "_whiten_rewards", b"_whiten_rewards", "advantage_clip", b"advantage_clip", "exclude_empty_responses", b"exclude_empty_responses", "gamma", b"gamma", "kl_input_clamp_value", b"kl_input_clamp_value", "kl_output_clamp_value", b"kl_output_clamp_value", "minus_baseline", b"minus_baseline", "no_std_norm", b"no_std_norm", "norm_mean_type", b"norm_mean_type", "norm_std_type", b"norm_std_type", "normalize_advantages", b"normalize_advantages", "reference_policy_kl_penalty", b"reference_policy_kl_penalty", "reference_policy_kl_type", b"reference_policy_kl_type", "reset_returns_at_holes", b"reset_returns_at_holes", "reward_clip", b"reward_clip", "reward_clip_max", b"reward_clip_max", "reward_clip_min", b"reward_clip_min", "segment_returns", b"segment_returns", "semantics", b"semantics", "use_kl_in_reward", b"use_kl_in_reward", "whiten_rewards", b"whiten_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__advantage_clip: _TypeAlias = _typing.Literal["advantage_clip"]  # noqa: Y015
     _WhichOneofArgType__advantage_clip: _TypeAlias = _typing.Literal["_advantage_clip", b"_advantage_clip"]  # noqa: Y015
@@ -1000,6 +1009,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     _WhichOneofArgType__reward_clip_max: _TypeAlias = _typing.Literal["_reward_clip_max", b"_reward_clip_max"]  # noqa: Y015
     _WhichOneofReturnType__reward_clip_min: _TypeAlias = _typing.Literal["reward_clip_min"]  # noqa: Y015
     _WhichOneofArgType__reward_clip_min: _TypeAlias = _typing.Literal["_reward_clip_min", b"_reward_clip_min"]  # noqa: Y015
+    _WhichOneofReturnType__segment_returns: _TypeAlias = _typing.Literal["segment_returns"]  # noqa: Y015
+    _WhichOneofArgType__segment_returns: _TypeAlias = _typing.Literal["_segment_returns", b"_segment_returns"]  # noqa: Y015
     _WhichOneofReturnType__use_kl_in_reward: _TypeAlias = _typing.Literal["use_kl_in_reward"]  # noqa: Y015
     _WhichOneofArgType__use_kl_in_reward: _TypeAlias = _typing.Literal["_use_kl_in_reward", b"_use_kl_in_reward"]  # noqa: Y015
     _WhichOneofReturnType__whiten_rewards: _TypeAlias = _typing.Literal["whiten_rewards"]  # noqa: Y015
@@ -1030,6 +1041,8 @@ class ReinforcePlusPlusConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_max) -> _WhichOneofReturnType__reward_clip_max | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_clip_min) -> _WhichOneofReturnType__reward_clip_min | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__segment_returns) -> _WhichOneofReturnType__segment_returns | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__use_kl_in_reward) -> _WhichOneofReturnType__use_kl_in_reward | None: ...
     @_typing.overload
