@@ -35,6 +35,7 @@ module ``advantage_client.areal``), +12 over the six cases.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import json
@@ -108,10 +109,10 @@ def _requests(metrics: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^advantage_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-@pytest.fixture(scope="module")
-def service():
+@contextlib.contextmanager
+def serving(binary: str):
+    """``binary`` (an ``advantage-server``) on free loopback ports, until the block ends: (address, metrics)."""
     port, mport = _free_port(), _free_port()
-    binary = os.environ.get("ADVANTAGE_SERVER_BIN", str(ROOT / ".venv" / "bin" / "advantage-server"))
     proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
                              "--metrics-port", str(mport), "--no-warmup", "--log-level", "WARNING"])
     metrics = f"127.0.0.1:{mport}"
@@ -129,6 +130,16 @@ def service():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+#: the server the tests call: the project's own (.venv), or $ADVANTAGE_SERVER_BIN
+SERVER_BIN = os.environ.get("ADVANTAGE_SERVER_BIN", str(ROOT / ".venv" / "bin" / "advantage-server"))
+
+
+@pytest.fixture(scope="module")
+def service():
+    with serving(SERVER_BIN) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,12 @@ Checked: the service (``$ADVANTAGE_SERVER_BIN``, default ``.venv/bin/advantage-s
 every key of every trajectory equals AReaL's own by test_areal_installed.compare (the differential tests' rule, float64
 returns and advantages to 1e-9, ``kl_rewards``/``tot_rewards`` to 4 float32 ulp, every other key bitwise); the worker
 built ``advantage_client.areal.RemoteFSDPPPOActor`` for the actor and AReaL's ``FSDPPPOActor`` for the ref.
-Checked at x1.0001 (2026-12-06, by hand, local scheduler): with ``$ADVANTAGE_SERVER_BIN`` a script that starts the
-same server with ``advantage_server.core.AdvantageCore.run``'s advantages and returns multiplied by 1.0001, the
-launcher case fails in both batches (``kl_rewards`` of the float32 one: 14 of 36 positions beyond 4 float32 ulp;
-``returns`` of the float64 one: 36 of 36 beyond 1e-9), as does the in-process controller test (``returns``), while
-the plain launch still passes (+0). The Ray case compares the same way (not rerun at x1.0001).
+Checked at x1.0001, every run: ``test_the_comparison_fails_for_a_server_off_by_1e_4`` launches against the same
+server with ``advantage_server.core.AdvantageCore.run``'s advantages and returns multiplied by 1.0001
+(``areal_launch/scaled_server.py``): both batches fail the comparison (by hand, 2026-12-06: ``kl_rewards`` of the
+float32 one, 14 of 36 positions beyond 4 float32 ulp; ``returns`` of the float64 one, 36 of 36 beyond 1e-9; the
+in-process controller test failed on ``returns`` too, and the plain launch still passed, +0). The Ray case compares
+the same way.
 """
 from __future__ import annotations
 
@@ -134,6 +135,31 @@ def test_areals_launch_with_the_launcher_reaches_the_service(service, tiny_model
     assert not failed, failed
     assert results["values_float64"]["want"][0]["returns"].dtype == torch.float64
     assert any(bool((t["kl_rewards"] != 0).any()) for t in results["rollout_float32"]["want"])
+
+
+@pytest.fixture(scope="module")
+def scaled_service(tmp_path_factory):
+    """The same server, every advantage and return multiplied by 1.0001 (areal_launch/scaled_server.py, run by the
+    python of the server ``service`` runs)."""
+    from test_areal_installed import SERVER_BIN, serving
+
+    wrapper = tmp_path_factory.mktemp("scaled") / "advantage-server-scaled"
+    wrapper.write_text(f"#!/bin/sh\nexec {pathlib.Path(SERVER_BIN).parent / 'python'} {LAUNCH / 'scaled_server.py'} "
+                       f"\"$@\"\n")
+    wrapper.chmod(0o755)
+    with serving(str(wrapper)) as s:
+        yield s
+
+
+def test_the_comparison_fails_for_a_server_off_by_1e_4(scaled_service, tiny_model, tmp_path):
+    """The launcher's launch (local scheduler, no ref) against ``scaled_service``: the service counts its +4, and
+    the comparison with AReaL's own numbers fails in both batches (float32 ``kl_rewards``, float64 ``returns``):
+    the rule above tells a server 1e-4 wrong from a right one."""
+    _, results, added = _launch(scaled_service, tiny_model, tmp_path, "launcher", "local", "~ref")
+    assert added == REQUESTS_PER_LAUNCH
+    for name, r in results.items():
+        with pytest.raises(AssertionError):
+            compare(r["got"], r["want"])
 
 
 def test_areals_launch_without_the_launcher_keeps_areals_engine(service, tiny_model, tmp_path):
