@@ -23,7 +23,7 @@ import psutil
 import grpc
 import pytest
 
-from advantage_client import AdvantageClient, AdvantageServiceError
+from advantage_client import AdvantageClient
 from advantage_server import shares
 from advantage_server.bench.rawh2 import RawH2, big_result_request
 from advantage_server.shares import ResultLedger
@@ -436,16 +436,39 @@ def test_connection_shares_close_idle_connections_of_the_host_over_its_share_fir
     assert max(left.values()) - min(left.values()) <= 1, left  # max-min: the biggest hosts gave them up
 
 
-def test_connection_keys_name_one_connection_one_way():
-    """The peer gRPC gives a handler and the one its socket gives the reaper name the same connection."""
-    from advantage_server.identity import connection_key, sockaddr_peer
+def test_connection_keys_name_one_connection_one_way(make_server):
+    """The peer gRPC gives a handler and the one the kernel's socket table gives the reaper
+    (:class:`advantage_server.identity.ServerSockets`) name the same connection; :meth:`ServerSockets.shut` ends
+    the one it is asked to, and only that one."""
+    import socket
+
+    from advantage_server.identity import ServerSockets, connection_key
 
     assert connection_key("ipv4:127.0.0.1:5678") == "127.0.0.1:5678"
     assert connection_key("ipv6:%5B::ffff:127.0.0.1%5D:5678") == "127.0.0.1:5678"  # a dual-stack socket's client
-    assert connection_key(sockaddr_peer(("::ffff:127.0.0.1", 5678, 0, 0))) == "127.0.0.1:5678"
-    assert connection_key("ipv6:%5B2001:db8::7%5D:9") == connection_key(sockaddr_peer(("2001:db8::7", 9, 0, 0)))
-    assert connection_key("ipv6:%5B2001:db8::7%5D:9") == "[2001:db8::7]:9"
+    assert connection_key("ipv6:[::ffff:7f00:1]:5678") == "127.0.0.1:5678"
+    assert connection_key("ipv6:%5B2001:db8::7%5D:9") == connection_key("ipv6:[2001:db8:0::7]:9") == "[2001:db8::7]:9"
     assert connection_key("unix:/tmp/s") == "unix:/tmp/s" and connection_key("unknown") == "unknown"
+    srv = make_server()
+    host, port = srv.address.rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+    try:
+        sockets = ServerSockets(int(port))
+        assert sockets.available
+        assert _wait_for(lambda: len(sockets.scan()) == 3)
+        found = sockets.scan()
+        assert sorted(connection_key(p) for p in found.values()) == sorted(
+            f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+        fd, peer = next((fd, p) for fd, p in found.items() if connection_key(p) == f"127.0.0.1:{socks[1].getsockname()[1]}")
+        assert sockets.shut(fd, peer)
+        socks[1].settimeout(10)
+        while socks[1].recv(65536):  # the server's SETTINGS, then the end of the stream
+            pass
+        assert _wait_for(lambda: len(sockets.scan()) == 2)
+        assert not sockets.shut(fd, peer)  # gone: the descriptor no longer holds that socket
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_a_host_holding_connections_past_its_share_does_not_lock_new_clients_out(make_server, monkeypatch):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import os
-import socket
+import re
 import urllib.parse
 from typing import Any, Callable
 
@@ -128,29 +128,61 @@ def connection_key(peer: str) -> str:
     return f"{address}:{port}" if address.version == 4 else f"[{address}]:{port}"
 
 
-def sockaddr_peer(address: tuple) -> str:
-    """gRPC's peer string (:func:`call_peer`) for a socket's ``getpeername()``: ``ipv4:1.2.3.4:5678``,
-    ``ipv6:[::ffff:1.2.3.4]:5678``."""
-    host, port = address[0], address[1]
-    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
-
-
 class ServerSockets:
     """The TCP connections this process has accepted on ``port``: who is connected, whether or not it has made a
-    call (gRPC tells a handler its caller, never the connections that make no call). Read from the process's own
-    descriptors (``/proc/self/fd``: Linux; elsewhere :attr:`available` is False and :meth:`scan` finds none), each
-    socket asked its local and peer address once and remembered by its descriptor and inode.
+    call (gRPC tells a handler its caller, never the connections that make no call). Linux only (elsewhere
+    :attr:`available` is False and :meth:`scan` finds none): the kernel's socket tables (``/proc/self/net/tcp6``
+    and ``tcp``: each established socket's local port, peer and inode) joined with the process's descriptors
+    (``/proc/self/fd``: descriptor -> socket inode).
 
     :meth:`shut` ends a connection as its client vanishing would: ``shutdown(SHUT_RDWR)`` on a duplicate of gRPC's
     descriptor, checked to be the same socket first (never ``close``: the descriptor stays gRPC's, which sees
-    end-of-stream, drops the connection and closes it). Not thread-safe: one reaper thread uses it."""
+    end-of-stream, drops the connection and closes it).
+
+    The per-descriptor calls go to libc without releasing the GIL (``ctypes.PyDLL``): each is a microsecond, and a
+    thread that released and re-took the GIL around each of thousands of them, beside gRPC's busy threads, waited
+    for the GIL every time (measured: 0.7-3.3 s to read and close 10,000 connections that way, 20-60 ms now). Not
+    thread-safe: one reaper thread uses it."""
 
     FD_DIR = "/proc/self/fd"
+    TABLES = ("/proc/self/net/tcp6", "/proc/self/net/tcp")
 
     def __init__(self, port: int):
         self.port = port
-        self.available = os.path.isdir(self.FD_DIR) and port > 0
-        self._known: dict[int, tuple[str, str | None]] = {}  # fd -> (its link, "socket:[inode]"; peer or None)
+        self.available = port > 0 and os.path.isdir(self.FD_DIR) and any(os.path.exists(t) for t in self.TABLES)
+        if self.available:
+            import ctypes
+            self._libc = ctypes.PyDLL(None, use_errno=True)
+            self._buf = ctypes.create_string_buffer(64)
+            self._table_buf = ctypes.create_string_buffer(1 << 20)
+        # an established socket whose local port is ours: its peer address and port (hex), its inode
+        self._row = re.compile(rf"^ *\d+: [0-9A-F]+:{port:04X} ([0-9A-F]+):([0-9A-F]{{4}}) 01 (?:\S+ +){{5}}(\d+)",
+                               re.M)
+        self._peers: dict[str, str] = {}  # the tables' hex address -> its peer-string host part
+        self._inodes: dict[int, int] = {}  # fd -> socket inode, as of the last scan
+        self._fds: dict[int, int] = {}  # socket inode -> fd, as of the last scan
+
+    def _readlink(self, path: bytes) -> bytes:
+        n = self._libc.readlink(path, self._buf, 64)
+        return self._buf.raw[:n] if n > 0 else b""
+
+    def _read_table(self, path: str) -> str:
+        """A whole socket table, read by libc ``read`` of up to 1 MiB at a time without releasing the GIL (Python's
+        own reads of a /proc file come in 8 KiB pieces, each a GIL hand-over)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return ""
+        parts = []
+        try:
+            while True:
+                n = self._libc.read(fd, self._table_buf, len(self._table_buf))
+                if n <= 0:
+                    break
+                parts.append(self._table_buf.raw[:n])
+        finally:
+            os.close(fd)
+        return b"".join(parts).decode("ascii", "replace")
 
     def descriptors(self) -> int:
         """Descriptors this process holds open now (0 where that cannot be read): cheap, a directory listing."""
@@ -159,67 +191,63 @@ class ServerSockets:
         except OSError:
             return 0
 
+    def _host(self, hexaddr: str) -> str:
+        host = self._peers.get(hexaddr)
+        if host is None:
+            raw = bytes.fromhex(hexaddr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # 32-bit words, host byte order
+            address = ipaddress.ip_address(raw)
+            host = f"ipv4:{address}" if address.version == 4 else f"ipv6:[{address}]"
+            if len(self._peers) < 65536:
+                self._peers[hexaddr] = host
+        return host
+
     def scan(self) -> dict[int, str]:
-        """``{descriptor: peer}`` (:func:`sockaddr_peer`'s spelling) of every connection accepted on the port."""
+        """``{descriptor: peer}`` (:func:`call_peer`'s spelling, e.g. ``ipv6:[::ffff:10.0.0.7]:51234``) of every
+        connection accepted on the port."""
         if not self.available:
             return {}
-        try:
-            names = os.listdir(self.FD_DIR)
-        except OSError:
-            return {}
-        found: dict[int, str] = {}
-        known: dict[int, tuple[str, str | None]] = {}
-        for name in names:
-            fd = int(name)
+        peers: dict[int, str] = {}  # inode -> peer of every connection accepted on the port
+        for table in self.TABLES:
+            for m in self._row.finditer(self._read_table(table)):
+                peers[int(m.group(3))] = f"{self._host(m.group(1))}:{int(m.group(2), 16)}"
+        # a socket keeps its descriptor while it is open: only the inodes new since the last scan are looked for,
+        # among the descriptors that held none of the sockets still open
+        fds = {inode: fd for inode, fd in self._fds.items() if inode in peers}
+        if len(fds) < len(peers):
             try:
-                link = os.readlink(f"{self.FD_DIR}/{fd}")
+                names = os.listdir(self.FD_DIR)
             except OSError:
-                continue
-            if not link.startswith("socket:"):
-                continue
-            seen = self._known.get(fd)
-            peer = seen[1] if seen is not None and seen[0] == link else self._peer_of(fd)
-            known[fd] = (link, peer)
-            if peer is not None:
-                found[fd] = peer
-        self._known = known
-        return found
-
-    def _peer_of(self, fd: int) -> str | None:
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return None
-        try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return None
-            if sock.getsockname()[1] != self.port:
-                return None
-            return sockaddr_peer(sock.getpeername())
-        except OSError:  # the listener (not connected), or a socket closed meanwhile
-            return None
-        finally:
-            sock.close()
+                names = []
+            known = set(fds.values())
+            for name in names:
+                fd = int(name)
+                if fd in known:
+                    continue
+                link = self._readlink(f"{self.FD_DIR}/{name}".encode())
+                if link.startswith(b"socket:["):
+                    inode = int(link[8:-1])
+                    if inode in peers:
+                        fds[inode] = fd
+        self._fds = fds
+        self._inodes = {fd: inode for inode, fd in fds.items()}
+        return {fd: peers[inode] for inode, fd in fds.items()}
 
     def shut(self, fd: int, peer: str) -> bool:
-        """End connection ``peer`` on descriptor ``fd`` (from :meth:`scan`); False when ``fd`` no longer holds it."""
-        seen = self._known.get(fd)
-        try:
-            dup = os.dup(fd)
-        except OSError:
+        """End the connection on descriptor ``fd`` (from :meth:`scan`, ``peer`` its peer); False when ``fd`` no longer
+        holds the socket the scan found there."""
+        inode = self._inodes.get(fd)
+        if inode is None:
             return False
-        sock = socket.socket(fileno=dup)
+        dup = self._libc.dup(fd)
+        if dup < 0:
+            return False
         try:
-            if seen is None or f"socket:[{os.fstat(dup).st_ino}]" != seen[0]:
+            if self._readlink(f"{self.FD_DIR}/{dup}".encode()) != f"socket:[{inode}]".encode():
                 return False  # gRPC closed it and the number now holds another socket or file
-            if sockaddr_peer(sock.getpeername()) != peer:
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
+            return self._libc.shutdown(dup, 2) == 0  # SHUT_RDWR
         finally:
-            sock.close()
+            self._libc.close(dup)
 
 
 class CallsPerConnection(grpc.ServerInterceptor):
