@@ -478,8 +478,12 @@ def install() -> None:
     ``_create_train_engine`` (areal/trainer/rl_trainer.py:951-976, the one place the trainer picks the engine class;
     called for the actor, the ref and the train-engine teacher) is wrapped so the actor's goes through
     :func:`use_service` (``self.actor`` is made at rl_trainer.py:171, initialised at :288). Idempotent;
-    :func:`uninstall` undoes it. ``ImportError`` where ``areal.trainer.rl_trainer`` does not import."""
-    from areal.trainer.rl_trainer import PPOTrainer
+    :func:`uninstall` undoes it. ``ImportError`` naming what to install where ``areal.trainer.rl_trainer`` does not
+    import."""
+    try:
+        from areal.trainer.rl_trainer import PPOTrainer
+    except ImportError as exc:
+        raise _areal_import_error(exc) from exc
 
     if "create" in _installed:
         return
@@ -512,6 +516,14 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or not args[0].endswith(".py"):
         raise SystemExit("usage: python -m advantage_client.areal <script.py> --config <yaml> [overrides...]")
+    if not os.path.isfile(args[0]):
+        raise SystemExit(f"python -m advantage_client.areal: no script {args[0]!r} (give the path of the AReaL script "
+                         "you would run with python3)")
+    if not os.environ.get("ADVANTAGE_SERVICE_TARGET"):
+        import warnings
+        warnings.warn("python -m advantage_client.areal: $ADVANTAGE_SERVICE_TARGET is not set, so AReaL's workers "
+                      "get no server address and each calls localhost:50051; set it to the server's host:port",
+                      stacklevel=1)
     install()
     script = os.path.abspath(args[0])
     sys.argv = [script, *args[1:]]

@@ -160,7 +160,12 @@ def install(registry: dict | None = None, client: Any = None) -> dict[str, type]
     ``opd``, ``opsd``, ``sft``) stay prime-rl's. Call it before the orchestrator builds its algorithms. Installing
     twice changes nothing. Returns ``{type: the class now registered}`` for the four."""
     if registry is None:
-        from prime_rl.orchestrator.algo import ALGORITHM_CLASSES as registry
+        try:
+            from prime_rl.orchestrator.algo import ALGORITHM_CLASSES as registry
+        except ModuleNotFoundError as exc:
+            raise ImportError(f"advantage_client.prime_rl.install() patches prime-rl's ALGORITHM_CLASSES, but "
+                              f"{exc.name!r} does not import: run it in prime-rl's own environment (the one its "
+                              "orchestrator runs in), or pass the registry: install(ALGORITHM_CLASSES)") from exc
     out = {}
     for kind in SERVED:
         cls = registry.get(kind)

@@ -83,7 +83,7 @@ def install(module: Any = None, agentic_module: Any = None) -> Any:
     imported) to :func:`compute_advantage`, and ``agentic_compute_advantage`` in its agentic pipeline module
     (``agentic_module``, else :data:`AGENTIC_PIPELINE_MODULE` imported) to :func:`agentic_compute_advantage`. A
     module that is not given and does not import is left out (that process cannot run its pipeline); when neither
-    imports, the RLVR module's ImportError is raised. :data:`INSTALLED` records what was rebound. Returns the RLVR
+    imports, an ImportError naming both and the RLVR module's own error is raised. :data:`INSTALLED` records what was rebound. Returns the RLVR
     function it replaced (None when only the agentic module imported)."""
     replaced, errors = {}, []
     for path, given, name, fn in ((PIPELINE_MODULE, module, "compute_advantage", compute_advantage),
@@ -98,7 +98,10 @@ def install(module: Any = None, agentic_module: Any = None) -> Any:
         replaced[path] = getattr(given, name)
         setattr(given, name, fn)
     if not replaced:
-        raise errors[0]
+        raise ImportError(f"advantage_client.roll.install() rebinds names in ROLL's pipeline modules "
+                          f"({PIPELINE_MODULE}, {AGENTIC_PIPELINE_MODULE}), and neither imports here: {errors[0]}. "
+                          "Call it in ROLL's own environment (its launcher), or pass the module: "
+                          "install(module=...)") from errors[0]
     INSTALLED.update(replaced)
     return replaced.get(PIPELINE_MODULE)
 

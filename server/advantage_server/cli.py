@@ -218,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
     p.add_argument("--max-connections-per-host", type=positive_int, default=None,
                    help="open connections one client host may hold while others need room: past it, its connections "
-                        "with no call open for 2 s are closed, longest idle first (the client reconnects at its next "
-                        "call); default a quarter of the server's connection limit, at least 64. Behind a proxy or "
+                        "with no call open for 50 ms are closed, longest idle first, down to half of it (a client "
+                        "reconnects at its next call); default a quarter of the server's connection limit, at least 64. Behind a proxy or "
                         "NAT every client is one host: raise it there")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -177,8 +177,8 @@ class GRPOConfig(KLInRewardConfig, OpenRLHFRewardConfig, roll.RollStepConfig):
     num_turns_weight: float | None = _length_weight_field("num_turns_weight", "turns")
 
     def validate(self) -> None:
-        """The fields' checks, and: ROLL's grpo cannot leave the std out (``config.normalize_rewards`` = false with
-        ``semantics = roll``: InvalidInput naming the option that gives the mean alone)."""
+        """The fields' checks, and, with ``semantics = roll``: ROLL's grpo cannot leave the std out
+        (``config.normalize_rewards`` = false: InvalidInput naming the option that gives the mean alone)."""
         super().validate()
         if self.semantics == "roll" and self.normalize_rewards is False:
             raise InvalidInput("config.normalize_rewards", "ROLL's grpo always divides by the group std (it forces "
