@@ -1,6 +1,6 @@
 """Client-side coalescing in AsyncAdvantageClient (``coalesce_ms``; issue #12), against a real server.
 
-* the contract that makes coalescing safe (``COALESCE_EXAMPLES=200`` for a longer search than the default 20): for every estimator and semantics the server declares
+* the contract that makes coalescing safe (``COALESCE_EXAMPLES=200`` for a longer search than the default 12): for every estimator and semantics the server declares
   group-local (``EstimatorInfo.group_local``), hypothesis-generated batches of whole prompt groups, split
   into consecutive calls, give bit-identical advantages and returns computed call by call (coalescing off)
   and merged into one request by the coalescing client, over gRPC; calls of one batch reuse the same
@@ -178,7 +178,7 @@ def _same(a, b) -> bool:
 def test_group_local_contract(target, name, base):
     info = LISTING[name]
 
-    @settings(max_examples=int(os.environ.get("COALESCE_EXAMPLES", "20")), deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=int(os.environ.get("COALESCE_EXAMPLES", "12")), deadline=None, suppress_health_check=list(HealthCheck))
     @given(batches(info, base))
     def check(case):
         cfg, calls = case
