@@ -166,22 +166,9 @@ def pipeline(monkeypatch):
 
 @pytest.fixture
 def counted(monkeypatch):
-    import dataclasses
+    from test_roll_dropin import count_estimators
 
-    from advantage_server.estimators.registry import REGISTRY
-    state = {"calls": 0, "scale": 1.0}
-    for name in set(dropin.AGENTIC_ESTIMATORS.values()):
-        spec = REGISTRY[name]
-
-        def fn(cfg, batch, _inner=spec.fn):
-            state["calls"] += 1
-            out = _inner(cfg, batch)
-            if state["scale"] != 1.0:
-                out = dataclasses.replace(out, advantages=out.advantages * state["scale"],
-                                          returns=None if out.returns is None else out.returns * state["scale"])
-            return out
-        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(spec, fn=fn))
-    return state
+    return count_estimators(monkeypatch, dropin.AGENTIC_ESTIMATORS.values())
 
 
 @pytest.fixture

@@ -65,13 +65,13 @@ def pipeline(monkeypatch):
     return mod
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Count the estimator runs of the in-process server (one per request), optionally scaling its answers."""
+def count_estimators(monkeypatch, names) -> dict:
+    """Count the runs of estimators ``names`` in the in-process server (one per request), their answers scaled by
+    ``state["scale"]`` (1.0: untouched); returns that state."""
     from advantage_server.estimators.registry import REGISTRY
 
     state = {"calls": 0, "scale": 1.0}
-    for name in set(dropin.ESTIMATORS.values()):
+    for name in set(names):
         spec = REGISTRY[name]
 
         def fn(cfg, batch, _inner=spec.fn):
@@ -83,6 +83,12 @@ def counted(monkeypatch):
             return out
         monkeypatch.setitem(REGISTRY, name, dataclasses.replace(spec, fn=fn))
     return state
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the estimator runs of the in-process server (one per request), optionally scaling its answers."""
+    return count_estimators(monkeypatch, dropin.ESTIMATORS.values())
 
 
 class DataProto:

@@ -108,6 +108,7 @@ def peer_host(peer: str) -> str:
     return f"ipv6:[{net.network_address}]/{prefix}"
 
 
+@functools.lru_cache(maxsize=16384)  # every call of a connection names it the same way: parsed once
 def connection_key(peer: str) -> str:
     """One spelling per connection, whoever names it (issue #35: the ledger's connections entry): ``1.2.3.4:5678``
     or ``[2001:db8::7]:5678``. gRPC names a dual-stack socket's IPv4 client ``ipv6:%5B::ffff:1.2.3.4%5D:5678`` in
