@@ -762,3 +762,119 @@ def test_a_reader_over_its_own_budget_waits_for_its_results_and_a_slow_readers_a
     book.refusal("newcomer", "h")
     assert reader.cancels == 0, "a reader's result was cut while its host held less than its budget"
     book.close()
+
+
+def _connects(address: str, port: int, seconds: float = 0.5) -> bool:
+    """Whether a TCP connection from this host to ``address`` is accepted within ``seconds`` (less than the 1 s a
+    client's kernel waits before it sends a dropped SYN again)."""
+    import socket
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.settimeout(seconds)
+        try:
+            sock.connect((address, port))
+            return True
+        except OSError:
+            return False
+
+
+def test_the_syn_gate_drops_connection_requests_of_gated_hosts_only():
+    """Issue #35 item 4, the gate (:class:`advantage_server.identity.ListenerGate`): a classic BPF filter on the
+    listening socket drops connection requests from the gated hosts' addresses (IPv4 loopback is one host, 127/8;
+    an IPv6 host is its prefix) and nothing else: other hosts connect, and a connection accepted before its host was
+    gated carries data both ways. ``set([])`` lets everyone in again."""
+    import socket
+
+    from advantage_server.identity import ListenerGate, ServerSockets, syn_gate_program
+
+    listener = socket.socket(socket.AF_INET6)
+    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    listener.bind(("::", 0))
+    listener.listen(256)
+    port = listener.getsockname()[1]
+    gate = ListenerGate(ServerSockets(port))
+    early = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted, _ = listener.accept()
+    try:
+        assert gate.sockets.listeners() == [listener.fileno()]
+        assert _connects("127.0.0.1", port) and _connects("::1", port)
+        assert gate.set(["ipv4:127.0.0.1"]) and gate.hosts == ("ipv4:127.0.0.1",)
+        assert not _connects("127.0.0.1", port) and not _connects("127.0.0.42", port)
+        assert _connects("::1", port)
+        early.sendall(b"ping")
+        assert accepted.recv(4) == b"ping"
+        accepted.sendall(b"pong")
+        assert early.recv(4) == b"pong"
+        assert gate.set(["ipv4:10.9.9.9", "ipv6:[::]/64"])  # ::1 is in ::/64
+        assert not _connects("::1", port) and _connects("127.0.0.1", port)
+        assert gate.set(["ipv6:[::1]"]) and not _connects("::1", port)
+        assert gate.set([]) and _connects("::1", port) and _connects("127.0.0.1", port)
+        # the program's size: 7 instructions, a jump, an IPv4 host in 4 and its two IPv6 forms in 13 each, 2 returns
+        assert len(syn_gate_program(["ipv4:10.9.9.9"])) == 8 * (7 + 1 + 4 + 1 + 2 * 13 + 1)
+        assert syn_gate_program(["unix:/tmp/x"]) == syn_gate_program([])
+    finally:
+        early.close()
+        accepted.close()
+        listener.close()
+
+
+def test_a_host_found_over_its_connection_share_is_gated_longer_each_time_and_let_in_when_it_leaves():
+    """The gate's rule (:meth:`advantage_server.shares.ConnectionShares.gate`): a host found holding more than its
+    share is gated for ``CONNECTION_GATE_S`` (1 s); found so again after that gate lapsed, twice as long each time
+    (at most ``CONNECTION_GATE_MAX_S``, 16 s), from 1 s again after ``CONNECTION_GATE_FORGIVE_S`` (60 s) without
+    being over; a gated host whose connections fall to a quarter of its share (it left) is let in at once. The host
+    holding the most comes first (the program names at most ``GATE_MAX_HOSTS``)."""
+    clock = Clock()
+    conns = shares.ConnectionShares(total=1000, per_host=100, clock=clock)
+    assert conns.gate({"a": 100, "b": 5}) == []
+    for strike in range(1, 8):
+        assert conns.gate({"a": 300, "b": 5}) == ["a"]
+        length = min(16.0, 2.0 ** (strike - 1))
+        clock.now += length - 0.01
+        assert conns.gate({"a": 50}) == ["a"]  # half its share: it still holds what it was cut to
+        clock.now += 0.02
+        assert conns.gate({"a": 50}) == [], strike
+    assert conns.gate({"a": 300}) == ["a"]
+    assert conns.gate({"a": 25}) == []  # a quarter of its share: it left
+    clock.now += 61
+    assert conns.gate({"a": 300, "c": 400}) == ["c", "a"]
+    clock.now += 1.01
+    assert conns.gate() == []  # forgiven: 1 s again
+
+
+def test_a_host_that_reopens_every_connection_closed_is_gated_and_another_host_is_served(monkeypatch):
+    """Issue #35 item 4, the churning host: an attacker on 127.0.0.1 that opens a new idle connection for each one the
+    server closes (:func:`advantage_server.bench.adversarial.hold_idle_connections`, 256 + 64 of them against a
+    limit of 256) kept the server at its limit, so a client of another host (``::1`` here) met connections closed as
+    they arrived. Now the attacker's host is gated: its connection requests are dropped in the kernel
+    (:class:`advantage_server.identity.ListenerGate`), so it cannot reopen what the reaper closes, and the other
+    host's client makes 20 calls. Once the attacker leaves, its host is let in again."""
+    from advantage_server import server as server_mod
+    from advantage_server.bench.adversarial import hold_idle_connections
+
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 256)
+    srv = server_mod.create_server("::", 0, device="cpu").start()
+    port = int(srv.address.rsplit(":", 1)[1])
+    stop, full, opened = threading.Event(), threading.Event(), [0]
+    attacker = threading.Thread(target=hold_idle_connections, args=("127.0.0.1", port, stop, 256 + 64),
+                                kwargs={"opened": opened, "full": full}, daemon=True)
+    attacker.start()
+    request = dict(prompt_ids=[0, 0], rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    try:
+        assert full.wait(30)
+        assert _wait_for(lambda: srv.connections.gate.hosts == ("ipv4:127.0.0.1",), 10), srv.connections.gate.hosts
+        started = time.monotonic()
+        with AdvantageClient(f"[::1]:{port}", timeout=10) as client:
+            done = [client.compute("grpo", None, **request).advantages.shape for _ in range(20)]
+        assert done == [(2, 1)] * 20
+        assert time.monotonic() - started < 5.0
+        assert srv.connections.closed >= 64
+        stop.set()
+        attacker.join(10)
+        assert _wait_for(lambda: srv.connections.gate.hosts == (), 20), srv.connections.gate.hosts
+        with AdvantageClient(f"127.0.0.1:{port}", timeout=10) as client:
+            assert client.compute("grpo", None, **request).advantages.shape == (2, 1)
+    finally:
+        stop.set()
+        attacker.join(10)
+        srv.stop(grace=1.0)

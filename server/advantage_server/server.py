@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import collections
 import math
 import os
 import threading
@@ -66,7 +67,7 @@ from advantage_server.limits import (
     Limits, MemoryTrimmer, RequestExpired, check_batch_elements, checkpoints, grpc_liveness, is_out_of_memory,
 )
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
-from advantage_server.identity import CallsPerConnection, ServerSockets, call_peer, connection_key, peer_host
+from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
 from advantage_server import transport
@@ -142,6 +143,12 @@ def connections_per_host(total: int, flag: int | None = None) -> int:
 #: are enough for a host to be over its share, reads the connections and closes what
 #: :meth:`~advantage_server.shares.ConnectionShares.choose` names
 REAP_INTERVAL_S = 0.25
+#: seconds between two sweeps for ``REAP_FAST_FOR_S`` after a host's gate lapsed
+#: (:class:`advantage_server.identity.ListenerGate`): a host that kept reopening while it was gated has connection
+#: requests pending, which its kernel sends again on their own timers; a sweep soon after finds it over its share
+#: again before they fill the server
+REAP_FAST_S = 0.05
+REAP_FAST_FOR_S = 1.0
 
 
 class ConnectionReaper:
@@ -149,15 +156,18 @@ class ConnectionReaper:
     :class:`advantage_server.shares.ConnectionShares`). gRPC tells the service nothing of a connection that makes no
     call, so the connections are read from the process's sockets (:class:`advantage_server.identity.ServerSockets`)
     and an idle one is ended as a vanished client's would be (its client sees the connection close and reconnects
-    at its next call). ``closed``: connections ended so far. Off where the sockets cannot be read (not Linux, or a
-    unix-socket listener)."""
+    at its next call). A host found over its share also has its new connections refused in the kernel for a while
+    (``gate``, :class:`advantage_server.identity.ListenerGate`; the rule: :meth:`ConnectionShares.gate`), so that one
+    that reopens each connection closed cannot refill the server faster than a sweep closes them. ``closed``:
+    connections ended so far. Off where the sockets cannot be read (not Linux, or a unix-socket listener)."""
 
     def __init__(self, sockets: ServerSockets, shares: ConnectionShares, interval: float = REAP_INTERVAL_S):
         self.sockets, self.shares, self.interval = sockets, shares, interval
+        self.gate = ListenerGate(sockets)
         self.closed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._logged = 0.0
+        self._logged = self._gate_logged = -math.inf
 
     def start(self) -> None:
         if self.sockets.available and self._thread is None:
@@ -170,20 +180,36 @@ class ConnectionReaper:
             self._thread.join(2)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        lapsed = -math.inf  # when a gate last lapsed
+        while not self._stop.wait(REAP_FAST_S if time.monotonic() - lapsed < REAP_FAST_FOR_S else self.interval):
             try:
+                gated = self.gate.hosts
                 self.sweep()
+                if set(gated) - set(self.gate.hosts):
+                    lapsed = time.monotonic()
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad read; the server serves on
                 log.exception("connection reaper: a sweep failed")
 
     def sweep(self) -> int:
         """One look: the connections closed (0 when the descriptors are too few for anyone to be over a share)."""
         if self.sockets.descriptors() <= min(self.shares.per_host, self.shares.high_water):
+            if self.gate.hosts:  # a gate lapses when its time is up, or when its host let go of what it held
+                found = self.sockets.scan()
+                self.gate.set(self.shares.gate(collections.Counter(peer_host(peer) for peer in found.values())))
             return 0
         found = self.sockets.scan()
         by_key = {connection_key(peer): (fd, peer) for fd, peer in found.items()}
+        live = {key: peer_host(peer) for key, (_, peer) in by_key.items()}
+        # the gate first: a host that reopens what is closed below finds its connection requests dropped
+        before = self.gate.hosts
+        self.gate.set(self.shares.gate(per_host := collections.Counter(live.values())))
+        if set(self.gate.hosts) - set(before) and time.monotonic() - self._gate_logged > 10:
+            self._gate_logged = time.monotonic()
+            log.warning("refusing new connections from %s for a while: over its share of connections "
+                        "(--max-connections-per-host %d; it holds %d)", ", ".join(self.gate.hosts[:4]),
+                        self.shares.per_host, per_host[self.gate.hosts[0]])
         n = 0
-        for key in self.shares.choose({key: peer_host(peer) for key, (_, peer) in by_key.items()}):
+        for key in self.shares.choose(live):
             fd, peer = by_key[key]
             n += self.sockets.shut(fd, peer)
         self.closed += n

@@ -483,6 +483,13 @@ CONNECTION_IDLE_MIN_S = 0.5
 CONNECTION_OVER_SHARE_IDLE_S = 0.05
 #: call-end times kept for connections no longer seen, at most (older ones are forgotten first)
 CONNECTION_MEMORY = 16384
+#: seconds a host found over its share has its new connections refused in the kernel
+#: (:class:`advantage_server.identity.ListenerGate`) the first time; each time it is found over its share again after
+#: its gate lapsed, twice as long, at most ``CONNECTION_GATE_MAX_S``
+CONNECTION_GATE_S = 1.0
+CONNECTION_GATE_MAX_S = 16.0
+#: a host not found over its share for this many seconds starts again from ``CONNECTION_GATE_S``
+CONNECTION_GATE_FORGIVE_S = 60.0
 
 
 class ConnectionShares:
@@ -497,6 +504,13 @@ class ConnectionShares:
     * **per host**: a host holding more than ``per_host`` connections loses its idle ones (none for
       ``CONNECTION_OVER_SHARE_IDLE_S``) down to half of ``per_host``: an attacker that opens a new connection for
       each one closed must open that many again, each sweep, to fill the server;
+    * **gate**: a host over its share also has its new connections refused in the kernel (:meth:`gate`; dropped
+      SYNs, its client's kernel sends them again) for ``CONNECTION_GATE_S``, twice as long each time it is found
+      over again after a gate lapsed (at most ``CONNECTION_GATE_MAX_S``), and no longer once it holds a quarter
+      of its share or less (it left). A host that reopens every connection closed (~20,000 a second from one CPU)
+      otherwise refills the server faster than a sweep can close them, and gRPC then closes every other host's new
+      connections as they arrive. The gate cannot tell two clients of one address apart: a gated host's *new*
+      connections wait for it, whoever opens them; connections already open are untouched;
     * **in all**: while more than ``total - headroom`` are open, the host holding the most loses its longest idle
       one, again and again, down to ``total - 2 headroom`` (``headroom``: a sixteenth of ``total``, at least 8), so
       that a new client's connection is accepted and a host holding few is never the one that pays.
@@ -515,6 +529,9 @@ class ConnectionShares:
         self._open: collections.Counter[str] = collections.Counter()  # connection key -> calls open now
         self._busy: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> its last call's end
         self._seen: dict[str, float] = {}  # key -> when choose() first saw it
+        self._strikes: dict[str, tuple[int, float]] = {}  # host -> (gates in a row, when last over its share)
+        self._gated: dict[str, float] = {}  # host -> until when its new connections are refused
+        self._counts: collections.Counter[str] = collections.Counter()  # host -> connections at the last sweep
 
     @property
     def high_water(self) -> int:
@@ -536,6 +553,30 @@ class ConnectionShares:
             self._busy.move_to_end(key)
             while len(self._busy) > CONNECTION_MEMORY:
                 self._busy.popitem(last=False)
+
+    def gate(self, per_host: Mapping[str, int] | None = None) -> list[str]:
+        """The hosts whose new connections are to be refused now (see the class docstring), the one holding the most
+        first. ``per_host``: the connections each host holds, as a sweep just counted them (a host over its share
+        is gated, longer each time it is found so again after its gate lapsed); None: only the gates' time."""
+        now = self._clock()
+        with self._lock:
+            if per_host is not None:  # a gated host that let go of what it held (it left) is let in again
+                for host in [h for h in self._gated if per_host.get(h, 0) <= self.per_host // 4]:
+                    del self._gated[host]
+            for host, n in (per_host or {}).items():
+                if n <= self.per_host:
+                    continue
+                strikes, last = self._strikes.get(host, (0, -math.inf))
+                if self._gated.get(host, -math.inf) <= now:  # a new offence: a longer gate than the last one
+                    strikes = 1 if now - last > CONNECTION_GATE_FORGIVE_S else strikes + 1
+                    self._gated[host] = now + min(CONNECTION_GATE_MAX_S, CONNECTION_GATE_S * 2 ** (strikes - 1))
+                self._strikes[host] = (strikes, now)
+            if per_host is not None:
+                self._counts = collections.Counter(per_host)
+            self._gated = {host: until for host, until in self._gated.items() if until > now}
+            if len(self._strikes) > CONNECTION_MEMORY:
+                self._strikes = {h: v for h, v in self._strikes.items() if now - v[1] <= CONNECTION_GATE_FORGIVE_S}
+            return sorted(self._gated, key=lambda host: -self._counts[host])
 
     def choose(self, live: Mapping[str, str]) -> list[str]:
         """The connections to close now, from ``live`` (every open connection: key -> its host), longest idle first

@@ -623,6 +623,8 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
         log.close()
         if ns is not None:
             ns.close()
+        if os.environ.get("ADVANTAGE_BENCH_KEEP_LOG"):  # the server's log, kept for a look
+            shutil.copy(os.path.join(tmp, "server.log"), os.environ["ADVANTAGE_BENCH_KEEP_LOG"])
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
