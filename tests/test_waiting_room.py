@@ -428,3 +428,42 @@ def test_a_prompt_neighbour_of_a_staller_ranks_by_arrival_with_other_hosts():
     staller = wait_rank(hosts, conns, "10.0.0.1:1", "10.0.0.1", 0.0)
     small_staller = wait_rank(hosts, conns, "10.0.0.3:1", "10.0.0.3", 0.5)
     assert sorted([staller, other_host, small_staller, neighbour]) == [neighbour, other_host, small_staller, staller]
+
+
+def test_a_place_taken_back_goes_to_a_call_that_ranks_with_the_cutter_and_waited_first(long_wait):
+    """``lend(caller)``: the place of a cut call goes to the best-ranked waiting call when it ranks with or before
+    the cutter (it came first), else to the cutter. Before, the cutter always took it: a slow-loris opening a fresh
+    connection per call, each new call cutting its own oldest stalled upload, kept every place among its own calls
+    while a new neighbour of the same rank waited its whole wait (bench ``slow-loris-fresh``)."""
+    gate, stalled = _gate(places=1, waiting=4)
+    holder = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    assert holder.admitted.wait(5)
+    first = _Call(gate, Caller("ipv4:10.0.0.2:1", "10.0.0.2"), make_room=None)  # waits, cuts nothing
+    _wait_for(lambda: gate.waiting == 1)
+    lent: list[bool] = []
+    cutter_caller = Caller("ipv4:10.0.0.3:1", "10.0.0.3")
+    def cut_once(held=False):  # one stalled call to cut: later looks find none
+        if not lent:
+            lent.append(gate.lend(cutter_caller))
+    cutter = _Call(gate, cutter_caller, make_room=cut_once)
+    assert first.admitted.wait(5)
+    assert lent == [False] and gate.passed_on == 1 and not cutter.admitted.is_set()
+    assert holder.finish() == "ok"  # the cut call leaves (it would raise UploadCut) and repays its place:
+    gate.repay()  # the cutter, waiting now, gets it
+    assert cutter.admitted.wait(5)
+    assert first.finish() == "ok" and cutter.finish() == "ok"
+    # a waiting call that ranks after the cutter (its connection stalls) does not get the cutter's place
+    holder = _Call(gate, Caller("ipv4:10.0.0.9:7", "10.0.0.9"))
+    assert holder.admitted.wait(5)
+    stalled.hosts, stalled.conns = {"10.0.0.5": 2}, {"ipv4:10.0.0.5:1": 2}
+    staller = _Call(gate, Caller("ipv4:10.0.0.5:1", "10.0.0.5"), make_room=None)
+    _wait_for(lambda: gate.waiting == 1)
+    lent.clear()
+    cutter = _Call(gate, cutter_caller, make_room=cut_once)
+    assert cutter.admitted.wait(5)
+    assert lent == [True] and gate.passed_on == 1 and not staller.admitted.is_set()
+    assert holder.finish() == "ok"
+    gate.repay()
+    assert cutter.finish() == "ok"
+    assert staller.admitted.wait(30) and staller.finish() == "ok"
+    assert gate.in_flight == 0
