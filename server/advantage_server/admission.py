@@ -165,7 +165,6 @@ class RequestGate:
         self._parked_n = 0
         self.parked = 0   # places kept for a connection's next call
         self.unparked = 0  # of which taken by that next call
-        self.passed_on = 0  # places taken back by a cut that went to an earlier waiting call (lend)
         self.dropped = 0  # waiting calls refused to make room for a better-ranked newcomer
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # the drain's waits (wait_idle); waiting calls have their own
@@ -199,36 +198,16 @@ class RequestGate:
         """Calls in the waiting room now."""
         return len(self._waiters)
 
-    def lend(self, caller: Caller | None = None) -> bool:
-        """Hand the place of a call :meth:`UploadWatch.evict_for` has just cut to a call at once, while the cut call
-        is still unwinding (it gives the place back through :meth:`repay` when its upload block ends): so a call
-        that takes a place back from a stalled client does not wait for that client's thread to leave (under load,
-        several GIL switches: tens of milliseconds), and no other call can take the place meanwhile. For a moment
-        the places in use may exceed ``max_concurrent_requests`` by the cut calls still unwinding, whose partial
-        bodies are being freed.
-
-        The place goes to this thread (its next limited :meth:`admit` takes it; True) unless a call in the waiting
-        room ranks with or before ``caller`` (:func:`~advantage_server.shares.wait_rank`, leaving out the time of
-        arrival: it came first): that call is granted it (False; this thread's call waits its turn). Without that,
-        a slow-loris opening a fresh connection per call, whose every new call cuts its own oldest stalled upload,
-        kept all the places among its own calls, and a new same-host neighbour (ranked with the fresh connections
-        until its first result) waited its whole wait (``STALLED_WAIT_S``) for its first call."""
+    def lend(self) -> None:
+        """Hand this thread the place of a call :meth:`UploadWatch.evict_for` has just cut, at once: its next
+        limited :meth:`admit` takes it, while the cut call is still unwinding (it gives the place back through
+        :meth:`repay` when its upload block ends). So a newcomer that takes a place back from a stalled client
+        does not wait for that client's thread to leave (under load, several GIL switches: tens of milliseconds),
+        and no other call can take the place meanwhile. For a moment the places in use may exceed
+        ``max_concurrent_requests`` by the cut calls still unwinding, whose partial bodies are being freed."""
         with self._cond:
             self._owed += 1
-            if caller is not None and self._waiters and not self._draining:
-                hosts, conns = self._counts()
-                best = min(self._waiters, key=lambda w: wait_rank(hosts, conns, w.caller.connection, w.caller.host,
-                                                                   w.arrived))
-                if (wait_rank(hosts, conns, best.caller.connection, best.caller.host, 0.0)[:-1]
-                        <= wait_rank(hosts, conns, caller.connection, caller.host, 0.0)[:-1]):
-                    self._waiters.remove(best)
-                    best.granted = True
-                    self._limited += 1
-                    self.passed_on += 1
-                    best.wake.notify()
-                    return False
             self._reserved.add(threading.get_ident())
-            return True
 
     def repay(self) -> None:
         """A call cut for another (:meth:`lend`) has left its upload: the place it lent is back in the count."""

@@ -458,9 +458,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         # ``held``: places are free and this caller is held below stalled_cap (the cut's message says so)
         stall = 0.0 if self.results.proven(call_peer(context)) else NEWCOMER_CUT_STALL_S
         if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall, held=held):
-            # the cut call's place, at once: the admission next in this thread takes it, unless a call that ranks
-            # with or before this one was waiting already
-            self.gate.lend(self._caller(context))
+            self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
     def _wait_results(self, context: grpc.ServicerContext) -> None:
         """Before a limited call takes a place: wait (at most ``ADMISSION_WAIT_S``, never past its deadline) while
