@@ -219,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections-per-host", type=positive_int, default=None,
                    help="open connections one client host may hold while others need room: past it, its connections "
                         "with no call open for 50 ms are closed, longest idle first, down to half of it (a client "
-                        "reconnects at its next call); default a quarter of the server's connection limit, at least 64. Behind a proxy or "
-                        "NAT every client is one host: raise it there")
+                        "reconnects at its next call), and its new connections are refused in the kernel for 1 s, "
+                        "doubling each time it is found past it again (at most 16 s; at once again when it leaves); "
+                        "default a quarter of the server's connection limit, at least 64. Behind a proxy or NAT every "
+                        "client is one host: raise it there")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
