@@ -107,8 +107,10 @@ class AnonymousRefusals:
     IMMEDIATE_PER_S = 100.0
     #: a held call is answered no earlier than this after it came
     HOLD_S = 1.0
-    #: held calls answered a second at most, over all hosts
-    RELEASE_PER_S = 200.0
+    #: held calls answered a second at most, over all hosts: a flood that sends each refused call again sends this
+    #: many a second (each still costs gRPC's serve thread, both interceptors and this class's releasing thread a few
+    #: hundred microseconds: at 200 a second token holders kept 83-88% of their goodput, pinned)
+    RELEASE_PER_S = 50.0
     #: held calls at most; past it the interceptor gives no handler (UNIMPLEMENTED from gRPC's serve thread)
     MAX_HELD = 4096
     #: resident memory the held calls may add (see the class docstring), bytes
