@@ -380,6 +380,7 @@ def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
     monkeypatch.setattr(limits, "_resident_bytes", lambda: level[0])
     collections = []
     monkeypatch.setattr(limits.gc, "collect", lambda *a: collections.append(1) or 0)
+    monkeypatch.setattr(limits, "GC_INTERVAL_S", 0.0)  # a collection at every attempt (below: the default)
     trimmer = limits.MemoryTrimmer(interval=0.01, step=64 * mib)
     trims = []
     trimmer._trim = lambda pad: trims.append(level[0])
@@ -398,6 +399,24 @@ def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
         settled = len(trims)
         time.sleep(0.3)
         assert len(trims) == settled
+    finally:
+        trimmer.stop()
+    # at the default, one full collection per GC_INTERVAL_S (10 s) however many attempts: each holds the GIL
+    # (~0.1 s in a server without cli's gc.freeze), and under bench unread-results attempts came about once a second
+    monkeypatch.setattr(limits, "GC_INTERVAL_S", 10.0)
+    collections.clear()
+    trims.clear()
+    level[0] = 100 * mib
+    trimmer = limits.MemoryTrimmer(interval=0.01, step=64 * mib)
+    trimmer._trim = lambda pad: trims.append(level[0])
+    trimmer.start()
+    try:
+        time.sleep(0.05)
+        level[0] = 900 * mib
+        deadline = time.monotonic() + 10
+        while len(trims) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(trims) >= 8 and len(collections) == 1
     finally:
         trimmer.stop()
 

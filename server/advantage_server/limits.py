@@ -259,6 +259,10 @@ def _resident_bytes() -> int | None:
         return None
 
 
+#: seconds between two full garbage collections of the memory trimmer, at least
+GC_INTERVAL_S = 10.0
+
+
 class MemoryTrimmer:
     """Hands freed heap memory back to the OS when resident memory grew by more than ``step`` bytes.
 
@@ -268,11 +272,12 @@ class MemoryTrimmer:
     resident; with this, it comes back to ~240 MiB). Checks every ``interval`` seconds (one read of
     /proc/self/statm); a no-op where glibc's ``malloc_trim`` or /proc is missing. When a trim leaves resident
     memory high, it runs a full garbage collection and trims again (cyclic garbage can hold a request's
-    bytes), then retries after 1, 2, 4 ... 30 s for as long as memory stays high.
+    bytes; at most once per ``GC_INTERVAL_S``), then retries after 1, 2, 4 ... 30 s for as long as memory stays high.
     """
 
     def __init__(self, interval: float = 1.0, step: int = 64 << 20):
         self.interval, self.step = interval, step
+        self._collected = -math.inf  # when the last full collection ran
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -311,8 +316,12 @@ class MemoryTrimmer:
             self._trim(0)
             self.trims += 1
             after = _resident_bytes() or rss
-            if after > floor + self.step:  # held: perhaps by garbage in a reference cycle (a failed call's
-                gc.collect()  # traceback and the buffers its frames hold), which only a full collection frees
+            # held: perhaps by garbage in a reference cycle (a failed call's traceback and the buffers its frames
+            # hold), which only a full collection frees; at most once per GC_INTERVAL_S (it holds the GIL: ~0.1 s
+            # in a server that has not frozen its startup objects, cli's gc.freeze)
+            if after > floor + self.step and now - self._collected >= GC_INTERVAL_S:
+                self._collected = now
+                gc.collect()
                 self._trim(0)
                 after = _resident_bytes() or rss
             log.debug("memory trimmed: resident %d MiB -> %d MiB", rss >> 20, after >> 20)
