@@ -131,7 +131,13 @@ def test_in_flight_gauge_counts_calls_in_progress(metered, monkeypatch):
     assert value(m, "advantage_requests_total", method="ComputeAdvantage", estimator="grpo", code="OK") == 2
 
 
-def test_refused_calls_are_counted_with_their_status():
+def test_refused_calls_are_counted_with_their_status(monkeypatch):
+    """Counted before the refusal's status is sent: a client that reads the metrics right after its refusal finds
+    it (the count came after the status, and a loaded machine's scrape missed it; the counting slowed by 0.3 s
+    here makes that certain)."""
+    from advantage_server import metrics as metrics_mod
+    child = metrics_mod._child
+    monkeypatch.setattr(metrics_mod, "_child", lambda *a: (time.sleep(0.1), child(*a))[1])
     srv = create_server("127.0.0.1", 0, device="cpu", metrics_port=0, auth_token="s3cret").start()
     try:
         with AdvantageClient(srv.address, timeout=10.0) as client:  # no token

@@ -38,6 +38,7 @@ speak neither TLS nor bearer tokens, so they cannot check a TLS main port.
 from __future__ import annotations
 
 import itertools
+import threading
 import re
 import time
 import uuid
@@ -374,14 +375,23 @@ class ObservabilityInterceptor(grpc.ServerInterceptor):
 
         def observed(request_iterator: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> None:
             context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            once = threading.Lock()
+
+            def count() -> None:  # once per call, before its status can reach the client (a client that reads
+                if once.acquire(blocking=False):  # the metrics right after its refusal finds it counted)
+                    code = context.code()
+                    name = code.name if code not in (None, grpc.StatusCode.OK) else "OK"
+                    _child(m.requests, method, "none", name).inc()
+                    _child(m.duration, method, "none").observe(0.0)
+                    _child(m.request_bytes, method, "none").observe(0)
+
+            def counted_send(response: Any) -> None:  # at once, or later from the releasing thread
+                count()
+                send(response)
             try:
-                behavior(request_iterator, context, send)
+                behavior(request_iterator, context, counted_send)
             finally:
-                code = context.code()
-                name = code.name if code not in (None, grpc.StatusCode.OK) else "OK"
-                _child(m.requests, method, "none", name).inc()
-                _child(m.duration, method, "none").observe(0.0)
-                _child(m.request_bytes, method, "none").observe(0)
+                count()  # a held refusal is counted when it is held
         observed.experimental_non_blocking = True  # type: ignore[attr-defined]
         return observed
 
