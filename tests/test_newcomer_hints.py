@@ -41,6 +41,11 @@ def test_a_plaintext_client_against_a_tls_server_is_told_about_tls(make_server, 
     ("connections to all backends failing; last error: ipv4:127.0.0.1:50071: backend unhealthy", "NOT_SERVING"),
     ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", "tls_ca"),
     ("Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame)", "metrics"),
+    # a dropped SYN, e.g. a server's gate on an address holding more than its share (issue #35; a newcomer's probe)
+    ("connections to all backends failing; last error: UNAVAILABLE: ipv4:127.0.0.1:41911: Connection timed out",
+     "--max-connections-per-host"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Connection refused",
+     "start advantage-server there"),
 ])
 def test_hint_by_cause(message, words):
     assert words in hint(grpc.StatusCode.UNAVAILABLE, message, "localhost:50071", 3.0)

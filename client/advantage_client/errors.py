@@ -152,6 +152,13 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
             return (f"{message} (something at {target} closed the connection or does not speak plaintext gRPC: a "
                     "server started with --tls-cert needs tls_ca=... (or tls=True) in the client; otherwise check "
                     "that the port is advantage-server's gRPC port, not its metrics or another service's)")
+        if "connection timed out" in low:  # nothing answered the connection request (a dropped SYN)
+            return (f"no advantage service answered at {target}: the connection attempt timed out, nothing answered "
+                    "it. A firewall or a host that is down drops it so; so does an advantage-server that refuses new "
+                    "connections from this client's address for a while, because that address holds more than its "
+                    "share of connections (--max-connections-per-host: its log says 'refusing new connections from "
+                    "...'; the gate lasts 1-16 s): retry later, or check that the server is running and reachable "
+                    f"from here (gRPC: {message})")
         if any(k in low for k in _NOBODY_THERE):
             # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
             return (f"no advantage service answered at {target}: start advantage-server there, or check the "

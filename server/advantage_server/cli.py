@@ -218,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
                    help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
     p.add_argument("--max-connections-per-host", type=positive_int, default=None,
-                   help="open connections one client host may hold while others need room: past it, its connections "
+                   help="open connections one client host may hold: past it, its connections "
                         "with no call open for 50 ms are closed, longest idle first, down to half of it (a client "
-                        "reconnects at its next call), and its new connections are refused in the kernel for 1 s, "
-                        "doubling each time it is found past it again (at most 16 s; at once again when it leaves); "
+                        "reconnects at its next call), and its new connections are dropped in the kernel (their "
+                        "connection attempts time out) for 1 s, doubling each time it is found past it again (at "
+                        "most 16 s; let in at once when it leaves); "
                         "default a quarter of the server's connection limit, at least 64. Behind a proxy or NAT every "
                         "client is one host: raise it there")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")

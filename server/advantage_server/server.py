@@ -70,7 +70,7 @@ from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overl
 from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
 from advantage_server.uploads import UploadCut, UploadWatch
-from advantage_server import transport
+from advantage_server import identity, transport
 from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
 from advantage_server.warmup import KernelCollector, warm
@@ -205,9 +205,10 @@ class ConnectionReaper:
         self.gate.set(self.shares.gate(per_host := collections.Counter(live.values())))
         if set(self.gate.hosts) - set(before) and time.monotonic() - self._gate_logged > 10:
             self._gate_logged = time.monotonic()
-            log.warning("refusing new connections from %s for a while: over its share of connections "
-                        "(--max-connections-per-host %d; it holds %d)", ", ".join(self.gate.hosts[:4]),
-                        self.shares.per_host, per_host[self.gate.hosts[0]])
+            log.warning("dropping new connections from %s for 1-16 s (its clients' connection attempts time out): "
+                        "over its share of connections (--max-connections-per-host %d; it holds %d; every 127.0.0.0/8 "
+                        "address is one host, an IPv6 host is its /%d)", ", ".join(self.gate.hosts[:4]),
+                        self.shares.per_host, per_host[self.gate.hosts[0]], identity.IPV6_HOST_PREFIX)
         n = 0
         for key in self.shares.choose(live):
             fd, peer = by_key[key]
@@ -216,7 +217,7 @@ class ConnectionReaper:
         now = time.monotonic()
         if n and now - self._logged > 10:
             self._logged = now
-            log.info("closed %d idle connection(s) of hosts over their share (%d open, %d per host, %d in all; "
+            log.info("closed %d idle connection(s) of hosts over their share (%d open, %d per host, at most %d in all; "
                      "%d closed so far)", n, len(found) - n, self.shares.per_host, self.shares.total, self.closed)
         return n
 

@@ -561,7 +561,7 @@ class ConnectionShares:
         now = self._clock()
         with self._lock:
             if per_host is not None:  # a gated host that let go of what it held (it left) is let in again
-                for host in [h for h in self._gated if per_host.get(h, 0) <= self.per_host // 4]:
+                for host in [h for h in self._gated if per_host.get(h, 0) <= max(1, self.per_host // 4)]:
                     del self._gated[host]
             for host, n in (per_host or {}).items():
                 if n <= self.per_host:
