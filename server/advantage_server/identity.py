@@ -406,7 +406,7 @@ def syn_gate_program(hosts: list[str]) -> bytes:
 
 
 class ListenerGate:
-    """Connection requests refused in the kernel, per host (issue #35 item 4, the ledger's connections entry): gRPC's
+    """Connection requests dropped in the kernel, per host (issue #35 item 4, the ledger's connections entry): gRPC's
     Python server has no hook where a connection is accepted, and it closes each connection past its limit as it
     arrives, whoever sent it; a host that reopens every connection closed (~20,000 a second from one CPU) keeps
     the server at that limit. :meth:`set` puts a :func:`syn_gate_program` on every socket listening on ``port``

@@ -33,9 +33,9 @@ Logs carry method, estimator, status, timing and shapes, never tensor contents o
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import collections
 import math
 import os
 import threading
@@ -156,7 +156,7 @@ class ConnectionReaper:
     :class:`advantage_server.shares.ConnectionShares`). gRPC tells the service nothing of a connection that makes no
     call, so the connections are read from the process's sockets (:class:`advantage_server.identity.ServerSockets`)
     and an idle one is ended as a vanished client's would be (its client sees the connection close and reconnects
-    at its next call). A host found over its share also has its new connections refused in the kernel for a while
+    at its next call). A host found over its share also has its new connections dropped in the kernel for a while
     (``gate``, :class:`advantage_server.identity.ListenerGate`; the rule: :meth:`ConnectionShares.gate`), so that one
     that reopens each connection closed cannot refill the server faster than a sweep closes them. ``closed``:
     connections ended so far. Off where the sockets cannot be read (not Linux, or a unix-socket listener)."""

@@ -483,7 +483,7 @@ CONNECTION_IDLE_MIN_S = 0.5
 CONNECTION_OVER_SHARE_IDLE_S = 0.05
 #: call-end times kept for connections no longer seen, at most (older ones are forgotten first)
 CONNECTION_MEMORY = 16384
-#: seconds a host found over its share has its new connections refused in the kernel
+#: seconds a host found over its share has its new connections dropped in the kernel
 #: (:class:`advantage_server.identity.ListenerGate`) the first time; each time it is found over its share again after
 #: its gate lapsed, twice as long, at most ``CONNECTION_GATE_MAX_S``
 CONNECTION_GATE_S = 1.0
@@ -504,13 +504,13 @@ class ConnectionShares:
     * **per host**: a host holding more than ``per_host`` connections loses its idle ones (none for
       ``CONNECTION_OVER_SHARE_IDLE_S``) down to half of ``per_host``: an attacker that opens a new connection for
       each one closed must open that many again, each sweep, to fill the server;
-    * **gate**: a host over its share also has its new connections refused in the kernel (:meth:`gate`; dropped
-      SYNs, its client's kernel sends them again) for ``CONNECTION_GATE_S``, twice as long each time it is found
+    * **gate**: a host over its share also has its new connections dropped in the kernel (:meth:`gate`; dropped
+      SYNs: its clients' kernels send them again, and their connection attempts time out) for ``CONNECTION_GATE_S``, twice as long each time it is found
       over again after a gate lapsed (at most ``CONNECTION_GATE_MAX_S``), and no longer once it holds a quarter
       of its share or less (it left). A host that reopens every connection closed (~20,000 a second from one CPU)
       otherwise refills the server faster than a sweep can close them, and gRPC then closes every other host's new
       connections as they arrive. The gate cannot tell two clients of one address apart: a gated host's *new*
-      connections wait for it, whoever opens them; connections already open are untouched;
+      connections are dropped, whoever opens them; connections already open are untouched;
     * **in all**: while more than ``total - headroom`` are open, the host holding the most loses its longest idle
       one, again and again, down to ``total - 2 headroom`` (``headroom``: a sixteenth of ``total``, at least 8), so
       that a new client's connection is accepted and a host holding few is never the one that pays.
@@ -530,7 +530,7 @@ class ConnectionShares:
         self._busy: collections.OrderedDict[str, float] = collections.OrderedDict()  # key -> its last call's end
         self._seen: dict[str, float] = {}  # key -> when choose() first saw it
         self._strikes: dict[str, tuple[int, float]] = {}  # host -> (gates in a row, when last over its share)
-        self._gated: dict[str, float] = {}  # host -> until when its new connections are refused
+        self._gated: dict[str, float] = {}  # host -> until when its new connections are dropped
         self._counts: collections.Counter[str] = collections.Counter()  # host -> connections at the last sweep
 
     @property
@@ -555,7 +555,7 @@ class ConnectionShares:
                 self._busy.popitem(last=False)
 
     def gate(self, per_host: Mapping[str, int] | None = None) -> list[str]:
-        """The hosts whose new connections are to be refused now (see the class docstring), the one holding the most
+        """The hosts whose new connections are to be dropped now (see the class docstring), the one holding the most
         first. ``per_host``: the connections each host holds, as a sweep just counted them (a host over its share
         is gated, longer each time it is found so again after its gate lapsed); None: only the gates' time."""
         now = self._clock()
