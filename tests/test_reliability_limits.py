@@ -404,6 +404,9 @@ def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
     # at the default, one full collection per GC_INTERVAL_S (10 s) however many attempts: each holds the GIL
     # (~0.1 s in a server without cli's gc.freeze), and under bench unread-results attempts came about once a second
     monkeypatch.setattr(limits, "GC_INTERVAL_S", 10.0)
+    # gc.collect is patched process-wide: count the calls of this trimmer's thread only (a server another test left
+    # in this worker has a trimmer of its own)
+    monkeypatch.setattr(limits.gc, "collect", lambda *a: collections.append(threading.get_ident()) or 0)
     collections.clear()
     trims.clear()
     level[0] = 100 * mib
@@ -416,7 +419,7 @@ def test_the_memory_trimmer_keeps_trying_and_collects_garbage(monkeypatch):
         deadline = time.monotonic() + 10
         while len(trims) < 8 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(trims) >= 8 and len(collections) == 1
+        assert len(trims) >= 8 and collections.count(trimmer._thread.ident) == 1
     finally:
         trimmer.stop()
 
