@@ -26,10 +26,12 @@ regions) and *whether the replica is alive* (:mod:`advantage_server.health_servi
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import ipaddress
 import os
 import re
+import socket
 import struct
 import urllib.parse
 from typing import Any, Callable
@@ -167,7 +169,6 @@ class ServerSockets:
         self.port = port
         self.available = port > 0 and os.path.isdir(self.FD_DIR) and any(os.path.exists(t) for t in self.TABLES)
         if self.available:
-            import ctypes
             self._libc = ctypes.PyDLL(None, use_errno=True)
             self._buf = ctypes.create_string_buffer(64)
             self._table_buf = ctypes.create_string_buffer(1 << 20)
@@ -207,15 +208,14 @@ class ServerSockets:
         waiting out TIME_WAIT nor the clients' own ends (a same-host attacker's thousands) are read, formatted and
         parsed, as with the text tables (measured beside a churning host: 0.5-3 s a scan through the tables).
         Raises ``OSError`` where sock_diag cannot be used."""
-        import socket as socket_mod
         port = self.port
         # the bytecode keeps sockets whose source port is >= port and <= port (INET_DIAG_BC_S_GE, _S_LE)
         ops = struct.pack("=BBHBBHBBHBBH", 2, 8, 20, 0, 0, port, 3, 8, 12, 0, 0, port)
         out: dict[int, str] = {}
-        with socket_mod.socket(socket_mod.AF_NETLINK, socket_mod.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
             fd = nl.fileno()
-            for family in (socket_mod.AF_INET6, socket_mod.AF_INET):
-                body = (struct.pack("=BBBBI", family, socket_mod.IPPROTO_TCP, 0, 0, states) + bytes(48)
+            for family in (socket.AF_INET6, socket.AF_INET):
+                body = (struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, states) + bytes(48)
                         + struct.pack("=HH", 4 + len(ops), 1) + ops)  # inet_diag_req_v2, INET_DIAG_REQ_BYTECODE
                 # SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP
                 nl.send(struct.pack("=IHHII", 16 + len(body), 20, 0x301, family, 0) + body)
@@ -223,7 +223,7 @@ class ServerSockets:
                 while not done:
                     n = self._libc.recv(fd, self._table_buf, len(self._table_buf), 0)
                     if n <= 0:
-                        raise OSError(self._errno(), "sock_diag: recv failed")
+                        raise OSError(ctypes.get_errno(), "sock_diag: recv failed")
                     data = self._table_buf.raw[:n]
                     off = 0
                     while off + 16 <= n:
@@ -236,21 +236,13 @@ class ServerSockets:
                         # inet_diag_msg: family, state, timer, retrans, then the id: sport, dport (big-endian),
                         # src[16], dst[16], if, cookie[2]; then expires, rqueue, wqueue, uid, inode
                         msg = off + 16
-                        peer = self._peers.get(data[msg:msg + 1] + data[msg + 24:msg + 40])
-                        if peer is None:
-                            raw = data[msg + 24:msg + 28] if data[msg] == socket_mod.AF_INET else data[msg + 24:msg + 40]
-                            address = ipaddress.ip_address(raw)
-                            peer = f"ipv4:{address}" if address.version == 4 else f"ipv6:[{address}]"
-                            if len(self._peers) < 65536:
-                                self._peers[data[msg:msg + 1] + data[msg + 24:msg + 40]] = peer
+                        key = data[msg:msg + 1] + data[msg + 24:msg + 40]
+                        peer = self._peers.get(key) or self._name(
+                            key, data[msg + 24:msg + 28] if data[msg] == socket.AF_INET else data[msg + 24:msg + 40])
                         dport = (data[msg + 6] << 8) | data[msg + 7]
                         out[struct.unpack_from("=I", data, msg + 68)[0]] = f"{peer}:{dport}"
                         off += (length + 3) & ~3
         return out
-
-    def _errno(self) -> int:
-        import ctypes
-        return ctypes.get_errno()
 
     def descriptors(self) -> int:
         """Descriptors this process holds open now (0 where that cannot be read): cheap, a directory listing."""
@@ -259,16 +251,19 @@ class ServerSockets:
         except OSError:
             return 0
 
+    def _name(self, key: Any, raw: bytes) -> str:
+        """The peer-string host part of the address ``raw`` (4 or 16 bytes), remembered under ``key``."""
+        address = ipaddress.ip_address(raw)
+        name = f"ipv4:{address}" if address.version == 4 else f"ipv6:[{address}]"
+        if len(self._peers) < 65536:
+            self._peers[key] = name
+        return name
+
     def _host(self, hexaddr: str) -> str:
-        host = self._peers.get(hexaddr)
-        if host is None:
-            raw = bytes.fromhex(hexaddr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # 32-bit words, host byte order
-            address = ipaddress.ip_address(raw)
-            host = f"ipv4:{address}" if address.version == 4 else f"ipv6:[{address}]"
-            if len(self._peers) < 65536:
-                self._peers[hexaddr] = host
-        return host
+        """The same for a text table's address (hex, in 32-bit words of host byte order)."""
+        raw = bytes.fromhex(hexaddr)
+        return self._peers.get(hexaddr) or self._name(
+            hexaddr, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
 
     def scan(self) -> dict[int, str]:
         """``{descriptor: peer}`` (:func:`call_peer`'s spelling, e.g. ``ipv6:[::ffff:10.0.0.7]:51234``) of every
@@ -286,20 +281,7 @@ class ServerSockets:
         # among the descriptors that held none of the sockets still open
         fds = {inode: fd for inode, fd in self._fds.items() if inode in peers}
         if len(fds) < len(peers):
-            try:
-                names = os.listdir(self.FD_DIR)
-            except OSError:
-                names = []
-            known = set(fds.values())
-            for name in names:
-                fd = int(name)
-                if fd in known:
-                    continue
-                link = self._readlink(f"{self.FD_DIR}/{name}".encode())
-                if link.startswith(b"socket:["):
-                    inode = int(link[8:-1])
-                    if inode in peers:
-                        fds[inode] = fd
+            fds.update(self._descriptors_of(peers, skip=set(fds.values())))
         self._fds = fds
         self._inodes = {fd: inode for inode, fd in fds.items()}
         return {fd: peers[inode] for inode, fd in fds.items()}
@@ -313,17 +295,22 @@ class ServerSockets:
         except OSError:
             row = re.compile(rf"^ *\d+: [0-9A-F]+:{self.port:04X} [0-9A-F]+:0000 0A (?:\S+ +){{5}}(\d+)", re.M)
             inodes = {int(m.group(1)) for table in self.TABLES for m in row.finditer(self._read_table(table))}
-        if not inodes:
-            return []
-        found = []
+        return sorted(self._descriptors_of(inodes).values()) if inodes else []
+
+    def _descriptors_of(self, inodes: Any, skip: set[int] = frozenset()) -> dict[int, int]:  # type: ignore[assignment]
+        """``{inode: descriptor}`` of this process's descriptors (but ``skip``) that hold a socket of ``inodes``."""
         try:
             names = os.listdir(self.FD_DIR)
         except OSError:
-            return []
+            return {}
+        found: dict[int, int] = {}
         for name in names:
+            fd = int(name)
+            if fd in skip:
+                continue
             link = self._readlink(f"{self.FD_DIR}/{name}".encode())
             if link.startswith(b"socket:[") and int(link[8:-1]) in inodes:
-                found.append(int(name))
+                found[int(link[8:-1])] = fd
         return found
 
     def shut(self, fd: int, peer: str) -> bool:
@@ -432,8 +419,6 @@ class ListenerGate:
         fds = self.sockets.listeners()
         if not fds:
             return False
-        import ctypes
-        import socket
         program = ctypes.create_string_buffer(syn_gate_program(list(hosts_t)))
         fprog = struct.pack("=HxxxxxxQ" if struct.calcsize("P") == 8 else "=HxxI",
                             len(program.raw) // 8, ctypes.addressof(program))
