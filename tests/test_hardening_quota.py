@@ -544,6 +544,42 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
             ch.close()
 
 
+def test_a_new_connection_whose_body_arrives_while_it_waits_is_served_beside_fresh_silent_connections(make_server):
+    """Issue #35 item 2, measured on a client process started beside a slow-loris that opens a fresh connection per
+    stalled call: its first call was refused six times in a row (12 s; RESOURCE_EXHAUSTED after the client's 5
+    resends). Its connection answered for its host's stalls like the slow-loris's own, so it waited behind them,
+    held below ``stalled_cap``, and tried to take a place back only once, before any upload had been silent for
+    ``NEWCOMER_CUT_STALL_S``. Now it reads its body while it waits (:class:`advantage_server.uploads.EarlyBody`):
+    the body arrives, the connection has a record of its own, and it cuts a silent upload as a prompt caller as
+    soon as one qualifies. Here 4 fresh silent calls of this host take all 4 places at once (none stalled yet as
+    each came), and a fifth silent one waits; a new connection 0.15 s later is served on its first attempt (no
+    resend: a raw stub), by one cut; the silent ones never count as having sent a body."""
+    srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    stop = threading.Event()
+    fresh = [_channel(srv.address) for _ in range(5)]
+    try:
+        calls = [ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30) for ch in fresh]
+        deadline = time.monotonic() + 10
+        while (len(srv.uploads._watched) < 4 or srv.gate.waiting < 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(srv.uploads._watched) == 4 and srv.gate.waiting == 1, (len(srv.uploads._watched), srv.gate.waiting)
+        time.sleep(0.15)  # stalled (STALL_S), and not yet silent for NEWCOMER_CUT_STALL_S
+        with _channel(srv.address) as newcomer:
+            reply = pb_grpc.AdvantageServiceStub(newcomer).ComputeAdvantage(request, timeout=10)
+        np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
+                                      _in_process([1.0, 0.0], [[1.0], [1.0]]))
+        assert srv.uploads.evictions == 1, srv.uploads.evictions
+        assert len(srv.uploads._early) == 1  # the newcomer's connection, not a silent one
+        from advantage_client.client import CUT_FOR_ANOTHER
+        cut = [c for c in calls if c.done() and c.exception().details().startswith(CUT_FOR_ANOTHER)]
+        assert len(cut) == 1  # the one silent call cut for it (the waiting one may have been refused meanwhile)
+    finally:
+        stop.set()
+        for ch in fresh:
+            ch.close()
+
+
 def test_a_newcomer_cuts_only_an_upload_stalled_for_half_a_second(make_server):
     """A connection with no result yet (a newcomer, or a slow-loris's fresh connection) cuts only an upload that has
     been without bytes for ``NEWCOMER_CUT_STALL_S`` (0.5 s): 64 client processes starting at once on 2 cores had

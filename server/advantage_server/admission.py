@@ -93,12 +93,17 @@ class Caller:
     """Who is asking for a place (:mod:`advantage_server.identity`) and whether it is still there, for the
     waiting room: ``connection`` (the gRPC peer string), ``host`` (:func:`~advantage_server.identity.peer_host`),
     ``alive()`` (False once the client cancelled or its deadline passed: ``ServicerContext.is_active``) and
-    ``time_left()`` (seconds to its deadline, None without one: ``ServicerContext.time_remaining``)."""
+    ``time_left()`` (seconds to its deadline, None without one: ``ServicerContext.time_remaining``).
+    ``read_early()``: start reading the call's request body while it waits
+    (:class:`advantage_server.uploads.EarlyBody`; None: it cannot, a streamed upload); the waiting room calls it for
+    a connection that only answers for its host's stalled uploads (:class:`~advantage_server.shares.InheritedStalls`),
+    and once the body has arrived the connection has a record of its own (see :meth:`RequestGate.admit`)."""
 
     connection: str
     host: str
     alive: Callable[[], bool] = lambda: True
     time_left: Callable[[], float | None] = lambda: None
+    read_early: Callable[[], None] | None = None
 
 
 class _Waiter:
@@ -325,15 +330,30 @@ class RequestGate:
         wait = STALLED_WAIT_S if self._cap(caller) < self.max_concurrent_requests else ADMISSION_WAIT_S
         return wait if left is None else min(wait, left - WAIT_DEADLINE_MARGIN_S)
 
+    def poke(self, connection: str) -> None:
+        """Wake the waiting calls of ``connection`` to look at their standing again (its record changed: a body
+        read early arrived, :class:`advantage_server.uploads.EarlyBody`)."""
+        with self._cond:
+            for w in self._waiters:
+                if w.caller.connection == connection:
+                    w.wake.notify()
+
     def _wait_for_place(self, caller: Caller, until: float, arrived: float | None = None) -> str:
         """Wait in the waiting room for a freed place until ``until`` (monotonic): ``"granted"`` (handed to this
         call and counted), ``"dropped"`` (the room was full and ranked this call last, or a better-ranked
-        newcomer took its room), ``"timeout"``, ``"gone"`` (the client left) or ``"draining"``. ``arrived``:
-        when the call first entered the room (a call that left it to cut a stalled upload and comes back keeps
-        its place in the order of arrival); now by default. Under ``_cond``."""
-        stalling = self._cap(caller) < self.max_concurrent_requests
+        newcomer took its room), ``"timeout"``, ``"gone"`` (the client left), ``"draining"``, or ``"promoted"``
+        (it came in held below ``stalled_cap`` for its host's stalled uploads, its connection has a record of its
+        own since, its body having arrived: :attr:`Caller.read_early`, and every place is taken: it may now take
+        one back as a prompt caller). ``arrived``: when the call first entered the room (a call that left it to
+        cut a stalled upload and comes back keeps its place in the order of arrival); now by default. Under
+        ``_cond``."""
+        conns = self._counts()[1]
+        stalling = self._cap(caller, conns) < self.max_concurrent_requests
         if until <= time.monotonic() or self.max_waiting <= 0:
             return "timeout"
+        if stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
+                and not conns.own(caller.connection):
+            caller.read_early()  # its body tells a prompt newcomer from a staller's fresh connection
         me = _Waiter(caller, self._lock, arrived)
         if len(self._waiters) >= self.max_waiting:
             ranked = self._ranked([*self._waiters, me])
@@ -346,15 +366,21 @@ class RequestGate:
             self.dropped += 1
         self._waiters.append(me)
         deadline = until
+        promoted = False
         try:
             while not (me.granted or me.dropped or self._draining):
                 now = time.monotonic()
                 self._expire_parks(now)
-                if stalling and not self._is_full() and self._cap(caller) >= self.max_concurrent_requests:
-                    # places are free but this call was held below stalled_cap, and its connection has stopped
-                    # stalling since (no place needs to free for it then): _hand_off judges each waiter's cap anew.
-                    # (Not on every poll: a waiter still stalling would sort the room ten times a second for nothing)
-                    self._hand_off()
+                if stalling and self._cap(caller) >= self.max_concurrent_requests:
+                    # this call was held below stalled_cap, and its connection has stopped stalling since (or its
+                    # body arrived early): with places free, _hand_off judges each waiter's cap anew (not on every
+                    # poll: a waiter still stalling would sort the room ten times a second for nothing); with every
+                    # place taken, it goes back to take one back as a prompt caller (admit: make_room)
+                    if not self._is_full():
+                        self._hand_off()
+                    elif caller.read_early is not None:
+                        promoted = True
+                        break
                 if me.granted:
                     break
                 left = deadline - now
@@ -375,6 +401,8 @@ class RequestGate:
             return "dropped"
         if self._draining:
             return "draining"
+        if promoted:
+            return "promoted"
         return "timeout" if time.monotonic() >= deadline else "gone"
 
     @contextlib.contextmanager
@@ -440,7 +468,10 @@ class RequestGate:
                         outcome = self._wait_for_place(caller, now + EVICT_RETRY_S if retry else wait_end, arrived)
                         if outcome == "granted":
                             break  # handed over by a leaving call: already counted in _limited
-                        retry = retry and outcome == "timeout" and not self._draining
+                        if outcome == "promoted":  # its body arrived while it waited: a prompt caller now
+                            retry, held = make_room is not None and not self._draining, False
+                        else:
+                            retry = retry and outcome == "timeout" and not self._draining
                     if not retry:  # (else: out of the lock, make_room again, then look again)
                         if self._draining:
                             self._quiet_since = time.monotonic()

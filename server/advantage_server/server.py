@@ -69,7 +69,7 @@ from advantage_server.limits import (
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
-from advantage_server.uploads import UploadCut, UploadWatch
+from advantage_server.uploads import EarlyBody, UploadCut, UploadWatch
 from advantage_server import identity, transport
 from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
@@ -226,13 +226,15 @@ def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_M
     """RELIABILITY.md's peak memory bound, in bytes: how far a server with ``limits`` may grow above its idle RSS,
     whatever its callers do. With C = ``max_concurrent_requests``, R = max(message, stream) bytes, M = message
     bytes, W = ``workers``, E = ``max_batch_elements``, F = the stream window:
-    ``3 C R + 3 x 8 M + W x 64 B x E + MAX_WATCHES x 17 KiB`` (Watch streams) ``+ 2 C F`` (waiting calls' windows)
+    ``3 C R + 3 x 8 M + W x 64 B x E + MAX_WATCHES x 17 KiB`` (Watch streams) ``+ 2 C max(F, M)``
+    (waiting calls: a stream window each, or a whole body for one that reads it while it waits:
+    :class:`~advantage_server.uploads.EarlyBody`)
     ``+ UNREAD_TOTAL_BYTES`` (results not yet delivered) ``+ MAX_CONNECTIONS x 15 KiB`` (open connections)
     ``+ 100 MiB``. The adversarial benchmark prints each attack's peak RSS growth against it."""
     c, m = limits.max_concurrent_requests, limits.max_message_bytes
     r = max(m, limits.max_stream_bytes)
     return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + MAX_WATCHES * (17 << 10)
-            + 2 * c * (stream_window_mb << 20) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
+            + 2 * c * max(stream_window_mb << 20, m) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
 
 
 def connection_options(descriptors: int | None = None) -> list[tuple[str, int]]:
@@ -366,7 +368,13 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """Stalled uploads per host and per connection (:meth:`UploadWatch.stalled`), a connection that has not had a
         result delivered answering for its host (:class:`~advantage_server.shares.InheritedStalls`)."""
         hosts, conns = self.uploads.stalled()
-        return hosts, InheritedStalls(conns, hosts, self.results.proven, peer_host)
+        return hosts, InheritedStalls(conns, hosts, self._has_record, peer_host)
+
+    def _has_record(self, connection: str) -> bool:
+        """Whether ``connection`` is judged by its own stalls rather than its host's: it has had a result delivered
+        (:meth:`ResultLedger.proven`), or a request body of it arrived whole while its call waited for a place
+        (:meth:`UploadWatch.sent_early`)."""
+        return self.results.proven(connection) or self.uploads.sent_early(connection)
 
     # ------------------------------------------------------------------ methods
     def ComputeAdvantage(self, request, context):
@@ -404,14 +412,15 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         def handle(requests: Any, context: grpc.ServicerContext):
             started = time.monotonic()
             what, status, pushback = method.name, None, ()
+            early = EarlyBody(requests, lambda: self._sent_early(context)) if limited else None
             try:
                 if limited:
                     self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
                 with self.gate.admit(limited, context.add_callback,
                                      (lambda held: self._make_room(context, held)) if limited else None,
-                                     self._caller(context) if limited else None), \
+                                     self._caller(context, early) if limited else None), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
-                    data = self._receive(requests, context, counted=limited)
+                    data = self._receive(early or requests, context, counted=limited)
                     if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
                         raise InvalidInput("request", f"the {len(data)}-byte request is larger than {method.name} "
                                                       f"takes ({LIGHT_BODY_BYTES} bytes at most); send only the "
@@ -438,6 +447,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             finally:
                 if limited:
                     self.gate.unreserve()  # a reservation the admission did not take (draining)
+                    early.drop()  # a body read while the call waited, when it got no place
                 if log.isEnabledFor(logging.DEBUG):
                     outcome = "OK" if status is None else code_pb2.Code.Name(status.code)
                     log.debug("%s -> %s in %.1f ms (peer %s)", what, outcome, 1e3 * (time.monotonic() - started),
@@ -483,10 +493,18 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             self.results.release(key)  # the call has already ended
 
     @staticmethod
-    def _caller(context: grpc.ServicerContext) -> Caller:
-        """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room."""
+    def _caller(context: grpc.ServicerContext, early: EarlyBody | None = None) -> Caller:
+        """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room; ``early``: its
+        unary request body, which it may read while it waits."""
         peer = call_peer(context)
-        return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)
+        return Caller(peer, peer_host(peer), context.is_active, context.time_remaining,
+                      None if early is None else early.start)
+
+    def _sent_early(self, context: grpc.ServicerContext) -> None:
+        """A waiting call's body arrived whole (:class:`EarlyBody`): its connection has a record of its own now."""
+        peer = call_peer(context)
+        self.uploads.mark_sent_early(peer)
+        self.gate.poke(peer)
 
     def _with_room(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` (the streaming transport's, which admits the call itself with :meth:`_make_room`) with the

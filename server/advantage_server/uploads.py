@@ -86,6 +86,76 @@ class _Upload:
         return rate if rate < self.min_rate else None
 
 
+class EarlyBody:
+    """The request message of a unary call that waits for a place, read in a thread of its own while it waits
+    (issue #35 item 2: a slow-loris that opens a fresh connection for every call it stalls).
+
+    A connection that has not yet had a result answers for its host's stalled uploads
+    (:class:`advantage_server.shares.InheritedStalls`): beside such a slow-loris a new trainer on the same host
+    looked like one of its fresh connections, and measured, a new client process's first call was refused six
+    times in a row (12 s). What tells them apart is the body: a client's unary request arrives with its call, a
+    stalled one never does. So such a call reads its body while it waits (:meth:`start`, called by the waiting room),
+    and when the message has arrived whole ``on_arrival()`` runs (the servicer remembers the connection:
+    :meth:`UploadWatch.sent_early`), after which the connection is judged by its own record: a prompt caller.
+
+    Iterating gives the message once (the call's own ``next(requests)`` after admission reads it from here), or raises
+    what the read raised (``StopIteration``: no message; ``grpc.RpcError``: the call ended). Not started, it
+    reads from ``requests`` as usual. The thread ends with the call at the latest. Memory: a waiting call's body,
+    at most ``--max-message-mb`` for each place of the waiting room (RELIABILITY.md, the memory bound)."""
+
+    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread")
+
+    def __init__(self, requests: Any, on_arrival: Callable[[], None]):
+        self._requests, self._on_arrival = requests, on_arrival
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start reading the message (once; later calls do nothing)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read, name="advantage-early-body", daemon=True)
+            self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._value = next(self._requests)
+        except BaseException as err:  # noqa: BLE001 - StopIteration, or grpc.RpcError: re-raised by __next__
+            err.__traceback__ = None  # its frames would hold the call's state (see AdvantageServicer._receive)
+            self._error = err
+        finally:
+            self._done.set()
+        if self._error is None:
+            self._on_arrival()
+
+    def arrived(self) -> bool:
+        """The message has arrived whole (and not yet been taken)."""
+        return self._done.is_set() and self._error is None
+
+    def __iter__(self) -> "EarlyBody":
+        return self
+
+    def __next__(self) -> Any:
+        if self._thread is None:
+            return next(self._requests)
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        value, self._value = self._value, None
+        if value is None:
+            raise StopIteration
+        return value
+
+    def drop(self) -> None:
+        """Let go of a message read but not taken (the call was refused)."""
+        self._value = None
+
+
+#: connections remembered by :meth:`UploadWatch.sent_early` (the least recently seen are forgotten first)
+EARLY_SENDERS = 16384
+
+
 class UploadWatch:
     """Cuts admitted calls whose request bytes stop arriving (``--stream-idle-timeout``), or arrive slower
     than a minimum rate (``--min-upload-rate-kib``, for the calls watched with one).
@@ -142,6 +212,8 @@ class UploadWatch:
         self.slow_cuts = 0  # of which for their rate
         self.silent_cuts = 0  # calls cut by cut_silent (drain)
         self._cuts_unlogged, self._next_cut_warning = 0, 0.0  # _warn_cut's rate limit
+        #: connections whose request body arrived whole while their call waited for a place (:class:`EarlyBody`)
+        self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: called in a call's thread when an upload cut by :meth:`evict_for` leaves its block (the servicer wires
         #: :meth:`advantage_server.admission.RequestGate.repay`: the place it lent to the newcomer is accounted)
         self.on_lent_exit: Callable[[], None] | None = None
@@ -277,6 +349,19 @@ class UploadWatch:
         string (``ipv4:1.2.3.4:5678``)."""
         with self._lock:
             return self.shares.pending(peer, peer_host(peer))
+
+    def mark_sent_early(self, connection: str) -> None:
+        """Remember that a call of ``connection`` had its whole request body arrive while it waited for a place
+        (:class:`EarlyBody`): the connection sends what it asks with, whatever its host's other connections do."""
+        with self._lock:
+            self._early[connection] = None
+            self._early.move_to_end(connection)
+            while len(self._early) > EARLY_SENDERS:
+                self._early.popitem(last=False)
+
+    def sent_early(self, connection: str) -> bool:
+        """Whether :meth:`mark_sent_early` remembers ``connection`` (lock-free: the waiting room asks it per call)."""
+        return connection in self._early
 
     @contextlib.contextmanager
     def watch(self, context: Any, min_rate: int = 0, window: float = DEFAULT_UPLOAD_RATE_WINDOW,
