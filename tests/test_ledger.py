@@ -878,3 +878,21 @@ def test_a_host_that_reopens_every_connection_closed_is_gated_and_another_host_i
         stop.set()
         attacker.join(10)
         srv.stop(grace=1.0)
+
+
+def test_a_connection_share_above_the_servers_limit_is_said_at_start(monkeypatch, caplog):
+    """``--max-connections-per-host`` above what the server holds open in all was capped to it without a word (a
+    fresh-eyes review): an operator who raised it for a proxy did not learn that one host may now hold every
+    connection. The server now says so at start, naming the flag and both numbers; a share within the limit says
+    nothing."""
+    import logging
+
+    from advantage_server import server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 256)
+    with caplog.at_level(logging.WARNING, logger="advantage_server"):
+        server_mod.create_server("127.0.0.1", 0, device="cpu", max_connections_per_host=100).stop(0)
+        assert not [r for r in caplog.records if "--max-connections-per-host" in r.getMessage()]
+        server_mod.create_server("127.0.0.1", 0, device="cpu", max_connections_per_host=1000).stop(0)
+    said = [r.getMessage() for r in caplog.records if "--max-connections-per-host" in r.getMessage()]
+    assert len(said) == 1 and "--max-connections-per-host 1000" in said[0] and "(256," in said[0], said

@@ -807,6 +807,10 @@ def create_server(host: str = "127.0.0.1", port: int = 50051, device: str = "aut
     total_connections = max_connections(descriptors[0] if descriptors else None)
     connections = ConnectionShares(total_connections,
                                    connections_per_host(total_connections, limits.max_connections_per_host))
+    if limits.max_connections_per_host is not None and limits.max_connections_per_host > total_connections:
+        log.warning("--max-connections-per-host %d is more than the server holds open in all (%d, from its "
+                    "descriptor limit %s): one host may hold all %d", limits.max_connections_per_host,
+                    total_connections, descriptors[0] if descriptors else "unknown", total_connections)
     auth = TokenAuthInterceptor(auth_token) if auth_token else None
     pool = futures.ThreadPoolExecutor(max_workers=limits.thread_pool_size, thread_name_prefix="advantage")
     options = [
