@@ -428,3 +428,54 @@ def test_a_prompt_neighbour_of_a_staller_ranks_by_arrival_with_other_hosts():
     staller = wait_rank(hosts, conns, "10.0.0.1:1", "10.0.0.1", 0.0)
     small_staller = wait_rank(hosts, conns, "10.0.0.3:1", "10.0.0.3", 0.5)
     assert sorted([staller, other_host, small_staller, neighbour]) == [neighbour, other_host, small_staller, staller]
+
+
+def test_an_early_body_gives_the_message_once_and_raises_what_its_read_raised():
+    """:class:`advantage_server.uploads.EarlyBody`, the body a waiting call reads while it waits: not started, it reads
+    from the request iterator as the call would; started, it reads in its own thread, calls ``on_arrival`` once the
+    message is there, gives it once, and raises what the read raised (the call ended: ``StopIteration`` or gRPC's
+    error) in the call's thread, without the read's traceback; :meth:`drop` lets a message go unread."""
+    from advantage_server.uploads import EarlyBody
+
+    arrived = []
+    untouched = EarlyBody(iter([b"abc"]), lambda: arrived.append(1))
+    assert next(untouched) == b"abc" and arrived == []  # never started: a plain read, no arrival
+
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(10)
+        yield b"body"
+    early = EarlyBody(slow(), lambda: arrived.append(2))
+    early.start()
+    early.start()  # once
+    time.sleep(0.05)
+    assert arrived == []  # nothing yet: its read waits for the message
+    gate.set()
+    assert next(early) == b"body" and arrived == [2]
+    with pytest.raises(StopIteration):
+        next(early)  # given once
+
+    class Ended(Exception):
+        pass
+
+    def ended():
+        raise Ended("the call ended")
+        yield  # noqa: unreachable - a generator
+    failed = EarlyBody(ended(), lambda: arrived.append(3))
+    failed.start()
+    with pytest.raises(Ended) as err:
+        next(failed)
+    assert arrived == [2]  # no arrival for a read that failed
+    frames, tb = [], err.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "__next__" in frames and "_read" not in frames and "ended" not in frames, frames  # the read's frames let go
+
+    dropped = EarlyBody(iter([b"x" * 100]), lambda: None)
+    dropped.start()
+    dropped._thread.join(5)
+    dropped.drop()
+    with pytest.raises(StopIteration):
+        next(dropped)

@@ -129,10 +129,6 @@ class EarlyBody:
         if self._error is None:
             self._on_arrival()
 
-    def arrived(self) -> bool:
-        """The message has arrived whole (and not yet been taken)."""
-        return self._done.is_set() and self._error is None
-
     def __iter__(self) -> "EarlyBody":
         return self
 
