@@ -281,12 +281,17 @@ def test_a_client_on_another_host_gets_its_calls_beside_a_slow_loris(tmp_path, n
 def test_the_adversarial_section_reports_a_fraction_per_attack_and_place():
     """``run_adversarial`` (the section of ``advantage-bench --sections adversarial``) for one attack, 1 s
     windows: a row for the same host and one for the other host, each a measured fraction of a non-zero
-    unattacked goodput, or (other host, where no namespace can be made) the reason it was skipped. The
-    namespace is gone afterwards."""
+    unattacked goodput, or (other host, where no namespace can be made) the reason it was skipped, after the control
+    rows (an attacker that sends nothing: the noise floor, judged against no target). The namespace is gone
+    afterwards."""
     from advantage_server.bench.adversarial import render, run_adversarial
 
     result = run_adversarial(("watch-flood",), clients=1, seconds=1.0)
-    rows = {r["where"]: r for r in result["rows"]}
+    assert [r["attack"] for r in result["rows"]] == ["none"] * 2 + ["watch-flood"] * 2  # the control row first
+    control = result["rows"][0]
+    assert control["where"] == "same host" and control["base_calls_s"] > 0 and control["meets"] is None
+    assert control["fraction"] == control["attack_calls_s"] / control["base_calls_s"]
+    rows = {r["where"]: r for r in result["rows"] if r["attack"] == "watch-flood"}
     assert set(rows) == {"same host", "other host"}
     same = rows["same host"]
     assert same["attack"] == "watch-flood" and same["base_calls_s"] > 0
@@ -301,6 +306,7 @@ def test_the_adversarial_section_reports_a_fraction_per_attack_and_place():
     assert same["rss_growth"] is not None and -result["idle_rss"] < same["rss_growth"] < result["memory_bound"]
     lines = render(result)
     assert any(line.startswith("watch-flood | same host") and " MiB" in line for line in lines), lines
+    assert any(line.startswith("none ") and "| control" in line for line in lines), lines
     assert "against the memory bound" in lines[1], lines[1]
     if not result["other_host"].startswith("skipped"):  # the section's namespace (named after this pid) is gone
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

@@ -33,6 +33,10 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``idle-connections``: the server's connection limit plus 64 TCP connections that send HTTP/2's preface and
   nothing else, each one the server closes opened again at once (issue #35 item 4; :func:`hold_idle_connections`).
 
+A control row comes first, ``none``: the same windows with an attacker process that starts and sends nothing. Its
+fraction, and the spread of its rounds, is what the machine's own noise gives a row: an attack's row within that
+spread of the control's cannot be told from no attack.
+
 ``pin`` (``--adversarial-pin``, the bench's default; ``--no-adversarial-pin``): the attacker's processes run on
 the machine's last CPU, the server and the legitimate clients on the others (``os.sched_setaffinity``; at least 2
 CPUs): the attacker brings its own CPU, as one on another machine would, so the fraction measures what its traffic costs the server rather than what its
@@ -58,6 +62,8 @@ from typing import Any, Callable
 
 ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "tokenless-flood", "shm-churn",
            "unread-results", "idle-connections")
+#: the control row's attack: an attacker process that sends nothing (the bench's noise floor)
+CONTROL = "none"
 TARGET_FRACTION = 0.90
 HOST_ADDR, NS_ADDR = "10.201.0.1", "10.201.0.2"
 #: 16 places: more than the slow-loris's 8 connections (a same-host attacker with at least as many connections as
@@ -318,6 +324,8 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
         start(body, 0.02)
         threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in list(held)]), daemon=True))
         threads[-1].start()
+    elif kind == CONTROL:  # the control row: nothing
+        pass
     elif kind == "idle-connections":  # issue #35 item 4: connections that send the preface and no call
         host, port = target.rsplit(":", 1)
         full = threading.Event()
@@ -522,8 +530,9 @@ def _server(host: str, token_file: str, log, cpus: set[int] | None = None) -> tu
 
 
 def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, seconds: float = 4.0,
-                    netns: bool = True, rounds: int = 1, pin: bool = False) -> dict[str, Any]:
-    """Measure every attack; returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
+                    netns: bool = True, rounds: int = 1, pin: bool = False, control: bool = True) -> dict[str, Any]:
+    """Measure every attack, after the control (``CONTROL``, with ``control``: an attacker that sends nothing, its
+    row's ``meets`` None); returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
     "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "rounds", "errors",
     "note"}]}`` (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the
     end}``. The windows alternate (alone, attack 1, alone, attack 2, ..., alone), ``rounds`` times over;
@@ -531,6 +540,7 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
     ``attack_calls_s`` the mean of its windows, ``fraction`` their ratio (the calls of every round pooled: a
     longer measurement, not a choice among rounds) and ``rounds`` each round's own fraction. ``pin``: the attacker
     on the last CPU, the rest on the others (see the module docstring; ignored, with "pinned" False, on one CPU)."""
+    attacks = (CONTROL, *(a for a in attacks if a != CONTROL)) if control else attacks
     cpus = sorted(os.sched_getaffinity(0))
     pin = pin and len(cpus) >= 2
     attacker_cpus, others = ({cpus[-1]}, set(cpus[:-1])) if pin else (None, None)
@@ -604,7 +614,8 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
                 a = sum(p[1] for p in pairs) / (len(pairs) * seconds)
                 frac = a / b if b else None
                 out["rows"].append({"attack": kind, "where": where, "base_calls_s": b, "attack_calls_s": a,
-                                    "fraction": frac, "meets": None if frac is None else frac >= TARGET_FRACTION,
+                                    "fraction": frac,
+                                    "meets": None if frac is None or kind == CONTROL else frac >= TARGET_FRACTION,
                                     "rss_growth": peaks.get(kind),
                                     "rounds": [p[1] / p[0] if p[0] else None for p in pairs],
                                     "errors": errors.get((kind, where), {}),
@@ -646,7 +657,8 @@ def render(result: dict[str, Any]) -> list[str]:
         table.append([r["attack"], r["where"], f(r["base_calls_s"]), f(r["attack_calls_s"]),
                       "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
                       "/".join("-" if x is None else f"{100 * x:.0f}" for x in r.get("rounds", [])) or "-",
-                      "-" if r["meets"] is None else ("yes" if r["meets"] else "NO"),
+                      "control" if r["attack"] == CONTROL else "-" if r["meets"] is None else
+                      ("yes" if r["meets"] else "NO"),
                       "-" if r.get("rss_growth") is None else f"{r['rss_growth'] / 2**20:+.0f} MiB",
                       "; ".join(filter(None, [errs, r["note"]]))])
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
@@ -662,10 +674,12 @@ def adversarial_section(report: Any, row: Callable[..., Any], clients: int = 4, 
     (``vs_ours`` = the goodput fraction, ``calls_s`` = calls per second under attack). Returns the dict."""
     result = run_adversarial(attacks, clients, seconds, rounds=rounds, pin=pin)
     for r in result["rows"]:
+        verdict = "the control (no attack)" if r["attack"] == CONTROL else \
+            f"{'meets' if r['meets'] else 'BELOW'} 90%"
         report.add(row("adversarial", r["attack"], r["where"], "AdvantageClient goodput",
                        vs_ours=r["fraction"], calls_s=r["attack_calls_s"],
                        note=r["note"] if r["fraction"] is None else
-                       f"{r['base_calls_s']:.1f} calls/s alone; {'meets' if r['meets'] else 'BELOW'} 90%"))
+                       f"{r['base_calls_s']:.1f} calls/s alone; {verdict}"))
     return result
 
 
