@@ -33,7 +33,7 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``idle-connections``: the server's connection limit plus 64 TCP connections that send HTTP/2's preface and
   nothing else, each one the server closes opened again at once (issue #35 item 4; :func:`hold_idle_connections`).
 
-A control row comes first, ``none``: the same windows with an attacker process that starts and sends nothing. Its
+A first window alone warms the server and the clients up and is not counted. A control row comes first, ``none``: the same windows with an attacker process that starts and sends nothing. Its
 fraction, and the spread of its rounds, is what the machine's own noise gives a row: an attack's row within that
 spread of the control's cannot be told from no attack.
 
@@ -579,8 +579,10 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
         # other load drifts between windows); per (attack, where): [(base calls, attacked calls)] per round
         seen: dict[tuple[str, str], list[tuple[float, int]]] = {}
         errors: dict[tuple[str, str], dict[str, int]] = {}
+        window()  # a warm-up, not counted: the first window runs cold (imports, first connections, the JIT), and as
+        # the first row's "before" it made that row look better than it was (the control row read 106-119%)
         before = window()
-        idle_rss = _rss(server.pid)  # after the first window alone: warm, as the attacked windows find it
+        idle_rss = _rss(server.pid)  # after the first windows alone: warm, as the attacked windows find it
         out["idle_rss"], out["memory_bound"] = idle_rss, server_memory_bound()
         peaks: dict[str, int] = {}
         for _ in range(max(1, rounds)):
@@ -645,7 +647,7 @@ def render(result: dict[str, Any]) -> list[str]:
              f"server {result.get('server', '?')} ({' '.join(SERVER_FLAGS)}, --auth-token-file); "
              f"other host: {result['other_host']}; load average at the end {result.get('load', '?')}"
              + ("; attacker pinned to the last CPU, the rest to the others" if result.get("pinned") else "")
-             + (f"; server RSS {result['idle_rss'] / 2**20:.0f} MiB after the first window alone, peak growth "
+             + (f"; server RSS {result['idle_rss'] / 2**20:.0f} MiB after the first windows alone, peak growth "
                 f"under each attack below against the memory bound {result['memory_bound'] / 2**30:.0f} GiB "
                 "(RELIABILITY.md)" if result.get("memory_bound") else "")]
     header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", "each round", ">= 90%",
