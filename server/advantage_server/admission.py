@@ -351,9 +351,6 @@ class RequestGate:
         stalling = self._cap(caller, conns) < self.max_concurrent_requests
         if until <= time.monotonic() or self.max_waiting <= 0:
             return "timeout"
-        if stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
-                and not conns.own(caller.connection):
-            caller.read_early()  # its body tells a prompt newcomer from a staller's fresh connection
         me = _Waiter(caller, self._lock, arrived)
         if len(self._waiters) >= self.max_waiting:
             ranked = self._ranked([*self._waiters, me])
@@ -365,6 +362,11 @@ class RequestGate:
             last.wake.notify()
             self.dropped += 1
         self._waiters.append(me)
+        if stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
+                and not conns.own(caller.connection):
+            # its body tells a prompt newcomer from a staller's fresh connection; read once it has a room's place, so
+            # that at most max_waiting bodies are read early (the memory bound's 2 x C x max(F, M))
+            caller.read_early()
         deadline = until
         promoted = False
         try:
