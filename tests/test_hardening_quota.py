@@ -550,10 +550,12 @@ def test_a_new_connection_whose_body_arrives_while_it_waits_is_served_beside_fre
     resends). Its connection answered for its host's stalls like the slow-loris's own, so it waited behind them,
     held below ``stalled_cap``, and tried to take a place back only once, before any upload had been silent for
     ``NEWCOMER_CUT_STALL_S``. Now it reads its body while it waits (:class:`advantage_server.uploads.EarlyBody`):
-    the body arrives, the connection has a record of its own, and it cuts a silent upload as a prompt caller as
-    soon as one qualifies. Here 4 fresh silent calls of this host take all 4 places at once (none stalled yet as
-    each came), and a fifth silent one waits; a new connection 0.15 s later is served on its first attempt (no
-    resend: a raw stub), by one cut; the silent ones never count as having sent a body."""
+    the body arrives, the connection has a record of its own, and it is admitted as a prompt caller: to a place
+    the stalling host may not fill, or by cutting a silent upload as soon as one qualifies. Here 5 fresh silent calls
+    of this host come at once: those that come before the first has stalled take every place (4 when all come within
+    ``STALL_S``; beside a busy loop, as few as ``stalled_cap``, 2), the rest wait or are refused. A new connection
+    0.15 s later is served on its first attempt (no resend: a raw stub), by at most one cut; the silent ones never
+    count as having sent a body."""
     srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
     request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
     stop = threading.Event()
@@ -561,19 +563,19 @@ def test_a_new_connection_whose_body_arrives_while_it_waits_is_served_beside_fre
     try:
         calls = [ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30) for ch in fresh]
         deadline = time.monotonic() + 10
-        while (len(srv.uploads._watched) < 4 or srv.gate.waiting < 1) and time.monotonic() < deadline:
+        settled = lambda: len(srv.uploads._watched) + srv.gate.waiting + sum(c.done() for c in calls) == 5  # noqa: E731
+        while not (settled() and len(srv.uploads._watched) >= srv.gate.stalled_cap) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(srv.uploads._watched) == 4 and srv.gate.waiting == 1, (len(srv.uploads._watched), srv.gate.waiting)
-        time.sleep(0.15)  # stalled (STALL_S), and not yet silent for NEWCOMER_CUT_STALL_S
+        assert len(srv.uploads._watched) >= srv.gate.stalled_cap, (len(srv.uploads._watched), srv.gate.waiting)
+        time.sleep(0.15)  # stalled (STALL_S): the host holds stalled uploads; none silent for NEWCOMER_CUT_STALL_S yet
         with _channel(srv.address) as newcomer:
             reply = pb_grpc.AdvantageServiceStub(newcomer).ComputeAdvantage(request, timeout=10)
         np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
                                       _in_process([1.0, 0.0], [[1.0], [1.0]]))
-        assert srv.uploads.evictions == 1, srv.uploads.evictions
         assert len(srv.uploads._early) == 1  # the newcomer's connection, not a silent one
         from advantage_client.client import CUT_FOR_ANOTHER
         cut = [c for c in calls if c.done() and c.exception().details().startswith(CUT_FOR_ANOTHER)]
-        assert len(cut) == 1  # the one silent call cut for it (the waiting one may have been refused meanwhile)
+        assert len(cut) == srv.uploads.evictions <= 1, (len(cut), srv.uploads.evictions)
     finally:
         stop.set()
         for ch in fresh:
