@@ -15,7 +15,8 @@ QUICK_GROUP_SIZES = "8192x16x8"
 GROUP_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus", "opd")
 SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start", "adversarial")
 #: sections run only when named in --sections (cold-start: three server starts, one compiling for ~20 s;
-#: adversarial: a server, attackers and a network namespace, ~4 min with its default 5 rounds)
+#: adversarial: a server, attackers and a network namespace, ~9 min with its default 5 rounds: 9 rows of 4 s windows
+#: attacked and alone, 2 s apart)
 OPT_IN_SECTIONS = ("cold-start", "adversarial")
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
 CONFIGS: dict[str, dict] = {
