@@ -57,3 +57,16 @@ def test_healthcheck_without_a_port_says_so(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "'localhost' has no port" in err and "50051" in err, err
+
+
+def test_the_connect_timeout_hint_quotes_the_servers_own_log_line():
+    """The hint for a dropped connection request tells the user what to look for in the server's log; it quoted
+    'refusing new connections from', which the server never wrote (its gate's WARNING says 'dropping ...')."""
+    import inspect
+
+    from advantage_server.server import ConnectionReaper
+    said = hint(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNAVAILABLE: "
+                "ipv4:127.0.0.1:1: Connection timed out", "localhost:50071", 3.0)
+    quoted = said.split("its log says '")[1].split("...'")[0]
+    assert quoted == "dropping new connections from ", said
+    assert f'log.warning("{quoted}' in inspect.getsource(ConnectionReaper.sweep)

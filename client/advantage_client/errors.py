@@ -156,7 +156,7 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
             return (f"no advantage service answered at {target}: the connection attempt timed out, nothing answered "
                     "it. A firewall or a host that is down drops it so; so does an advantage-server that refuses new "
                     "connections from this client's address for a while, because that address holds more than its "
-                    "share of connections (--max-connections-per-host: its log says 'refusing new connections from "
+                    "share of connections (--max-connections-per-host: its log says 'dropping new connections from "
                     "...'; the gate lasts 1-16 s): retry later, or check that the server is running and reachable "
                     f"from here (gRPC: {message})")
         if any(k in low for k in _NOBODY_THERE):

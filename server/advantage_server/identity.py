@@ -261,9 +261,11 @@ class ServerSockets:
 
     def _host(self, hexaddr: str) -> str:
         """The same for a text table's address (hex, in 32-bit words of host byte order)."""
+        known = self._peers.get(hexaddr)
+        if known is not None:
+            return known
         raw = bytes.fromhex(hexaddr)
-        return self._peers.get(hexaddr) or self._name(
-            hexaddr, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+        return self._name(hexaddr, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
 
     def scan(self) -> dict[int, str]:
         """``{descriptor: peer}`` (:func:`call_peer`'s spelling, e.g. ``ipv6:[::ffff:10.0.0.7]:51234``) of every
@@ -309,8 +311,8 @@ class ServerSockets:
             if fd in skip:
                 continue
             link = self._readlink(f"{self.FD_DIR}/{name}".encode())
-            if link.startswith(b"socket:[") and int(link[8:-1]) in inodes:
-                found[int(link[8:-1])] = fd
+            if link.startswith(b"socket:[") and (inode := int(link[8:-1])) in inodes:
+                found[inode] = fd
         return found
 
     def shut(self, fd: int, peer: str) -> bool:

@@ -38,8 +38,8 @@ speak neither TLS nor bearer tokens, so they cannot check a TLS main port.
 from __future__ import annotations
 
 import itertools
-import threading
 import re
+import threading
 import time
 import uuid
 from concurrent import futures

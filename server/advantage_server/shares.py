@@ -505,8 +505,8 @@ class ConnectionShares:
       ``CONNECTION_OVER_SHARE_IDLE_S``) down to half of ``per_host``: an attacker that opens a new connection for
       each one closed must open that many again, each sweep, to fill the server;
     * **gate**: a host over its share also has its new connections dropped in the kernel (:meth:`gate`; dropped
-      SYNs: its clients' kernels send them again, and their connection attempts time out) for ``CONNECTION_GATE_S``, twice as long each time it is found
-      over again after a gate lapsed (at most ``CONNECTION_GATE_MAX_S``), and no longer once it holds a quarter
+      SYNs: its clients' kernels send them again, and their connection attempts time out) for
+      ``CONNECTION_GATE_S``, twice as long each time it is found over again after a gate lapsed (at most ``CONNECTION_GATE_MAX_S``), and no longer once it holds a quarter
       of its share or less (it left). A host that reopens every connection closed (~20,000 a second from one CPU)
       otherwise refills the server faster than a sweep can close them, and gRPC then closes every other host's new
       connections as they arrive. The gate cannot tell two clients of one address apart: a gated host's *new*

@@ -107,7 +107,7 @@ class EarlyBody:
 
     def __init__(self, requests: Any, on_arrival: Callable[[], None]):
         self._requests, self._on_arrival = requests, on_arrival
-        self._done = threading.Event()
+        self._done: threading.Event | None = None  # made by start(): most calls never read early
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -115,6 +115,7 @@ class EarlyBody:
     def start(self) -> None:
         """Start reading the message (once; later calls do nothing)."""
         if self._thread is None:
+            self._done = threading.Event()
             self._thread = threading.Thread(target=self._read, name="advantage-early-body", daemon=True)
             self._thread.start()
 
@@ -133,7 +134,7 @@ class EarlyBody:
         return self
 
     def __next__(self) -> Any:
-        if self._thread is None:
+        if self._done is None:
             return next(self._requests)
         self._done.wait()
         if self._error is not None:
