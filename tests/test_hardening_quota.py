@@ -509,9 +509,11 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
     each call judged by a clean record of its own, so its calls filled every place (other host: 10% of unattacked
     goodput). A connection that has had no result delivered now answers for its host: while its host holds stalled
     uploads it may fill the server only to ``stalled_cap`` (half the places), so 6 fresh silent callers of one host
-    hold 2 of 4 places, not 4 (each newcomer past that cuts one of its host's stalled uploads instead), and a
-    connection of the same host that has had a result keeps its own record: served from a free place, cutting
-    nothing."""
+    hold 2 of 4 places, not 4, and a connection of the same host that has had a result keeps its own record: served
+    from a free place, cutting nothing. Each silent newcomer past ``stalled_cap`` waits and is refused, cutting
+    nothing: it may cut one of its host's stalled uploads only once its body has arrived (read while it waits,
+    :class:`advantage_server.uploads.EarlyBody`). Until the room-full fix each cut one on arrival, and 20 such
+    connections churned the places they held so fast that a new client whose body had arrived found none to cut."""
     from advantage_server import server as server_mod
 
     monkeypatch.setattr(server_mod, "NEWCOMER_CUT_STALL_S", 0.25)  # 0.5 s by default: the test's calls are 0.3 s apart
@@ -532,13 +534,16 @@ def test_fresh_connections_answer_for_their_stalling_host_until_they_have_had_a_
             fresh.append(ch)
             calls.append(ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30))
             time.sleep(0.3)  # admitted (or not), then stalled: no bytes for STALL_S
-        deadline = time.monotonic() + 5  # a loaded machine may start the last newcomer's handler late (3 of 4 cut once)
+        deadline = time.monotonic() + 10  # each waits STALLED_WAIT_S (2 s); the last started 1.5 s after the first
         while sum(1 for c in calls if c.done()) < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         host_pending = max(srv.uploads.shares._hosts.values(), default=0)
-        cut = sum(1 for c in calls if c.done())
+        refused = [c for c in calls if c.done()]
         assert host_pending == srv.gate.stalled_cap, (host_pending, srv.uploads.evictions)
-        assert cut == 4 and srv.uploads.evictions == 4, (cut, srv.uploads.evictions)  # each newcomer cut one
+        assert len(refused) == 4 and srv.uploads.evictions == 0, (len(refused), srv.uploads.evictions)
+        for c in refused:  # held below stalled_cap for its host's stalls, and told so
+            assert c.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "(or, before its first result, its host does)" in c.exception().details()
         before = srv.uploads.evictions
         for _ in range(3):
             reply = stub.ComputeAdvantage(request, timeout=10)
@@ -587,6 +592,43 @@ def test_a_new_connection_whose_body_arrives_while_it_waits_is_served_beside_fre
         while len(cut()) < srv.uploads.evictions and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(cut()) == srv.uploads.evictions <= 1, (len(cut()), srv.uploads.evictions)
+    finally:
+        stop.set()
+        for ch in fresh:
+            ch.close()
+
+
+def test_a_new_connection_is_served_when_fresh_silent_connections_also_fill_the_waiting_room(make_server):
+    """Issue #35 item 2, the room-full variant (found by a fresh-eyes review): a slow-loris with a fresh connection
+    per silent call and enough connections to fill the places *and* the waiting room. A new connection of its host
+    ranks with the silent ones (each answers for the host's stalls) and, coming last, was dropped by the full room
+    before its body could arrive: with 12 attacker connections at C=4, 4 of 20 new clients were served; with 20, 0 of
+    20. Now it takes the room of the waiter whose body has been awaited longest; its own body arrives at once, and it
+    is served as a prompt caller. Here 14 silent calls of this host fill the 4 places and the room of 8 (2 are refused
+    or dropped); a new connection is served on its first attempt (a raw stub, no resend), and the one silent call it
+    displaced is refused, not served."""
+    srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
+    assert srv.gate.max_waiting == 8
+    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+    stop = threading.Event()
+    fresh = [_channel(srv.address) for _ in range(14)]
+    try:
+        calls = []
+        for ch in fresh:  # one at a time, so that each finds the host already stalling
+            calls.append(ch.stream_unary(f"/{SERVICE}/ComputeAdvantage").future(_silent(stop), timeout=30))
+            time.sleep(0.03)
+        deadline = time.monotonic() + 10
+        while srv.gate.waiting < srv.gate.max_waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.gate.waiting == srv.gate.max_waiting, (srv.gate.waiting, len(srv.uploads._watched))
+        dropped = srv.gate.dropped
+        with _channel(srv.address) as newcomer:
+            reply = pb_grpc.AdvantageServiceStub(newcomer).ComputeAdvantage(request, timeout=10)
+        np.testing.assert_array_equal(decode_result(reply, as_numpy=True).advantages,
+                                      _in_process([1.0, 0.0], [[1.0], [1.0]]))
+        assert srv.gate.dropped >= dropped + 1  # the silent call whose room it took
+        assert not any(c.done() and c.exception() is None for c in calls)  # no silent call was served
+        assert len(srv.uploads._early) == 1  # the newcomer's connection: no silent one counts as having sent a body
     finally:
         stop.set()
         for ch in fresh:

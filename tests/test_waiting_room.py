@@ -434,6 +434,59 @@ def test_a_prompt_neighbour_of_a_staller_ranks_by_arrival_with_other_hosts():
     assert sorted([staller, other_host, small_staller, neighbour]) == [neighbour, other_host, small_staller, staller]
 
 
+def test_a_newcomer_that_reads_early_takes_the_full_rooms_place_of_the_longest_unsent_body(monkeypatch):
+    """Issue #35 item 2, a slow-loris with a fresh connection per silent call that also fills the waiting room: a new
+    connection of its host ranks with the silent ones (each answers for the host's stalls,
+    :class:`~advantage_server.shares.InheritedStalls`) and comes after them, so the full room dropped it before its
+    body could arrive and show it prompt (measured at C=4 beside 20 such connections: 1 new client of 20 served, 0
+    beside 40). Now a newcomer that would read its body early takes the place of the waiter whose early read has gone
+    longest without its body; a newcomer that cannot read early (a streamed upload) is refused at once as before, and
+    so is a reader when no waiter is reading. None of them cut anything before their body arrived (``make_room``)."""
+    from advantage_server.shares import InheritedStalls
+
+    monkeypatch.setattr(admission, "STALLED_WAIT_S", 20.0)
+    gate = RequestGate(4, 4, max_waiting=2)  # stalled_cap 2: the host's connections are held below it
+    holders = [_Call(gate, Caller(f"ipv4:10.0.0.3:{i}", "10.0.0.3")) for i in range(4)]
+    assert all(h.admitted.wait(5) for h in holders)
+    stalls = InheritedStalls({"ipv4:10.0.0.9:1": 1}, {"10.0.0.9": 1}, lambda c: False, lambda c: c.split(":")[1])
+    gate.stalled = lambda: ({"10.0.0.9": 1}, stalls)
+    started, cuts = [], []
+
+    def reader(port: int, unsent: float | None) -> Caller:
+        return Caller(f"ipv4:10.0.0.9:{port}", "10.0.0.9", read_early=lambda: started.append(port),
+                      reading_for=lambda: unsent)
+    make_room = lambda held=False: cuts.append(held)  # noqa: E731
+    old = _Call(gate, reader(2, 3.0), make_room)  # its body awaited 3 s
+    _wait_for(lambda: gate.waiting == 1)
+    young = _Call(gate, reader(3, 0.2), make_room)
+    _wait_for(lambda: gate.waiting == 2)
+    assert started == [2, 3]  # each reads once it has its place in the room
+    newcomer = _Call(gate, reader(4, None), make_room)  # ranks last: takes the place of the 3 s reader
+    old.join(5)
+    assert old.outcome == "Overloaded" and gate.dropped == 1 and gate.waiting == 2 and started == [2, 3, 4]
+    streamed = _Call(gate, Caller("ipv4:10.0.0.9:5", "10.0.0.9"), make_room)  # cannot read early: refused at once
+    streamed.join(5)
+    assert streamed.outcome == "Overloaded" and gate.dropped == 1 and gate.waiting == 2
+    assert cuts == [False]  # only the streamed call tried to take a place back; the readers wait for their bodies
+
+    gate2 = RequestGate(4, 4, max_waiting=1)  # a full room whose waiter is not reading: the reader is refused
+    holders += [_Call(gate2, Caller(f"ipv4:10.0.0.3:{i}", "10.0.0.3")) for i in range(4)]
+    assert all(h.admitted.wait(5) for h in holders)
+    gate2.stalled = lambda: ({"10.0.0.9": 1}, stalls)
+    done_reading = _Call(gate2, reader(6, None))
+    _wait_for(lambda: gate2.waiting == 1)
+    late = _Call(gate2, reader(7, None))
+    late.join(5)
+    assert late.outcome == "Overloaded" and gate2.waiting == 1 and not done_reading.outcome
+    for g in (gate, gate2):
+        g.start_draining()
+    for call in (young, newcomer, done_reading):
+        call.join(5)
+        assert call.outcome == "Draining"
+    for h in holders:
+        h.finish()
+
+
 def test_an_early_body_gives_the_message_once_and_raises_what_its_read_raised():
     """:class:`advantage_server.uploads.EarlyBody`, the body a waiting call reads while it waits: not started, it reads
     from the request iterator as the call would; started, it reads in its own thread, calls ``on_arrival`` once the

@@ -97,13 +97,17 @@ class Caller:
     ``read_early()``: start reading the call's request body while it waits
     (:class:`advantage_server.uploads.EarlyBody`; None: it cannot, a streamed upload); the waiting room calls it for
     a connection that only answers for its host's stalled uploads (:class:`~advantage_server.shares.InheritedStalls`),
-    and once the body has arrived the connection has a record of its own (see :meth:`RequestGate.admit`)."""
+    and once the body has arrived the connection has a record of its own (see :meth:`RequestGate.admit`).
+    ``reading_for()``: seconds since that read started while the body has not arrived whole, None when it is not
+    reading (never started, or done); the full room drops the longest such reader for a newcomer that would read
+    early (:meth:`RequestGate._wait_for_place`)."""
 
     connection: str
     host: str
     alive: Callable[[], bool] = lambda: True
     time_left: Callable[[], float | None] = lambda: None
     read_early: Callable[[], None] | None = None
+    reading_for: Callable[[], float | None] = lambda: None
 
 
 class _Waiter:
@@ -352,9 +356,19 @@ class RequestGate:
         if until <= time.monotonic() or self.max_waiting <= 0:
             return "timeout"
         me = _Waiter(caller, self._lock, arrived)
+        # its body tells a prompt newcomer from a staller's fresh connection (read once it has a room's place, so that
+        # at most max_waiting bodies are read early: the memory bound's 2 x C x max(F, M))
+        reads = stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
+            and not conns.own(caller.connection)
         if len(self._waiters) >= self.max_waiting:
-            ranked = self._ranked([*self._waiters, me])
-            last = ranked[-1]
+            last = self._ranked([*self._waiters, me])[-1]
+            if last is me and reads:
+                # ranked with a staller's fresh connections and after them (it came last): it takes the room of the
+                # one whose body has been awaited longest, so a slow-loris that fills the room too cannot keep
+                # its host's new clients out (their bodies arrive within milliseconds and promote them)
+                last = max(self._waiters, key=lambda w: w.caller.reading_for() or -1.0)
+                if last.caller.reading_for() is None:
+                    last = me
             if last is me:
                 return "dropped"
             self._waiters.remove(last)  # a better-ranked newcomer takes the room of the last waiter
@@ -362,10 +376,7 @@ class RequestGate:
             last.wake.notify()
             self.dropped += 1
         self._waiters.append(me)
-        if stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
-                and not conns.own(caller.connection):
-            # its body tells a prompt newcomer from a staller's fresh connection; read once it has a room's place, so
-            # that at most max_waiting bodies are read early (the memory bound's 2 x C x max(F, M))
+        if reads:
             caller.read_early()
         deadline = until
         promoted = False
@@ -450,13 +461,21 @@ class RequestGate:
                     self._limited += 1
                     break
                 held = cap < self.max_concurrent_requests and not self._is_full()
+                conns = self._counts()[1]
+                inherits = caller is not None and isinstance(conns, InheritedStalls) and not conns.own(caller.connection)
                 if held:
                     self.held_back += 1
                     # a staller is not given other callers' places: it waits below stalled_cap. A connection that
                     # only answers for its stalling host (no stalled upload of its own: shares.InheritedStalls) may
                     # first cut a stalled upload of its host once (make_room; evict_for: NEWCOMER_CUT_STALL_S)
-                    conns = self._counts()[1]
-                    tried = tried or not (isinstance(conns, InheritedStalls) and not conns.own(caller.connection))
+                    tried = tried or not inherits
+                if inherits and caller.read_early is not None:
+                    # ... unless it can show its body first (a unary call: read while it waits, then "promoted" below):
+                    # it cuts only once its body has arrived. Else a slow-loris's fresh connections, each cutting
+                    # once on arrival, churn the places they hold, and a new client whose body has arrived finds every
+                    # place's upload silent for less than NEWCOMER_CUT_STALL_S (measured at C=4 beside 20 such
+                    # connections: 1-5 of 20 new clients refused after a 2 s wait)
+                    tried = True
                 retry = False
                 if tried:
                     if caller is not None:

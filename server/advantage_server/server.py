@@ -497,8 +497,9 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room; ``early``: its
         unary request body, which it may read while it waits."""
         peer = call_peer(context)
-        return Caller(peer, peer_host(peer), context.is_active, context.time_remaining,
-                      None if early is None else early.start)
+        if early is None:
+            return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)
+        return Caller(peer, peer_host(peer), context.is_active, context.time_remaining, early.start, early.reading_for)
 
     def _sent_early(self, context: grpc.ServicerContext) -> None:
         """A waiting call's body arrived whole (:class:`EarlyBody`): its connection has a record of its own now."""

@@ -151,7 +151,9 @@ class InheritedStalls(dict):
     the places (:attr:`advantage_server.admission.RequestGate.stalled_cap`) and wait behind every prompt caller. A
     neighbour whose connection has had a result keeps its own record. A new neighbour ranks with the fresh
     connections, ahead of the host's connections holding more than one stalled upload, and, holding nothing, may cut
-    one stalled upload of its host to get its first call in (:meth:`advantage_server.uploads.UploadWatch.evict_for`)."""
+    one stalled upload of its host to get its first call in (:meth:`advantage_server.uploads.UploadWatch.evict_for`):
+    a unary call only once its body has arrived while it waited (:class:`advantage_server.uploads.EarlyBody`), so
+    that the fresh connections of a slow-loris, whose bodies never come, do not churn the places they hold."""
 
     def __init__(self, connections: Mapping[str, int], hosts: Mapping[str, int], proven: Callable[[str], bool],
                  host_of: Callable[[str], str]):

@@ -103,7 +103,7 @@ class EarlyBody:
     reads from ``requests`` as usual. The thread ends with the call at the latest. Memory: a waiting call's body,
     at most ``--max-message-mb`` for each place of the waiting room (RELIABILITY.md, the memory bound)."""
 
-    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread")
+    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread", "_started")
 
     def __init__(self, requests: Any, on_arrival: Callable[[], None]):
         self._requests, self._on_arrival = requests, on_arrival
@@ -111,10 +111,12 @@ class EarlyBody:
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._started = 0.0
 
     def start(self) -> None:
         """Start reading the message (once; later calls do nothing)."""
         if self._thread is None:
+            self._started = time.monotonic()
             self._done = threading.Event()
             self._thread = threading.Thread(target=self._read, name="advantage-early-body", daemon=True)
             self._thread.start()
@@ -129,6 +131,12 @@ class EarlyBody:
             self._done.set()
         if self._error is None:
             self._on_arrival()
+
+    def reading_for(self) -> float | None:
+        """Seconds since :meth:`start` while the read has not ended; None when it was never started, or has ended."""
+        if self._done is None or self._done.is_set():
+            return None
+        return time.monotonic() - self._started
 
     def __iter__(self) -> "EarlyBody":
         return self
