@@ -14,6 +14,7 @@ in-process one (a same-host reader keeps being served while a fresh connection p
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -242,6 +243,69 @@ def test_unread_results_stay_within_the_bound_in_a_server_process(tmp_path):
             conn.close()
         srv.proc.terminate()
         srv.proc.wait(30)
+
+
+def test_only_a_delivered_result_gives_standing_and_one_that_was_not_takes_it_away():
+    """Standing is earned by reading: a call that ended without its result delivered (its client closed the
+    connection, reset the call, or its deadline passed) gives none, and takes away what the connection had."""
+    book, _ = ledger(per_host=32 * MiB)
+    book.release(book.hold("closer", "h", 8 * MiB, Call().cancel), delivered=False)
+    assert not book.proven("closer") and book.held == 0
+    book.release(book.hold("reader", "h", 1 * MiB, Call().cancel))
+    assert book.proven("reader")
+    book.release(book.hold("reader", "h", 1 * MiB, Call().cancel), delivered=False)
+    assert not book.proven("reader")
+    book.close()
+
+
+def test_a_connection_closed_without_reading_its_result_gets_no_standing(make_server):
+    """Issue #35 item 1, found in the bench's rounds: a raw connection that never reads its result and then closes
+    ended its call too, and the ledger gave it standing as if the result had been delivered. Its client port was
+    then given by the kernel to a later connection of the attacker (the bench opens ~250 a window), which was
+    admitted as a reader: the unread results grew round after round (server RSS +1.5 GiB, legitimate goodput 0-75%
+    per round). gRPC marks such a call cancelled (:func:`advantage_server.server.ended_cancelled`, which reads
+    grpcio's private call state: this test fails if a grpcio release stops keeping it). A client that reads its
+    result gets standing."""
+    srv = make_server(max_message_mb=16)
+    host, port = srv.address.rsplit(":", 1)
+    conn = RawH2(host, int(port))
+    peer = f"ipv4:{host}:{conn.sock.getsockname()[1]}"
+    try:
+        conn.call(COMPUTE, big_result_request(1 << 21))
+        assert _wait_for(lambda: srv.results.held >= 8 * MiB), "the result was not computed and held"
+        assert not srv.results.proven(peer)
+    finally:
+        conn.close()
+    assert _wait_for(lambda: srv.results.held == 0), "the closed connection's result is still held"
+    assert not srv.results.proven(peer), "a connection that closed without reading got standing"
+    with AdvantageClient(srv.address, timeout=30) as reader:
+        _compute(reader)
+        assert _wait_for(lambda: srv.results.held == 0)
+    assert len(srv.results._standing) == 1  # the reader's connection
+
+
+def test_calls_being_computed_for_connections_without_standing_count_as_held(make_server):
+    """Calls that pass the ledger's look together, or wait for a place after it, were all computed before the first
+    result was held (~17 results of 8 MiB in a bench window). :meth:`ResultLedger.running` counts them from the
+    look on, at the size of the host's last such result, for the host's other connections; a connection's own calls
+    (a new trainer's first burst) and small results do not crowd the host."""
+    book, _ = ledger(per_host=256 * MiB)
+    book.release(book.hold("attacker:0", "h", 8 * MiB, Call().cancel), delivered=False)  # the host's last: 8 MiB
+    with contextlib.ExitStack() as stack:
+        for i in range(1, 4):
+            stack.enter_context(book.running(f"attacker:{i}", "h"))
+        assert book.refusal("attacker:4", "h") is None  # 3 x 8 MiB being computed: below 32 MiB
+        stack.enter_context(book.running("attacker:4", "h"))
+        assert book.refusal("attacker:5", "h") is not None  # 4 x 8 MiB: crowded
+        assert book.refusal("attacker:4", "h") is None  # its own call is not counted against it
+        assert book.refusal("other-host", "h2") is None
+    assert book.refusal("attacker:6", "h") is None  # all ended: nothing held, nothing running
+    book.release(book.hold("trainer", "h2", 4096, Call().cancel), delivered=False)
+    with contextlib.ExitStack() as stack:
+        for i in range(16):  # small results: 16 calls being computed crowd nothing
+            stack.enter_context(book.running(f"trainer:{i}", "h2"))
+        assert book.refusal("trainer:new", "h2") is None
+    book.close()
 
 
 def test_a_same_host_reader_is_served_while_fresh_connections_leave_results_unread(make_server):

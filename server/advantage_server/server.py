@@ -321,6 +321,17 @@ def status_for(exc: BaseException) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}: {exc}")
 
 
+def ended_cancelled(context: Any) -> bool:
+    """Whether ``context``'s call ended cancelled (the client reset it, its connection closed, its deadline passed)
+    rather than by its status reaching the client after its response; asked in a termination callback
+    (``ServicerContext.add_callback``). gRPC Python keeps this only in the call's private state (grpcio's
+    ``_server._RPCState.client``, "cancelled"); False where that is absent. ``tests/test_ledger.py`` fails if the
+    installed grpcio stops keeping it. Used for *standing* (:meth:`advantage_server.shares.ResultLedger.release`): a
+    caller that opens a connection, never reads, and closes it ends its call too, and with the standing its closing
+    earned, a later connection given the same client port (the kernel reuses them) was admitted as a reader."""
+    return getattr(getattr(context, "_state", None), "client", None) == "cancelled"
+
+
 def _decode(cls: type, data: bytes) -> Any:
     try:
         return cls.FromString(data)
@@ -413,8 +424,13 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             started = time.monotonic()
             what, status, pushback = method.name, None, ()
             early = EarlyBody(requests, lambda: self._sent_early(context)) if limited else None
+            running = contextlib.ExitStack()
             try:
                 if limited:
+                    # counted from the ledger's look until its result is held (shares.ResultLedger.running): calls
+                    # let in together, or that wait for a place, are counted by the ones that look after them
+                    peer = call_peer(context)
+                    running.enter_context(self.results.running(peer, peer_host(peer)))
                     self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
                 with self.gate.admit(limited, context.add_callback,
                                      (lambda held: self._make_room(context, held)) if limited else None,
@@ -445,6 +461,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                 # request bytes in a reference cycle until the garbage collector happens to run.
                 status, pushback = self._status(exc, what), refusal_metadata(exc)
             finally:
+                running.close()
                 if limited:
                     self.gate.unreserve()  # a reservation the admission did not take (draining)
                     early.drop()  # a body read while the call waited, when it got no place
@@ -489,8 +506,8 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """Enter a result of ``nbytes`` handed to gRPC in the ledger until its call ends (delivered or cancelled)."""
         peer = call_peer(context)
         key = self.results.hold(peer, peer_host(peer), nbytes, context.cancel)
-        if not context.add_callback(lambda: self.results.release(key)):
-            self.results.release(key)  # the call has already ended
+        if not context.add_callback(lambda: self.results.release(key, delivered=not ended_cancelled(context))):
+            self.results.release(key, delivered=False)  # the call has already ended, before its result was sent
 
     @staticmethod
     def _caller(context: grpc.ServicerContext, early: EarlyBody | None = None) -> Caller:
