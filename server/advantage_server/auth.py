@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import collections
 import hmac
 import itertools
 import math

@@ -326,9 +326,10 @@ def ended_cancelled(context: Any) -> bool:
     rather than by its status reaching the client after its response; asked in a termination callback
     (``ServicerContext.add_callback``). gRPC Python keeps this only in the call's private state (grpcio's
     ``_server._RPCState.client``, "cancelled"); False where that is absent. ``tests/test_ledger.py`` fails if the
-    installed grpcio stops keeping it. Used for *standing* (:meth:`advantage_server.shares.ResultLedger.release`): a
-    caller that opens a connection, never reads, and closes it ends its call too, and with the standing its closing
-    earned, a later connection given the same client port (the kernel reuses them) was admitted as a reader."""
+    installed grpcio stops keeping it. Used for *standing* (:meth:`advantage_server.shares.ResultLedger.release`,
+    "has had a result delivered"): a caller that opens a connection, never reads, and closes it ends its call too,
+    and was given standing for it (a later connection given the same client port by the kernel would have been
+    admitted as a reader; not seen in the bench, 0 of 1,974 first calls)."""
     return getattr(getattr(context, "_state", None), "client", None) == "cancelled"
 
 
