@@ -286,10 +286,11 @@ def test_a_connection_closed_without_reading_its_result_gets_no_standing(make_se
 
 def test_calls_being_computed_for_connections_without_standing_count_as_held(make_server):
     """Calls that pass the ledger's look together, or wait for a place after it, were all computed before the first
-    result was held (~17 results of 8 MiB in a bench window). :meth:`ResultLedger.running` counts them from the
-    look on, at the size of the host's last such result, for the host's other connections; a connection's own calls
-    (a new trainer's first burst) and small results do not crowd the host."""
-    book, _ = ledger(per_host=256 * MiB)
+    result was held (17 results of 8 MiB held half a second into a bench window). :meth:`ResultLedger.running`
+    counts them from the look on, at the size of the host's largest such result in the last ``TYPICAL_S`` seconds
+    (one small call does not reset it), for the host's other connections; a connection's own calls (a new trainer's
+    first burst) and small results do not crowd the host."""
+    book, clock = ledger(per_host=256 * MiB)
     book.release(book.hold("attacker:0", "h", 8 * MiB, Call().cancel), delivered=False)  # the host's last: 8 MiB
     with contextlib.ExitStack() as stack:
         for i in range(1, 4):
@@ -300,6 +301,17 @@ def test_calls_being_computed_for_connections_without_standing_count_as_held(mak
         assert book.refusal("attacker:4", "h") is None  # its own call is not counted against it
         assert book.refusal("other-host", "h2") is None
     assert book.refusal("attacker:6", "h") is None  # all ended: nothing held, nothing running
+    book.release(book.hold("attacker:7", "h", 100, Call().cancel), delivered=False)  # a small one does not reset it
+    with contextlib.ExitStack() as stack:
+        for i in range(8, 12):
+            stack.enter_context(book.running(f"attacker:{i}", "h"))
+        assert book.refusal("attacker:12", "h") is not None  # still 4 x 8 MiB
+    clock.now += shares.TYPICAL_S + 1  # ... until the large one is TYPICAL_S old
+    book.release(book.hold("attacker:13", "h", 100, Call().cancel), delivered=False)
+    with contextlib.ExitStack() as stack:
+        for i in range(14, 18):
+            stack.enter_context(book.running(f"attacker:{i}", "h"))
+        assert book.refusal("attacker:18", "h") is None
     book.release(book.hold("trainer", "h2", 4096, Call().cancel), delivered=False)
     with contextlib.ExitStack() as stack:
         for i in range(16):  # small results: 16 calls being computed crowd nothing

@@ -201,6 +201,10 @@ STANDING_MEMORY = 16384
 #: enough for a new reader on that host to get its first result (and standing) within a second or so, too few for
 #: a caller that opens a fresh connection per call to keep the server computing results nobody reads
 PROBE_RATE = 4.0
+#: seconds for which the largest result held for a host's connections without standing stands for the size of each
+#: such call of the host being computed (:meth:`ResultLedger.running`): the *last* result's size let a caller reset
+#: it with one small call on a fresh connection before a burst of large ones
+TYPICAL_S = 10.0
 
 
 class _Unread:
@@ -258,10 +262,10 @@ class ResultLedger:
         self._probes: dict[str, float] = {}  # host -> when its last probe was taken
         self._waiting: dict[str, tuple[str, int]] = {}  # connection -> (host, tries) of the calls in wait_room
         # calls of connections without standing being computed (admitted, their result not yet held): per host and
-        # per connection, and the size of the host's last result for such a connection (``running``)
+        # per connection, and the largest result of the host's for such a connection lately (``running``)
         self._running_hosts: collections.Counter[str] = collections.Counter()
         self._running_conns: collections.Counter[str] = collections.Counter()
-        self._typical: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._typical: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()  # (bytes, when)
         self.cancelled = self.expired = self.refused = 0
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
@@ -276,7 +280,8 @@ class ResultLedger:
     def running(self, connection: str, host: str) -> Iterator[None]:
         """Count a call of ``connection`` on ``host`` from before its :meth:`refusal` until its result is held (the
         block ends), when the connection has no standing: :meth:`refusal` counts such calls of the host's *other*
-        connections at the size of the host's last result for a connection without standing, as if already held.
+        connections at the size of the host's largest result for a connection without standing in the last
+        ``TYPICAL_S`` seconds, as if already held.
         Without it, calls of a fresh connection each that passed the look together, or waited for a place after it,
         were all computed: 17 results of 8 MiB held half a second into an attack window, against 5 that the host's
         budget allows. Bench ``unread-results`` (6 rounds beside the control only): legitimate goodput 69% / 72% ->
@@ -301,7 +306,10 @@ class ResultLedger:
         call (``ServicerContext.cancel``). Returns the key for :meth:`release`."""
         with self._cond:
             if connection not in self._standing:
-                self._typical[host] = nbytes
+                now = self._clock()
+                size, since = self._typical.get(host, (0, now))
+                if nbytes >= size or now - since > TYPICAL_S:  # the largest of the last TYPICAL_S seconds
+                    self._typical[host] = (nbytes, now)
                 self._typical.move_to_end(host)
                 while len(self._typical) > STANDING_MEMORY:
                     self._typical.popitem(last=False)
@@ -379,8 +387,8 @@ class ResultLedger:
         its one connection holding the most (that connection is held to its own budget, and a newcomer of the host
         is not charged for one stuck reader): it holds ``per_host`` bytes or more, or its connections without
         standing hold ``unproven`` or more, counting the calls of such connections other than ``connection`` that
-        are being computed at the size of the host's last such result (:meth:`running`); or it holds any while the
-        server holds ``total``."""
+        are being computed at the size of the host's largest such result lately (:meth:`running`); or it holds any
+        while the server holds ``total``."""
         held = self._hosts[host]
         running = self._running_hosts[host] - self._running_conns[connection]
         if not held and not running:
@@ -396,7 +404,7 @@ class ResultLedger:
                     unproven[e.connection] += e.nbytes
         top = max(by_conn.values(), default=0)
         top_unproven = max(unproven.values(), default=0)
-        projected = sum(unproven.values()) - top_unproven + running * self._typical.get(host, 0)
+        projected = sum(unproven.values()) - top_unproven + running * self._typical.get(host, (0, 0.0))[0]
         return held - top >= self.per_host or projected >= self.unproven
 
     def _cut_one(self, host: str) -> None:
