@@ -284,39 +284,45 @@ def test_a_connection_closed_without_reading_its_result_gets_no_standing(make_se
     assert len(srv.results._standing) == 1  # the reader's connection
 
 
-def test_calls_being_computed_for_connections_without_standing_count_as_held(make_server):
+def test_calls_being_computed_for_connections_without_standing_count_as_held():
     """Calls that pass the ledger's look together, or wait for a place after it, were all computed before the first
-    result was held (17 results of 8 MiB held half a second into a bench window). :meth:`ResultLedger.running`
-    counts them from the look on, at the size of the host's largest such result in the last ``TYPICAL_S`` seconds
-    (one small call does not reset it), for the host's other connections; a connection's own calls (a new trainer's
-    first burst) and small results do not crowd the host."""
+    result was held (17 results of 8 MiB held half a second into a bench window). :meth:`ResultLedger.running` counts
+    them from the look on, for the host's other connections, at the size of the host's largest *unread* result of a
+    connection without standing in the last ``TYPICAL_S`` seconds (held past ``ROOM_GRACE_S`` + its bytes at
+    ``ROOM_RATE``). One small call does not reset it; a connection's own calls do not count against it; and a
+    host whose results are read is never crowded by its calls being computed (a new trainer's first burst: 48
+    connections with 8 MiB results, 27 of 48 served while delivered results set the size; a fresh-eyes review)."""
     book, clock = ledger(per_host=256 * MiB)
-    book.release(book.hold("attacker:0", "h", 8 * MiB, Call().cancel), delivered=False)  # the host's last: 8 MiB
+    unread = book.hold("attacker:0", "h", 8 * MiB, Call().cancel)
     with contextlib.ExitStack() as stack:
-        for i in range(1, 4):
+        for i in range(1, 5):
             stack.enter_context(book.running(f"attacker:{i}", "h"))
-        assert book.refusal("attacker:4", "h") is None  # 3 x 8 MiB being computed: below 32 MiB
-        stack.enter_context(book.running("attacker:4", "h"))
-        assert book.refusal("attacker:5", "h") is not None  # 4 x 8 MiB: crowded
-        assert book.refusal("attacker:4", "h") is None  # its own call is not counted against it
+        assert book.refusal("attacker:5", "h") is None  # not yet unread (a reader would still be taking it)
+        clock.now += shares.ROOM_GRACE_S + 8 / 64 + 0.01
+        assert book.refusal("attacker:6", "h") is not None  # 4 x 8 MiB being computed: crowded
+    with contextlib.ExitStack() as stack:
+        for i in range(7, 10):
+            stack.enter_context(book.running(f"attacker:{i}", "h"))
+        assert book.refusal("attacker:10", "h") is None  # 3 x 8 MiB: below 32 MiB
+        stack.enter_context(book.running("attacker:10", "h"))
+        assert book.refusal("attacker:10", "h") is None  # its own call is not counted against it
         assert book.refusal("other-host", "h2") is None
-    assert book.refusal("attacker:6", "h") is None  # all ended: nothing held, nothing running
-    book.release(book.hold("attacker:7", "h", 100, Call().cancel), delivered=False)  # a small one does not reset it
+    book.release(unread, delivered=False)
+    small = book.hold("attacker:11", "h", 100, Call().cancel)
+    clock.now += 1.0  # unread too, but small: the 8 MiB stands for TYPICAL_S
     with contextlib.ExitStack() as stack:
-        for i in range(8, 12):
+        for i in range(12, 16):
             stack.enter_context(book.running(f"attacker:{i}", "h"))
-        assert book.refusal("attacker:12", "h") is not None  # still 4 x 8 MiB
-    clock.now += shares.TYPICAL_S + 1  # ... until the large one is TYPICAL_S old
-    book.release(book.hold("attacker:13", "h", 100, Call().cancel), delivered=False)
-    with contextlib.ExitStack() as stack:
-        for i in range(14, 18):
-            stack.enter_context(book.running(f"attacker:{i}", "h"))
-        assert book.refusal("attacker:18", "h") is None
-    book.release(book.hold("trainer", "h2", 4096, Call().cancel), delivered=False)
-    with contextlib.ExitStack() as stack:
-        for i in range(16):  # small results: 16 calls being computed crowd nothing
-            stack.enter_context(book.running(f"trainer:{i}", "h2"))
-        assert book.refusal("trainer:new", "h2") is None
+        assert book.refusal("attacker:16", "h") is not None
+        clock.now += shares.TYPICAL_S
+        assert book.refusal("attacker:17", "h") is None  # then the small one does
+    book.release(small, delivered=False)
+    with contextlib.ExitStack() as stack:  # a trainer's burst: 48 connections, 8 MiB results, each read at once
+        for i in range(48):
+            stack.enter_context(book.running(f"trainer:{i}", "h3"))
+        for i in range(48):
+            assert book.refusal(f"trainer:{i}", "h3") is None
+            book.release(book.hold(f"trainer:{i}", "h3", 8 * MiB, Call().cancel))
     book.close()
 
 

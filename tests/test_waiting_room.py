@@ -440,8 +440,9 @@ def test_a_newcomer_that_reads_early_takes_the_full_rooms_place_of_the_longest_u
     :class:`~advantage_server.shares.InheritedStalls`) and comes after them, so the full room dropped it before its
     body could arrive and show it prompt (measured at C=4 beside 20 such connections: 1 new client of 20 served, 0
     beside 40). Now a newcomer that would read its body early takes the place of the waiter whose early read has gone
-    longest without its body; a newcomer that cannot read early (a streamed upload) is refused at once as before, and
-    so is a reader when no waiter is reading. None of them cut anything before their body arrived (``make_room``)."""
+    longest without its body, among those ranked with or after it; a newcomer that cannot read early (a streamed
+    upload) is refused at once as before, and so is a reader when no such waiter is reading. None of them cut
+    anything before their body arrived (``make_room``)."""
     from advantage_server.shares import InheritedStalls
 
     monkeypatch.setattr(admission, "STALLED_WAIT_S", 20.0)
@@ -478,9 +479,22 @@ def test_a_newcomer_that_reads_early_takes_the_full_rooms_place_of_the_longest_u
     late = _Call(gate2, reader(7, None))
     late.join(5)
     assert late.outcome == "Overloaded" and gate2.waiting == 1 and not done_reading.outcome
-    for g in (gate, gate2):
+
+    # never the room of a reader ranked before the newcomer: here one of a host holding fewer stalled uploads
+    gate3 = RequestGate(4, 4, max_waiting=1)
+    holders += [_Call(gate3, Caller(f"ipv4:10.0.0.3:{i}", "10.0.0.3")) for i in range(4)]
+    assert all(h.admitted.wait(5) for h in holders)
+    two_hosts = InheritedStalls({"ipv4:10.0.0.9:1": 2, "ipv4:10.0.0.8:1": 1}, {"10.0.0.9": 2, "10.0.0.8": 1},
+                                lambda c: False, lambda c: c.split(":")[1])
+    gate3.stalled = lambda: ({"10.0.0.9": 2, "10.0.0.8": 1}, two_hosts)
+    better = _Call(gate3, Caller("ipv4:10.0.0.8:2", "10.0.0.8", read_early=lambda: None, reading_for=lambda: 5.0))
+    _wait_for(lambda: gate3.waiting == 1)
+    worse = _Call(gate3, reader(8, None))  # host 10.0.0.9 holds more stalled uploads: ranks after, takes nothing
+    worse.join(5)
+    assert worse.outcome == "Overloaded" and gate3.dropped == 0 and not better.outcome
+    for g in (gate, gate2, gate3):
         g.start_draining()
-    for call in (young, newcomer, done_reading):
+    for call in (young, newcomer, done_reading, better):
         call.join(5)
         assert call.outcome == "Draining"
     for h in holders:

@@ -364,11 +364,14 @@ class RequestGate:
             last = self._ranked([*self._waiters, me])[-1]
             if last is me and reads:
                 # ranked with a staller's fresh connections and after them (it came last): it takes the room of the
-                # one whose body has been awaited longest, so a slow-loris that fills the room too cannot keep
-                # its host's new clients out (their bodies arrive within milliseconds and promote them)
-                last = max(self._waiters, key=lambda w: w.caller.reading_for() or -1.0)
-                if last.caller.reading_for() is None:
-                    last = me
+                # one of them whose body has been awaited longest, so a slow-loris that fills the room too cannot
+                # keep its host's new clients out (their bodies arrive within milliseconds and promote them); never
+                # the room of a waiter ranked before it (arrival aside), nor of one not reading
+                hosts = self._counts()[0]
+                mine = wait_rank(hosts, conns, caller.connection, caller.host, 0.0)[:-1]
+                peers = [w for w in self._waiters if w.caller.reading_for() is not None
+                         and wait_rank(hosts, conns, w.caller.connection, w.caller.host, 0.0)[:-1] >= mine]
+                last = max(peers, key=lambda w: w.caller.reading_for() or 0.0) if peers else me
             if last is me:
                 return "dropped"
             self._waiters.remove(last)  # a better-ranked newcomer takes the room of the last waiter

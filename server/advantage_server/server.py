@@ -426,13 +426,10 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             what, status, pushback = method.name, None, ()
             early = EarlyBody(requests, lambda: self._sent_early(context)) if limited else None
             running = contextlib.ExitStack()
+            peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
             try:
-                if limited:
-                    # counted from the ledger's look until its result is held (shares.ResultLedger.running): calls
-                    # let in together, or that wait for a place, are counted by the ones that look after them
-                    peer = call_peer(context)
-                    running.enter_context(self.results.running(peer, peer_host(peer)))
-                    self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
+                if limited:  # the caller's unread results first (shares.ResultLedger), then counted as running
+                    running.enter_context(self._wait_results(context, peer))
                 with self.gate.admit(limited, context.add_callback,
                                      (lambda held: self._make_room(context, held)) if limited else None,
                                      self._caller(context, early) if limited else None), \
@@ -455,7 +452,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
                     what = _Summary(method.name, request)
                     response = behavior(request, context)
                     if isinstance(response, transport.ResultPayload):
-                        self._hold_result(context, response.nbytes())
+                        self._hold_result(context, response.nbytes(), peer)
                     return response
             except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
                 # Keep only the status: a live exception (its traceback, its frames) would hold the
@@ -489,23 +486,24 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         if not self.gate.draining and self.uploads.evict_for(context, min_stall=stall, held=held):
             self.gate.lend()  # the cut call's place, at once: the admission next in this thread takes it
 
-    def _wait_results(self, context: grpc.ServicerContext) -> None:
+    def _wait_results(self, context: grpc.ServicerContext, peer: str) -> contextlib.AbstractContextManager:
         """Before a limited call takes a place: wait (at most ``ADMISSION_WAIT_S``, never past its deadline) while
-        its connection, or its host for a connection without standing, holds too many result bytes not yet read
-        (:class:`~advantage_server.shares.ResultLedger`); then refuse it with RESOURCE_EXHAUSTED and a retry
-        pushback (:class:`~advantage_server.admission.Overloaded`)."""
-        peer = call_peer(context)
+        its connection ``peer``, or its host for a connection without standing, holds too many result bytes not yet
+        read (:class:`~advantage_server.shares.ResultLedger`); then refuse it with RESOURCE_EXHAUSTED and a retry
+        pushback (:class:`~advantage_server.admission.Overloaded`). Let in, the call is counted until its block ends
+        (:meth:`~advantage_server.shares.ResultLedger.running`): enter what this returns at once."""
         host = peer_host(peer)
-        if self.results.refusal(peer, host) is None:
-            return
-        left = context.time_remaining()
-        why = self.results.wait_room(peer, host, ADMISSION_WAIT_S if left is None else min(ADMISSION_WAIT_S, left))
-        if why is not None:
-            raise Overloaded(why)
+        if self.results.refusal(peer, host) is not None:
+            left = context.time_remaining()
+            why = self.results.wait_room(peer, host,
+                                         ADMISSION_WAIT_S if left is None else min(ADMISSION_WAIT_S, left))
+            if why is not None:
+                raise Overloaded(why)
+        return self.results.running(peer, host)
 
-    def _hold_result(self, context: grpc.ServicerContext, nbytes: int) -> None:
-        """Enter a result of ``nbytes`` handed to gRPC in the ledger until its call ends (delivered or cancelled)."""
-        peer = call_peer(context)
+    def _hold_result(self, context: grpc.ServicerContext, nbytes: int, peer: str) -> None:
+        """Enter a result of ``nbytes`` handed to gRPC for connection ``peer`` in the ledger until its call ends
+        (delivered or cancelled)."""
         key = self.results.hold(peer, peer_host(peer), nbytes, context.cancel)
         if not context.add_callback(lambda: self.results.release(key, delivered=not ended_cancelled(context))):
             self.results.release(key, delivered=False)  # the call has already ended, before its result was sent

@@ -201,9 +201,11 @@ STANDING_MEMORY = 16384
 #: enough for a new reader on that host to get its first result (and standing) within a second or so, too few for
 #: a caller that opens a fresh connection per call to keep the server computing results nobody reads
 PROBE_RATE = 4.0
-#: seconds for which the largest result held for a host's connections without standing stands for the size of each
-#: such call of the host being computed (:meth:`ResultLedger.running`): the *last* result's size let a caller reset
-#: it with one small call on a fresh connection before a burst of large ones
+#: seconds for which the largest *unread* result of a host's connections without standing (held past ``ROOM_GRACE_S``
+#: + its bytes at ``ROOM_RATE``, which a reader would have taken by then) stands for the size of each such call of the
+#: host being computed (:meth:`ResultLedger.running`). Not the last result's size: one small call on a fresh
+#: connection reset that before a burst of large ones; and not delivered results': a new trainer's own burst of first
+#: calls (48 connections, 8 MiB results) then crowded its host for itself, 27 of 48 served (a fresh-eyes review)
 TYPICAL_S = 10.0
 
 
@@ -262,7 +264,7 @@ class ResultLedger:
         self._probes: dict[str, float] = {}  # host -> when its last probe was taken
         self._waiting: dict[str, tuple[str, int]] = {}  # connection -> (host, tries) of the calls in wait_room
         # calls of connections without standing being computed (admitted, their result not yet held): per host and
-        # per connection, and the largest result of the host's for such a connection lately (``running``)
+        # per connection, and the host's largest unread result of such a connection lately (``running``, TYPICAL_S)
         self._running_hosts: collections.Counter[str] = collections.Counter()
         self._running_conns: collections.Counter[str] = collections.Counter()
         self._typical: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()  # (bytes, when)
@@ -278,10 +280,10 @@ class ResultLedger:
     # -------------------------------------------------------------- entries
     @contextlib.contextmanager
     def running(self, connection: str, host: str) -> Iterator[None]:
-        """Count a call of ``connection`` on ``host`` from before its :meth:`refusal` until its result is held (the
-        block ends), when the connection has no standing: :meth:`refusal` counts such calls of the host's *other*
-        connections at the size of the host's largest result for a connection without standing in the last
-        ``TYPICAL_S`` seconds, as if already held.
+        """Count a call of ``connection`` on ``host`` from its :meth:`refusal` letting it in until its result is held
+        (the block ends), when the connection has no standing: :meth:`refusal` counts such calls of the host's *other*
+        connections at the size of the host's largest unread result for a connection without standing in the last
+        ``TYPICAL_S`` seconds, as if already held (none while the host's results are read).
         Without it, calls of a fresh connection each that passed the look together, or waited for a place after it,
         were all computed: 17 results of 8 MiB held half a second into an attack window, against 5 that the host's
         budget allows. Bench ``unread-results`` (6 rounds beside the control only): legitimate goodput 69% / 72% ->
@@ -305,14 +307,6 @@ class ResultLedger:
         """Enter a result of ``nbytes`` bytes handed to gRPC for ``connection`` on ``host``; ``cancel()`` ends its
         call (``ServicerContext.cancel``). Returns the key for :meth:`release`."""
         with self._cond:
-            if connection not in self._standing:
-                now = self._clock()
-                size, since = self._typical.get(host, (0, now))
-                if nbytes >= size or now - since > TYPICAL_S:  # the largest of the last TYPICAL_S seconds
-                    self._typical[host] = (nbytes, now)
-                self._typical.move_to_end(host)
-                while len(self._typical) > STANDING_MEMORY:
-                    self._typical.popitem(last=False)
             self._next += 1
             self._entries[self._next] = _Unread(connection, host, nbytes, self._clock(), cancel)
             self._hosts[host] += nbytes
@@ -387,7 +381,7 @@ class ResultLedger:
         its one connection holding the most (that connection is held to its own budget, and a newcomer of the host
         is not charged for one stuck reader): it holds ``per_host`` bytes or more, or its connections without
         standing hold ``unproven`` or more, counting the calls of such connections other than ``connection`` that
-        are being computed at the size of the host's largest such result lately (:meth:`running`); or it holds any
+        are being computed at the size of the host's largest unread such result lately (:meth:`running`); or it holds any
         while the server holds ``total``."""
         held = self._hosts[host]
         running = self._running_hosts[host] - self._running_conns[connection]
@@ -397,11 +391,21 @@ class ResultLedger:
             return True
         by_conn: collections.Counter[str] = collections.Counter()
         unproven: collections.Counter[str] = collections.Counter()
+        now, stale = self._clock(), 0
         for e in self._entries.values():
             if e.host == host and not e.cancelled:
                 by_conn[e.connection] += e.nbytes
                 if e.connection not in self._standing:
                     unproven[e.connection] += e.nbytes
+                    if now > e.since + ROOM_GRACE_S + e.nbytes / ROOM_RATE:  # a reader would have taken it by now
+                        stale = max(stale, e.nbytes)
+        if stale:
+            size, since = self._typical.get(host, (0, now))
+            if stale >= size or now - since > TYPICAL_S:  # the largest of the last TYPICAL_S seconds
+                self._typical[host] = (stale, now)
+            self._typical.move_to_end(host)
+            while len(self._typical) > STANDING_MEMORY:
+                self._typical.popitem(last=False)
         top = max(by_conn.values(), default=0)
         top_unproven = max(unproven.values(), default=0)
         projected = sum(unproven.values()) - top_unproven + running * self._typical.get(host, (0, 0.0))[0]

@@ -39,6 +39,7 @@ from advantage_server import logs
 from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult
 from advantage_server.admission import refusal_metadata
+from advantage_server.identity import call_peer
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
@@ -251,10 +252,12 @@ class TransportMethods:
     def _stream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
+        peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
         try:
-            self._wait_results(context)  # the caller's unread results first (shares.ResultLedger)
-            with self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
-                                 self._caller(context)):
+            # the caller's unread results first (shares.ResultLedger), then counted as running until its result is held
+            with self._wait_results(context, peer), \
+                    self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
+                                    self._caller(context)):
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
@@ -266,7 +269,7 @@ class TransportMethods:
                 _label_call(request.estimator)
                 pieces = self.compute_payload(request, context).pieces()
                 del request, data  # the request buffer goes before the result is sent
-                self._hold_result(context, codec.pieces_size(pieces))
+                self._hold_result(context, codec.pieces_size(pieces), peer)
                 t2 = time.perf_counter()
         except grpc.RpcError as exc:  # reading the request failed: the client cancelled or its deadline passed
             log.debug("%s: the client went away during the upload (%s)", what, exc)
