@@ -317,6 +317,17 @@ def test_calls_being_computed_for_connections_without_standing_count_as_held():
         clock.now += shares.TYPICAL_S
         assert book.refusal("attacker:17", "h") is None  # then the small one does
     book.release(small, delivered=False)
+    book.release(book.hold("attacker:18", "h4", 8 * MiB, Call().cancel), delivered=False)
+    clock.now += 0.5
+    held = book.hold("attacker:19", "h4", 8 * MiB, Call().cancel)
+    clock.now += 0.5  # unread: the host's size is 8 MiB now ...
+    with contextlib.ExitStack() as stack:
+        for i in range(20, 24):
+            stack.enter_context(book.running(f"attacker:{i}", "h4"))
+        assert book.refusal("attacker:24", "h4") is not None
+        book.release(held, delivered=False)
+        clock.now += shares.TYPICAL_S + 1  # ... and stands for TYPICAL_S only (the bench's slow-loris, later on the
+        assert book.refusal("attacker:25", "h4") is None  # same host, lost its neighbour's calls to it)
     with contextlib.ExitStack() as stack:  # a trainer's burst: 48 connections, 8 MiB results, each read at once
         for i in range(48):
             stack.enter_context(book.running(f"trainer:{i}", "h3"))

@@ -428,13 +428,14 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             running = contextlib.ExitStack()
             peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
             try:
-                if limited:  # the caller's unread results first (shares.ResultLedger), then counted as running
-                    running.enter_context(self._wait_results(context, peer))
+                # the caller's unread results first (shares.ResultLedger); counted as running once its body is here
+                counting = self._wait_results(context, peer) if limited else contextlib.nullcontext()
                 with self.gate.admit(limited, context.add_callback,
                                      (lambda held: self._make_room(context, held)) if limited else None,
                                      self._caller(context, early) if limited else None), \
                         (contextlib.nullcontext() if limited else self.gate.light(method.name)):
                     data = self._receive(early or requests, context, counted=limited)
+                    running.enter_context(counting)
                     if not limited and len(data) > LIGHT_BODY_BYTES:  # refused before parsing
                         raise InvalidInput("request", f"the {len(data)}-byte request is larger than {method.name} "
                                                       f"takes ({LIGHT_BODY_BYTES} bytes at most); send only the "
@@ -490,8 +491,9 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """Before a limited call takes a place: wait (at most ``ADMISSION_WAIT_S``, never past its deadline) while
         its connection ``peer``, or its host for a connection without standing, holds too many result bytes not yet
         read (:class:`~advantage_server.shares.ResultLedger`); then refuse it with RESOURCE_EXHAUSTED and a retry
-        pushback (:class:`~advantage_server.admission.Overloaded`). Let in, the call is counted until its block ends
-        (:meth:`~advantage_server.shares.ResultLedger.running`): enter what this returns at once."""
+        pushback (:class:`~advantage_server.admission.Overloaded`). Let in, the call is counted from its body's
+        arrival until its result is held (:meth:`~advantage_server.shares.ResultLedger.running`): enter what this
+        returns then (a call whose body never comes is never counted)."""
         host = peer_host(peer)
         if self.results.refusal(peer, host) is not None:
             left = context.time_remaining()

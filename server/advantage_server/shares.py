@@ -280,8 +280,8 @@ class ResultLedger:
     # -------------------------------------------------------------- entries
     @contextlib.contextmanager
     def running(self, connection: str, host: str) -> Iterator[None]:
-        """Count a call of ``connection`` on ``host`` from its :meth:`refusal` letting it in until its result is held
-        (the block ends), when the connection has no standing: :meth:`refusal` counts such calls of the host's *other*
+        """Count a call of ``connection`` on ``host`` from its body's arrival (after :meth:`refusal` let it in) until
+        its result is held (the block ends), when the connection has no standing: :meth:`refusal` counts such calls of the host's *other*
         connections at the size of the host's largest unread result for a connection without standing in the last
         ``TYPICAL_S`` seconds, as if already held (none while the host's results are read).
         Without it, calls of a fresh connection each that passed the look together, or waited for a place after it,
@@ -408,7 +408,8 @@ class ResultLedger:
                 self._typical.popitem(last=False)
         top = max(by_conn.values(), default=0)
         top_unproven = max(unproven.values(), default=0)
-        projected = sum(unproven.values()) - top_unproven + running * self._typical.get(host, (0, 0.0))[0]
+        size, since = self._typical.get(host, (0, -math.inf))
+        projected = sum(unproven.values()) - top_unproven + running * (size if now - since <= TYPICAL_S else 0)
         return held - top >= self.per_host or projected >= self.unproven
 
     def _cut_one(self, host: str) -> None:

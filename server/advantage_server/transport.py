@@ -254,15 +254,16 @@ class TransportMethods:
         t0 = t1 = t2 = time.perf_counter()
         peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
         try:
-            # the caller's unread results first (shares.ResultLedger), then counted as running until its result is held
-            with self._wait_results(context, peer), \
-                    self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
-                                    self._caller(context)):
+            # the caller's unread results first (shares.ResultLedger); counted as running once its body is here
+            counting = self._wait_results(context, peer)
+            with self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
+                                 self._caller(context)), contextlib.ExitStack() as running:
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
                                         self.limits.upload_rate_window) as touch:
                     data = self._reassemble(self._chunks(request_iterator, touch), alive)
+                running.enter_context(counting)
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
                 what = f"ComputeAdvantageStream {request.estimator}"
