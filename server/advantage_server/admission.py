@@ -369,9 +369,10 @@ class RequestGate:
                 # the room of a waiter ranked before it (arrival aside), nor of one not reading
                 hosts = self._counts()[0]
                 mine = wait_rank(hosts, conns, caller.connection, caller.host, 0.0)[:-1]
-                peers = [w for w in self._waiters if w.caller.reading_for() is not None
+                unsent = ((w.caller.reading_for(), w) for w in self._waiters)
+                peers = [(t, w) for t, w in unsent if t is not None
                          and wait_rank(hosts, conns, w.caller.connection, w.caller.host, 0.0)[:-1] >= mine]
-                last = max(peers, key=lambda w: w.caller.reading_for() or 0.0) if peers else me
+                last = max(peers, key=lambda p: p[0])[1] if peers else me
             if last is me:
                 return "dropped"
             self._waiters.remove(last)  # a better-ranked newcomer takes the room of the last waiter
