@@ -124,6 +124,10 @@ class InvalidArgumentError(AdvantageServiceError, ValueError):
     memory) carried the call. ``code`` is always ``grpc.StatusCode.INVALID_ARGUMENT``."""
 
 
+#: gRPC's words for "the target's host name resolves to no address" (c-ares: "Domain name not found"; the
+#: system resolver: "Name or service not known", "nodename nor servname")
+_NO_SUCH_NAME = ("domain name not found", "name or service not known", "nodename nor servname",
+                 "no address associated with hostname")
 #: gRPC's words for "nothing listens there / no such host" (then what to do leads the message)
 _NOBODY_THERE = ("connection refused", "failed to connect", "resolv", "lookup", "no route to host",
                  "network is unreachable", "connection timed out")
@@ -159,6 +163,11 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
                     "share of connections (--max-connections-per-host: its log says 'dropping new connections from "
                     "...'; the gate lasts 1-16 s): retry later, or check that the server is running and reachable "
                     f"from here (gRPC: {message})")
+        if any(k in low for k in _NO_SUCH_NAME):  # the host name resolves to no address: nothing to start there
+            host = target.rpartition(":")[0] or target
+            return (f"the host name in {target!r} resolves to no address ({host!r}: DNS found no such name): check "
+                    "its spelling, or give an IP address or a name this machine resolves (e.g. 'localhost:50051'; "
+                    f"in Kubernetes, the Service's DNS name from inside the cluster) (gRPC: {message})")
         if any(k in low for k in _NOBODY_THERE):
             # our hint first: gRPC's own text begins with its internal status ("... last error: UNKNOWN: ipv4:...")
             return (f"no advantage service answered at {target}: start advantage-server there, or check the "

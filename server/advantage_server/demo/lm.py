@@ -611,7 +611,9 @@ def train_rl(cfg: LMConfig, client: AdvantageClient, start: WarmStart) -> TrainR
             writer = csv.writer(stack.enter_context(open(cfg.csv, "w", newline="")))
             writer.writerow(CSV_HEADER)
         if not cfg.quiet:
-            print(f"[{cfg.estimator}] warm start: held-out greedy accuracy {100 * accuracy:.1f}%", flush=True)
+            print(f"[{cfg.estimator}] RL from the warm start ({100 * accuracy:.1f}%), one line a step; rpc: the share of "
+                  "wall time with an advantage call in flight, waiting: the share the trainer spent blocked on one",
+                  flush=True)
         t0 = time.perf_counter()
         interrupted = False
         try:
@@ -661,7 +663,7 @@ def train(cfg: LMConfig) -> list[TrainResult]:
     torch.set_num_threads(cfg.threads)
     with ExitStack() as stack:
         stack.callback(torch.set_num_threads, threads)
-        client = connect(stack, cfg.server, cfg.rpc_timeout)
+        client = connect(stack, cfg.server, cfg.rpc_timeout, announce=not cfg.quiet)
         t0 = time.perf_counter()
         start = warm_start(cfg, with_teacher="opd" in estimators)
         if not cfg.quiet:
@@ -764,6 +766,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plot:
         plot_curves(results, cfg.plot, cfg.n_digits, cfg.target_accuracy)
         print(f"learning curve written to {cfg.plot}", flush=True)
+    if cfg.csv and not cfg.quiet:
+        print(f"per-step figures written to {cfg.csv}" if len(results) == 1 else
+              f"per-step figures written to {pathlib.Path(cfg.csv).with_suffix('.<estimator>.csv')}", flush=True)
     return 0
 
 
