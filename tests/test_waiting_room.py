@@ -550,3 +550,47 @@ def test_an_early_body_gives_the_message_once_and_raises_what_its_read_raised():
     dropped.drop()
     with pytest.raises(StopIteration):
         next(dropped)
+
+
+def test_an_early_first_chunk_proves_a_prompt_sender_only_when_it_carries_the_request():
+    """A streamed upload waiting for a place reads its first chunk early (:class:`advantage_server.uploads.EarlyBody`
+    with :func:`~advantage_server.uploads.first_chunk_whole`). A chunk with the whole small request, or
+    ``PROMPT_CHUNK_BYTES`` of a large one, is an arrival; 16 bytes of a declared 1 MiB (a slow-loris's trickle) is not,
+    and the read counts as still going on (``reading_for``), so a full room can drop it for a newcomer. Either way the
+    call's own read gets every message, the early one first."""
+    from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+    from advantage_server.uploads import PROMPT_CHUNK_BYTES, EarlyBody, first_chunk_whole
+
+    def chunk(total: int, n: int) -> bytes:
+        return pb.ComputeAdvantageChunk(total_size=total, data=b"\1" * n).SerializeToString()
+
+    assert first_chunk_whole(chunk(100, 100)) and first_chunk_whole(chunk(1 << 20, PROMPT_CHUNK_BYTES))
+    assert not first_chunk_whole(chunk(1 << 20, 16)) and not first_chunk_whole(chunk(100, 99))
+
+    arrived = []
+    prompt = EarlyBody(iter([chunk(1 << 20, 1 << 20)]), lambda: arrived.append("prompt"), first_chunk_whole)
+    prompt.start()
+    prompt._thread.join(5)
+    assert arrived == ["prompt"] and prompt.reading_for() is None
+
+    rest = threading.Event()
+
+    def trickle():
+        yield chunk(1 << 20, 16)
+        rest.wait(10)
+        yield chunk(0, 16)
+    slow = EarlyBody(trickle(), lambda: arrived.append("trickle"), first_chunk_whole)
+    assert slow.reading_for() is None  # not started: not reading
+    slow.start()
+    slow._thread.join(5)
+    time.sleep(0.02)
+    waited = slow.reading_for()
+    assert arrived == ["prompt"] and waited is not None and waited >= 0.02  # its first chunk came, and proved nothing
+    rest.set()
+    assert list(slow.stream()) == [chunk(1 << 20, 16), chunk(0, 16)]  # the early chunk first, then the rest
+
+    malformed = EarlyBody(iter([b"\xff\xff"]), lambda: arrived.append("malformed"), first_chunk_whole)
+    malformed.start()
+    malformed._thread.join(5)
+    assert arrived == ["prompt"] and malformed.reading_for() is not None  # proves nothing; the call's read says why
+    assert list(EarlyBody(iter([b"a", b"b"]), lambda: None, first_chunk_whole).stream()) == [b"a", b"b"]  # unstarted
