@@ -961,7 +961,9 @@ def test_a_host_that_reopens_every_connection_closed_is_gated_and_another_host_i
             done = [client.compute("grpo", None, **request).advantages.shape for _ in range(20)]
         assert done == [(2, 1)] * 20
         assert time.monotonic() - started < 5.0
-        assert srv.connections.closed >= 64
+        # the reaper closes the attacker's idle connections over its share; waited for, not read at once: beside a
+        # busy loop and a second test process it had closed 61 when the 20 calls were done
+        assert _wait_for(lambda: srv.connections.closed >= 64, 10), srv.connections.closed
         stop.set()
         attacker.join(10)
         assert _wait_for(lambda: srv.connections.gate.hosts == (), 20), srv.connections.gate.hosts
