@@ -291,12 +291,19 @@ def test_only_a_stalled_upload_is_cut_for_another_caller_and_a_cut_connection_co
     watch = uploads.UploadWatch(timeout=30.0, per_peer=8, per_connection=8)
     try:
         stalls = [Ctx("ipv4:10.0.0.9:7") for _ in range(3)]
-        held = [watch.watch(c) for c in stalls]
-        for h in held:
-            h.__enter__()
+        # fresh however long this thread is descheduled (beside a busy loop it once slept past STALL_S here): a
+        # minute's threshold while they are entered and looked at, then the real one
+        with monkeypatch.context() as fresh:
+            fresh.setattr(uploads, "STALL_S", 60.0)
+            held = [watch.watch(c) for c in stalls]
+            for h in held:
+                h.__enter__()
         newcomer = Ctx("ipv4:10.0.0.2:1")
         assert not watch.evict_for(newcomer)  # fresh: perhaps bodies on their way
         assert watch.stalled() == ({}, {})
+        assert len(watch._watched) == 3
+        for entry in watch._watched.values():
+            entry.stall_after = shares.STALL_S
         monkeypatch.setattr(uploads, "STALLED_CACHE_S", 0.0)
         time.sleep(shares.STALL_S + 0.05)
         hosts, conns = watch.stalled()
