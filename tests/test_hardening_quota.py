@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from advantage_client import AdvantageClient, codec, streaming
+from advantage_client import AdvantageClient
 from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
 from advantage_client._proto.advantage.v1 import advantage_pb2_grpc as pb_grpc
 from advantage_client.client import build_request, decode_result
@@ -629,60 +629,6 @@ def test_a_new_connection_is_served_when_fresh_silent_connections_also_fill_the_
         assert srv.gate.dropped >= dropped + 1  # the silent call whose room it took
         assert not any(c.done() and c.exception() is None for c in calls)  # no silent call was served
         assert len(srv.uploads._early) == 1  # the newcomer's connection: no silent one counts as having sent a body
-    finally:
-        stop.set()
-        for ch in fresh:
-            ch.close()
-
-
-def _trickling_chunks(stop: threading.Event, declared: int = 1 << 20):
-    """A streamed upload's messages: a first chunk of 16 bytes declaring ``declared``, then 16 bytes a second until
-    ``stop`` (at most 30 s): a slow-loris's trickle."""
-    yield pb.ComputeAdvantageChunk(total_size=declared, data=b"\0" * 16).SerializeToString()
-    for _ in range(30):
-        if stop.wait(1.0):
-            return
-        yield pb.ComputeAdvantageChunk(data=b"\0" * 16).SerializeToString()
-
-
-@pytest.mark.parametrize("newcomer", ["unary", "stream"])
-def test_a_new_connection_is_served_when_fresh_trickling_streams_fill_the_waiting_room(make_server, newcomer):
-    """The room-full slow-loris made of *streamed* uploads, a fresh connection each, each trickling 16 bytes a second
-    of a declared 1 MiB (a fresh-eyes review: 40 such loops at C=4 kept every new client of their host out, 0 of
-    10). A stream waiting for a place could not read anything early, so the full room had no reader to drop for a
-    newcomer, and each trickle on arrival could cut another's place. Now a waiting stream reads its first chunk early:
-    16 bytes of 1 MiB prove nothing (``uploads.first_chunk_whole``), the trickle counts as a body still awaited, and a
-    new connection of the host, unary or streamed, takes its room and is served on its first attempt (a raw stub, no
-    resend); no trickle is served."""
-    srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
-    assert srv.gate.max_waiting == 8
-    request = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
-    stop = threading.Event()
-    fresh = [_channel(srv.address) for _ in range(14)]
-    try:
-        calls = []
-        for ch in fresh:  # one at a time, so that each finds the host already stalling
-            calls.append(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(_trickling_chunks(stop), timeout=30))
-            time.sleep(0.03)
-        deadline = time.monotonic() + 10
-        while srv.gate.waiting < srv.gate.max_waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert srv.gate.waiting == srv.gate.max_waiting, (srv.gate.waiting, len(srv.uploads._watched))
-        dropped = srv.gate.dropped
-        with _channel(srv.address) as ch:
-            if newcomer == "unary":
-                reply = pb_grpc.AdvantageServiceStub(ch).ComputeAdvantage(request, timeout=10)
-                got = decode_result(reply, as_numpy=True).advantages
-            else:
-                body = request.SerializeToString()
-                first = pb.ComputeAdvantageChunk(total_size=len(body), data=body).SerializeToString()
-                pieces = list(ch.stream_stream(f"/{SERVICE}/ComputeAdvantageStream")(iter([first]), timeout=10))
-                got = codec.decode_result(streaming.reassemble(codec.decode_chunk(p) for p in pieces)).advantages.numpy()
-        np.testing.assert_array_equal(got, _in_process([1.0, 0.0], [[1.0], [1.0]]))
-        assert srv.gate.dropped >= dropped + 1  # the trickle whose room it took
-        served = [c for c in calls if c.done() and c.code() == grpc.StatusCode.OK]
-        assert not served  # no trickle was served
-        assert len(srv.uploads._early) == 1  # the newcomer's connection: no trickle counts as having sent its body
     finally:
         stop.set()
         for ch in fresh:

@@ -94,13 +94,13 @@ class Caller:
     waiting room: ``connection`` (the gRPC peer string), ``host`` (:func:`~advantage_server.identity.peer_host`),
     ``alive()`` (False once the client cancelled or its deadline passed: ``ServicerContext.is_active``) and
     ``time_left()`` (seconds to its deadline, None without one: ``ServicerContext.time_remaining``).
-    ``read_early()``: start reading the call's request body (a streamed upload: its first chunk) while it waits
-    (:class:`advantage_server.uploads.EarlyBody`; None: it cannot); the waiting room calls it for a connection that
-    only answers for its host's stalled uploads (:class:`~advantage_server.shares.InheritedStalls`), and once the
-    body has arrived (a first chunk that shows a prompt sender) the connection has a record of its own (see
-    :meth:`RequestGate.admit`). ``reading_for()``: seconds since that read started while the body has not arrived
-    whole, None when it is not reading (never started, arrived, or the call ended); the full room drops the longest
-    such reader for a newcomer that would read early (:meth:`RequestGate._wait_for_place`)."""
+    ``read_early()``: start reading the call's request body while it waits
+    (:class:`advantage_server.uploads.EarlyBody`; None: it cannot, a streamed upload); the waiting room calls it for
+    a connection that only answers for its host's stalled uploads (:class:`~advantage_server.shares.InheritedStalls`),
+    and once the body has arrived the connection has a record of its own (see :meth:`RequestGate.admit`).
+    ``reading_for()``: seconds since that read started while the body has not arrived whole, None when it is not
+    reading (never started, or done); the full room drops the longest such reader for a newcomer that would read
+    early (:meth:`RequestGate._wait_for_place`)."""
 
     connection: str
     host: str

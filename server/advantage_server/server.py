@@ -513,7 +513,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
     @staticmethod
     def _caller(context: grpc.ServicerContext, early: EarlyBody | None = None) -> Caller:
         """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room; ``early``: its
-        request body (a unary call's message, a streamed upload's first chunk), which it may read while it waits."""
+        unary request body, which it may read while it waits."""
         peer = call_peer(context)
         if early is None:
             return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)

@@ -41,7 +41,6 @@ from advantage_server.estimators import REGISTRY, AdvantageResult
 from advantage_server.admission import refusal_metadata
 from advantage_server.identity import call_peer
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
-from advantage_server.uploads import EarlyBody, first_chunk_whole
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
                                       client_identity, parse_memfd_name, read_in_place, region_cap, region_owner)
@@ -254,19 +253,16 @@ class TransportMethods:
         what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
         peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
-        # its first chunk, read while it waits for a place when its connection answers for its host's stalls: a
-        # prompt sender's shows it (uploads.first_chunk_whole), a slow-loris's trickle does not
-        early = EarlyBody(request_iterator, lambda: self._sent_early(context), first_chunk_whole)
         try:
             # the caller's unread results first (shares.ResultLedger); counted as running once its body is here
             counting = self._wait_results(context, peer)
             with self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
-                                 self._caller(context, early)), contextlib.ExitStack() as running:
+                                 self._caller(context)), contextlib.ExitStack() as running:
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
                                         self.limits.upload_rate_window) as touch:
-                    data = self._reassemble(self._chunks(early.stream(), touch), alive)
+                    data = self._reassemble(self._chunks(request_iterator, touch), alive)
                 running.enter_context(counting)
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
@@ -281,8 +277,6 @@ class TransportMethods:
             return
         except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
             status, pushback = self._status(exc, what), refusal_metadata(exc)
-        finally:
-            early.drop()  # a first chunk read while the call waited, when it got no place
         if status is not None:
             abort(context, status, pushback)
         try:  # how long receiving and computing took, for clients that split a call's time (informational)

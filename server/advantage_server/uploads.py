@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from advantage_client import codec
 from advantage_server.defaults import DEFAULT_UPLOAD_RATE_WINDOW
 from advantage_server.admission import Draining
 from advantage_server.errors import ResourceLimit
@@ -99,21 +98,15 @@ class EarlyBody:
     and when the message has arrived whole ``on_arrival()`` runs (the servicer remembers the connection:
     :meth:`UploadWatch.sent_early`), after which the connection is judged by its own record: a prompt caller.
 
-    A streamed upload (``ComputeAdvantageStream``) reads its first chunk message so, and ``whole(message)`` says
-    whether that message shows a prompt sender (:func:`first_chunk_whole`: the chunk carries the whole request, or
-    ``PROMPT_CHUNK_BYTES`` of it); a stream that declares a large request and sends a trickle is still being read,
-    as a silent unary call is (:meth:`reading_for`).
-
     Iterating gives the message once (the call's own ``next(requests)`` after admission reads it from here), or raises
     what the read raised (``StopIteration``: no message; ``grpc.RpcError``: the call ended). Not started, it
-    reads from ``requests`` as usual. The thread ends with the call at the latest. Memory: a waiting call's body (or
-    first chunk), at most ``--max-message-mb`` for each place of the waiting room (RELIABILITY.md, the memory bound)."""
+    reads from ``requests`` as usual. The thread ends with the call at the latest. Memory: a waiting call's body,
+    at most ``--max-message-mb`` for each place of the waiting room (RELIABILITY.md, the memory bound)."""
 
-    __slots__ = ("_requests", "_on_arrival", "_whole", "_proven", "_done", "_value", "_error", "_thread", "_started")
+    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread", "_started")
 
-    def __init__(self, requests: Any, on_arrival: Callable[[], None], whole: Callable[[Any], bool] | None = None):
-        self._requests, self._on_arrival, self._whole = requests, on_arrival, whole
-        self._proven = False  # the message arrived and showed a prompt sender
+    def __init__(self, requests: Any, on_arrival: Callable[[], None]):
+        self._requests, self._on_arrival = requests, on_arrival
         self._done: threading.Event | None = None  # made by start(): most calls never read early
         self._value: Any = None
         self._error: BaseException | None = None
@@ -135,20 +128,13 @@ class EarlyBody:
             err.__traceback__ = None  # its frames would hold the call's state (see AdvantageServicer._receive)
             self._error = err
         finally:
-            if self._error is None:
-                try:
-                    self._proven = self._whole is None or bool(self._whole(self._value))
-                except Exception:  # noqa: BLE001 - a malformed message proves nothing (the call's own read says why)
-                    self._proven = False
             self._done.set()
-        if self._proven:
+        if self._error is None:
             self._on_arrival()
 
     def reading_for(self) -> float | None:
-        """Seconds since :meth:`start` while the body has not arrived whole (a streamed upload: while its first chunk
-        has not shown a prompt sender, even once it arrived); None when it was never started, the body arrived, or
-        the read failed (the call ended)."""
-        if self._done is None or self._proven or (self._done.is_set() and self._error is not None):
+        """Seconds since :meth:`start` while the read has not ended; None when it was never started, or has ended."""
+        if self._done is None or self._done.is_set():
             return None
         return time.monotonic() - self._started
 
@@ -169,29 +155,6 @@ class EarlyBody:
     def drop(self) -> None:
         """Let go of a message read but not taken (the call was refused)."""
         self._value = None
-
-    def stream(self) -> Iterator[Any]:
-        """Every message of a streamed upload: the one read early (if it was), then the rest from ``requests``."""
-        try:
-            first = next(self)
-        except StopIteration:
-            return
-        yield first
-        del first
-        yield from self._requests
-
-
-#: bytes of a streamed upload's first chunk (or the whole request, if smaller) that show a prompt sender while its
-#: call waits for a place (:class:`EarlyBody`, :func:`first_chunk_whole`): the project's clients send chunks of
-#: ``chunk_mb`` MiB (1 by default); a slow-loris's trickle sends a few bytes of a large declared request
-PROMPT_CHUNK_BYTES = 64 << 10
-
-
-def first_chunk_whole(message: Any) -> bool:
-    """Whether a serialized ``ComputeAdvantageChunk``, the first of a streamed upload, shows a prompt sender: it
-    carries the whole declared request, or at least ``PROMPT_CHUNK_BYTES`` of it."""
-    total, data = codec.decode_chunk(message)
-    return data.nbytes >= min(total, PROMPT_CHUNK_BYTES)
 
 
 #: connections remembered by :meth:`UploadWatch.sent_early` (the least recently seen are forgotten first)
