@@ -113,7 +113,7 @@ def test_unavailable_hints_match_what_went_wrong():
     with AdvantageClient("no-such-host.invalid:50051", timeout=10.0, retry=False) as client:
         with pytest.raises(AdvantageServiceError) as exc:
             client.list_estimators()
-    text = str(exc.value)
+    text = str(exc.value)  # a resolver's "not found" was told "start advantage-server there" (a fresh-clone try)
     if "not found" in text.split("(gRPC:")[-1].lower():  # the resolver said the name does not exist
         assert text.startswith("the host name in 'no-such-host.invalid:50051' resolves to no address"), text
     else:  # no answer from a resolver at all (a machine without DNS): nothing there, as for a refused connection

@@ -399,18 +399,23 @@ class ResultLedger:
                     unproven[e.connection] += e.nbytes
                     if now > e.since + ROOM_GRACE_S + e.nbytes / ROOM_RATE:  # a reader would have taken it by now
                         stale = max(stale, e.nbytes)
+        top = max(by_conn.values(), default=0)
+        top_unproven = max(unproven.values(), default=0)
+        projected = sum(unproven.values()) - top_unproven + running * self._typical_size(host, stale, now)
+        return held - top >= self.per_host or projected >= self.unproven
+
+    def _typical_size(self, host: str, stale: int, now: float) -> int:
+        """Under the lock: the size at which ``host``'s calls being computed count (:meth:`running`): the largest
+        unread result of its connections without standing in the last ``TYPICAL_S`` seconds, ``stale`` (the largest
+        unread now, 0 for none) taken in first; 0 when none was seen that recently."""
+        size, since = self._typical.get(host, (0, -math.inf))
         if stale:
-            size, since = self._typical.get(host, (0, now))
-            if stale >= size or now - since > TYPICAL_S:  # the largest of the last TYPICAL_S seconds
-                self._typical[host] = (stale, now)
+            if stale >= size or now - since > TYPICAL_S:
+                size, since = self._typical[host] = (stale, now)
             self._typical.move_to_end(host)
             while len(self._typical) > STANDING_MEMORY:
                 self._typical.popitem(last=False)
-        top = max(by_conn.values(), default=0)
-        top_unproven = max(unproven.values(), default=0)
-        size, since = self._typical.get(host, (0, -math.inf))
-        projected = sum(unproven.values()) - top_unproven + running * (size if now - since <= TYPICAL_S else 0)
-        return held - top >= self.per_host or projected >= self.unproven
+        return size if now - since <= TYPICAL_S else 0
 
     def _cut_one(self, host: str) -> None:
         """Under the lock: cancel the oldest result of ``host``'s connections without standing that a reader would

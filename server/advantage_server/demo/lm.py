@@ -653,6 +653,14 @@ def train_rl(cfg: LMConfig, client: AdvantageClient, start: WarmStart) -> TrainR
                        interrupted=interrupted)
 
 
+def run_csv(csv_path: str | None, estimator: str, runs: int) -> str | None:
+    """The CSV file of ``estimator``'s run: ``csv_path`` itself for a single run, ``lm.<estimator>.csv`` beside it
+    when ``runs`` estimators are compared (``--compare``)."""
+    if not csv_path or runs == 1:
+        return csv_path
+    return str(pathlib.Path(csv_path).with_suffix(f".{estimator}.csv"))
+
+
 def train(cfg: LMConfig) -> list[TrainResult]:
     """Warm start once, then one RL run per estimator (``cfg.compare`` or ``cfg.estimator``), each from the
     same warm start and seed, through an in-process server unless ``cfg.server`` names one."""
@@ -673,8 +681,7 @@ def train(cfg: LMConfig) -> list[TrainResult]:
                   f"greedy accuracy {100 * start.accuracy:.1f}%{teacher}", flush=True)
         results = []
         for name in estimators:
-            csv_path = cfg.csv if len(estimators) == 1 or not cfg.csv else \
-                str(pathlib.Path(cfg.csv).with_suffix(f".{name}.csv"))
+            csv_path = run_csv(cfg.csv, name, len(estimators))
             results.append(train_rl(replace(cfg, estimator=name, csv=csv_path), client, start))
             if results[-1].interrupted:  # Ctrl-C stops the comparison too
                 break
@@ -767,8 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_curves(results, cfg.plot, cfg.n_digits, cfg.target_accuracy)
         print(f"learning curve written to {cfg.plot}", flush=True)
     if cfg.csv and not cfg.quiet:
-        print(f"per-step figures written to {cfg.csv}" if len(results) == 1 else
-              f"per-step figures written to {pathlib.Path(cfg.csv).with_suffix('.<estimator>.csv')}", flush=True)
+        print(f"per-step figures written to {run_csv(cfg.csv, '<estimator>', len(results))}", flush=True)
     return 0
 
 
