@@ -635,6 +635,77 @@ def test_a_new_connection_is_served_when_fresh_silent_connections_also_fill_the_
             ch.close()
 
 
+def _trickle(stop: threading.Event, declared: int = 1 << 20, every: float = 1.0):
+    """A streamed upload's chunks that never finish: 16 bytes of a declared ``declared`` first, then 16 bytes every
+    ``every`` seconds until ``stop`` (the stream is never half-closed)."""
+    yield pb.ComputeAdvantageChunk(total_size=declared, data=b"\0" * 16).SerializeToString()
+    while not stop.wait(every):
+        yield pb.ComputeAdvantageChunk(data=b"\0" * 16).SerializeToString()
+
+
+def _chunked(request: pb.ComputeAdvantageRequest, size: int) -> list[bytes]:
+    """``request`` as the streaming transport's serialized chunk messages of ``size`` bytes each."""
+    body = request.SerializeToString()
+    return [pb.ComputeAdvantageChunk(total_size=len(body) if i == 0 else 0, data=body[i:i + size]).SerializeToString()
+            for i in range(0, len(body), size)]
+
+
+def test_a_new_stream_is_served_beside_fresh_trickling_streams_that_also_fill_the_waiting_room(make_server):
+    """Issue #35 item 2, the streamed variant: a slow-loris of ``ComputeAdvantageStream`` calls, each on a fresh
+    connection reopened as soon as it ends, that send 16 bytes of a declared 1 MiB and then 16 bytes a second,
+    filling the places and the waiting room. A new stream of the same host ranks with them and, unlike a unary call,
+    could not show its body while it waited: the full room refused it at once, and the one cut it could try on arrival
+    found no upload silent for ``NEWCOMER_CUT_STALL_S``, since the slow-loris's own arrivals cut them first (measured
+    at C=4 beside 24 such loops: 1 new stream of 10 served). Now a waiting stream is read early
+    (:class:`advantage_server.uploads.EarlyStream`): it takes the room of the waiter furthest behind, and once its
+    stream has arrived whole (a small request) or its first 16 MiB have (a large one), it ranks and cuts as a prompt
+    caller, for this call only. Here 16 loops keep the 4 places and the room of 8 full; three small new streams and
+    a 20 MiB one are each served on their first attempt (raw stubs, no resend), no trickling stream is, and no
+    connection is given a record for a stream (``_early`` stays empty)."""
+    srv = make_server(max_concurrent_requests=4, stream_idle_timeout=30.0)
+    stop = threading.Event()
+    method = f"/{SERVICE}/ComputeAdvantageStream"
+    served_trickles = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            with _channel(srv.address) as ch:
+                try:
+                    list(ch.stream_stream(method)(_trickle(stop), timeout=30))
+                    served_trickles.append(1)
+                except grpc.RpcError:
+                    pass
+            stop.wait(0.005)
+    loops = [threading.Thread(target=loop, daemon=True) for _ in range(16)]
+    try:
+        for t in loops:
+            t.start()
+        deadline = time.monotonic() + 10
+        while srv.gate.waiting < srv.gate.max_waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.gate.waiting == srv.gate.max_waiting, (srv.gate.waiting, len(srv.uploads._watched))
+        time.sleep(1.0)  # the loops' arrivals now cut and refill the places, as they would in a long attack
+        small = build_request("raw_reward", None, rewards=[1.0, 0.0], mask=[[1.0], [1.0]])
+        n = 5 << 20  # 20 MiB of float32 rewards: past EARLY_STREAM_BYTES, proven by its first 16 MiB
+        rewards = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+        large = build_request("raw_reward", None, rewards=rewards, mask=np.ones((n, 1), np.float32))
+        expected_small = _in_process([1.0, 0.0], [[1.0], [1.0]])
+        from advantage_client import codec, streaming
+        for request, expected in ((small, expected_small), (small, expected_small), (small, expected_small),
+                                  (large, _in_process(rewards, np.ones((n, 1), np.float32)))):
+            with grpc.insecure_channel(srv.address, options=[*OWN_CONNECTION,
+                                                             ("grpc.max_send_message_length", 64 << 20)]) as newcomer:
+                pieces = list(newcomer.stream_stream(method)(iter(_chunked(request, 1 << 20)), timeout=20))
+            buf = streaming.reassemble(codec.decode_chunk(p) for p in pieces)
+            np.testing.assert_array_equal(codec.decode_result(memoryview(buf)).advantages.numpy("advantages"), expected)
+        assert srv.gate.dropped >= 1 and not served_trickles  # trickling waiters were dropped; none was served
+        assert len(srv.uploads._early) == 0  # a stream's proof is its call's, never its connection's record
+    finally:
+        stop.set()
+        for t in loops:
+            t.join(35)
+
+
 def test_a_newcomer_cuts_only_an_upload_stalled_for_half_a_second(make_server):
     """A connection with no result yet (a newcomer, or a slow-loris's fresh connection) cuts only an upload that has
     been without bytes for ``NEWCOMER_CUT_STALL_S`` (0.5 s): 64 client processes starting at once on 2 cores had

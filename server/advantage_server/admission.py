@@ -95,12 +95,16 @@ class Caller:
     ``alive()`` (False once the client cancelled or its deadline passed: ``ServicerContext.is_active``) and
     ``time_left()`` (seconds to its deadline, None without one: ``ServicerContext.time_remaining``).
     ``read_early()``: start reading the call's request body while it waits
-    (:class:`advantage_server.uploads.EarlyBody`; None: it cannot, a streamed upload); the waiting room calls it for
-    a connection that only answers for its host's stalled uploads (:class:`~advantage_server.shares.InheritedStalls`),
-    and once the body has arrived the connection has a record of its own (see :meth:`RequestGate.admit`).
-    ``reading_for()``: seconds since that read started while the body has not arrived whole, None when it is not
-    reading (never started, or done); the full room drops the longest such reader for a newcomer that would read
-    early (:meth:`RequestGate._wait_for_place`)."""
+    (:class:`advantage_server.uploads.EarlyBody`, :class:`advantage_server.uploads.EarlyStream`; None: it cannot); the
+    waiting room calls it for a connection that only answers for its host's stalled uploads
+    (:class:`~advantage_server.shares.InheritedStalls`), and once a unary body has arrived the connection has a record
+    of its own (see :meth:`RequestGate.admit`). ``reading_for()``: seconds since that read started while the body has
+    not arrived whole (a stream's: less its bytes' time at 1 MiB/s, :meth:`advantage_server.uploads.EarlyStream.reading_for`),
+    None when it is not reading (never started, or done); the full room drops the reader furthest behind for a
+    newcomer that would read early (:meth:`RequestGate._wait_for_place`). ``proven()``: the call's own body has shown itself while it waited
+    (a stream that arrived whole, or its first 16 MiB: :class:`advantage_server.uploads.EarlyStream`): it ranks and
+    fills places as a prompt caller's, for this call only (a unary body read early gives its connection a record
+    instead)."""
 
     connection: str
     host: str
@@ -108,6 +112,7 @@ class Caller:
     time_left: Callable[[], float | None] = lambda: None
     read_early: Callable[[], None] | None = None
     reading_for: Callable[[], float | None] = lambda: None
+    proven: Callable[[], bool] = lambda: False
 
 
 class _Waiter:
@@ -242,9 +247,19 @@ class RequestGate:
         (:meth:`advantage_server.uploads.UploadWatch.stalled`), else every place; under ``_cond``."""
         if caller is None or self.stalled is None or self.stalled_cap >= self.max_concurrent_requests:
             return self.max_concurrent_requests
+        if caller.proven():
+            return self.max_concurrent_requests
         if conns is None:
             conns = self._counts()[1]
         return self.stalled_cap if conns.get(caller.connection) else self.max_concurrent_requests
+
+    @staticmethod
+    def _rank(w: "_Waiter", hosts: Mapping[str, int], conns: Mapping[str, int]) -> tuple[int, int, int, float]:
+        """``w``'s place in the waiting room's order (:func:`advantage_server.shares.wait_rank`): a call whose body
+        showed itself while it waited (:attr:`Caller.proven`) ranks as a prompt connection's."""
+        if w.caller.proven():
+            return 0, 0, 0, w.arrived
+        return wait_rank(hosts, conns, w.caller.connection, w.caller.host, w.arrived)
 
     def _counts(self) -> tuple[Mapping[str, int], Mapping[str, int]]:
         return self.stalled() if self.stalled is not None else ({}, {})
@@ -289,7 +304,7 @@ class RequestGate:
     def _ranked(self, waiters: list[_Waiter]) -> list[_Waiter]:
         """``waiters`` best first (:func:`advantage_server.shares.wait_rank`); under ``_cond``."""
         hosts, conns = self._counts()
-        return sorted(waiters, key=lambda w: wait_rank(hosts, conns, w.caller.connection, w.caller.host, w.arrived))
+        return sorted(waiters, key=lambda w: self._rank(w, hosts, conns))
 
     def _hand_off(self, freed_by: Caller | None = None) -> None:
         """Give free places to the best-ranked waiting calls (counted as taken at once, so no call that polls
@@ -306,7 +321,7 @@ class RequestGate:
         hosts, conns = self._counts()
 
         def rank(w: _Waiter) -> tuple:
-            return wait_rank(hosts, conns, w.caller.connection, w.caller.host, w.arrived)
+            return self._rank(w, hosts, conns)
         if freed_by is not None and any(conns.values()) and not conns.get(freed_by.connection):
             # (never for a stalling connection: its next call would take the place past STALLED_FILL)
             mine = wait_rank(hosts, conns, freed_by.connection, freed_by.host, 0.0)[:-1]
@@ -370,8 +385,7 @@ class RequestGate:
                 hosts = self._counts()[0]
                 mine = wait_rank(hosts, conns, caller.connection, caller.host, 0.0)[:-1]
                 unsent = ((w.caller.reading_for(), w) for w in self._waiters)
-                peers = [(t, w) for t, w in unsent if t is not None
-                         and wait_rank(hosts, conns, w.caller.connection, w.caller.host, 0.0)[:-1] >= mine]
+                peers = [(t, w) for t, w in unsent if t is not None and self._rank(w, hosts, conns)[:-1] >= mine]
                 last = max(peers, key=lambda p: p[0])[1] if peers else me
             if last is me:
                 return "dropped"
@@ -478,7 +492,8 @@ class RequestGate:
                     # it cuts only once its body has arrived. Else a slow-loris's fresh connections, each cutting
                     # once on arrival, churn the places they hold, and a new client whose body has arrived finds every
                     # place's upload silent for less than NEWCOMER_CUT_STALL_S (measured at C=4 beside 20 such
-                    # connections: 1-5 of 20 new clients refused after a 2 s wait)
+                    # connections: 1-5 of 20 new clients refused after a 2 s wait). A stream likewise, once it
+                    # arrived whole or its first 16 MiB did (Caller.proven)
                     tried = True
                 retry = False
                 if tried:

@@ -69,7 +69,7 @@ from advantage_server.limits import (
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
-from advantage_server.uploads import EarlyBody, UploadCut, UploadWatch
+from advantage_server.uploads import EarlyBody, EarlyStream, UploadCut, UploadWatch
 from advantage_server import identity, transport
 from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
@@ -380,7 +380,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
         """Stalled uploads per host and per connection (:meth:`UploadWatch.stalled`), a connection that has not had a
         result delivered answering for its host (:class:`~advantage_server.shares.InheritedStalls`)."""
         hosts, conns = self.uploads.stalled()
-        return hosts, InheritedStalls(conns, hosts, self._has_record, peer_host)
+        return hosts, InheritedStalls(conns, hosts, self._has_record, peer_host, self.uploads.recently_stalled())
 
     def _has_record(self, connection: str) -> bool:
         """Whether ``connection`` is judged by its own stalls rather than its host's: it has had a result delivered
@@ -511,16 +511,20 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             self.results.release(key, delivered=False)  # the call has already ended, before its result was sent
 
     @staticmethod
-    def _caller(context: grpc.ServicerContext, early: EarlyBody | None = None) -> Caller:
+    def _caller(context: grpc.ServicerContext, early: EarlyBody | EarlyStream | None = None) -> Caller:
         """The :class:`~advantage_server.admission.Caller` of ``context``'s call, for the waiting room; ``early``: its
-        unary request body, which it may read while it waits."""
+        unary request body, or its request stream, which it may read while it waits."""
         peer = call_peer(context)
         if early is None:
             return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)
+        if isinstance(early, EarlyStream):
+            return Caller(peer, peer_host(peer), context.is_active, context.time_remaining, early.start,
+                          early.reading_for, lambda: early.proven)
         return Caller(peer, peer_host(peer), context.is_active, context.time_remaining, early.start, early.reading_for)
 
     def _sent_early(self, context: grpc.ServicerContext) -> None:
-        """A waiting call's body arrived whole (:class:`EarlyBody`): its connection has a record of its own now."""
+        """A waiting call's body arrived whole (:class:`EarlyBody`, :class:`EarlyStream`): its connection has a record
+        of its own now."""
         peer = call_peer(context)
         self.uploads.mark_sent_early(peer)
         self.gate.poke(peer)

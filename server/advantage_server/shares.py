@@ -42,7 +42,7 @@ import heapq
 import math
 import threading
 import time
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Container, Iterator, Mapping
 
 #: seconds without request bytes after which a pending upload counts as *stalled* for the waiting room's order
 #: (:func:`wait_rank`): long against the time a prompt client's body takes to arrive on a busy server (a few
@@ -143,8 +143,9 @@ class InheritedStalls(dict):
     """Stalled uploads per connection (:meth:`advantage_server.uploads.UploadWatch.stalled`'s second count), in
     which a connection with no record of its own answers for its host. ``get(connection)`` is the connection's own
     count when it has one, or when ``proven(connection)`` (it has had a result delivered: :meth:`ResultLedger.proven`);
-    else 1 while its host (``host_of(connection)``) holds a stalled upload, the least a staller holds. ``own()`` is
-    the connection's own count; iteration and ``values()`` are the own counts.
+    else 1 while its host (``host_of(connection)``) holds a stalled upload, or is in ``recent`` (it held one in the
+    last ``HOST_STALL_MEMORY_S``: :meth:`advantage_server.uploads.UploadWatch.recently_stalled`), the least a staller
+    holds. ``own()`` is the connection's own count; iteration and ``values()`` are the own counts.
 
     Issue #35 item 2, stalling judged per host: a slow-loris that opens a fresh connection for every stalled call had
     each call judged by a clean record, and its calls filled every place (9% of unattacked goodput on the same host,
@@ -157,9 +158,9 @@ class InheritedStalls(dict):
     that the fresh connections of a slow-loris, whose bodies never come, do not churn the places they hold."""
 
     def __init__(self, connections: Mapping[str, int], hosts: Mapping[str, int], proven: Callable[[str], bool],
-                 host_of: Callable[[str], str]):
+                 host_of: Callable[[str], str], recent: Container[str] = ()):
         super().__init__(connections)
-        self._hosts, self._proven, self._host_of = hosts, proven, host_of
+        self._hosts, self._proven, self._host_of, self._recent = hosts, proven, host_of, recent
 
     def own(self, connection: str) -> int:
         """The connection's own count (0 when it only answers for its host)."""
@@ -167,9 +168,18 @@ class InheritedStalls(dict):
 
     def get(self, connection: str, default: int = 0) -> int:  # type: ignore[override]
         own = dict.get(self, connection, 0)
-        if own or not self._hosts or self._proven(connection):
+        if own or not (self._hosts or self._recent) or self._proven(connection):
             return own or default
-        return 1 if self._hosts.get(self._host_of(connection)) else default
+        host = self._host_of(connection)
+        return 1 if self._hosts.get(host) or host in self._recent else default
+
+
+#: seconds a host counts as stalling for its connections without a record of their own (:class:`InheritedStalls`)
+#: after it last held a stalled upload: a slow-loris whose calls trickle in step (one chunk a second each) holds no
+#: upload silent for ``STALL_S`` just after each step, and without the memory its fresh connections then ranked as
+#: prompt callers', and a new client of its host, arriving last among equals, was refused at once (10 of 10, in a
+#: burst just after a step)
+HOST_STALL_MEMORY_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

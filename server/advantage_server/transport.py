@@ -40,6 +40,7 @@ from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult
 from advantage_server.admission import refusal_metadata
 from advantage_server.identity import call_peer
+from advantage_server.uploads import EARLY_STREAM_BYTES, EarlyStream
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
@@ -253,16 +254,20 @@ class TransportMethods:
         what, status, pieces, pushback = "ComputeAdvantageStream", None, [], ()
         t0 = t1 = t2 = time.perf_counter()
         peer = call_peer(context)  # now: once the call has ended, gRPC names no peer
+        # read while the call waits for a place, when the waiting room asks: a whole stream (or its first 16 MiB) is
+        # this call's proof, for its rank (gate.poke: its wait looks again)
+        early = EarlyStream(request_iterator, lambda: self.gate.poke(peer),
+                            min(EARLY_STREAM_BYTES, self.limits.max_message_bytes))
         try:
             # the caller's unread results first (shares.ResultLedger); counted as running once its body is here
             counting = self._wait_results(context, peer)
             with self.gate.admit(True, context.add_callback, lambda held: self._make_room(context, held),
-                                 self._caller(context)), contextlib.ExitStack() as running:
+                                 self._caller(context, early)), contextlib.ExitStack() as running:
                 alive = grpc_liveness(context)
                 # a stalled (--stream-idle-timeout) or crawling (--min-upload-rate-kib) upload is cut
                 with self.uploads.watch(context, self.limits.min_upload_rate_bytes,
                                         self.limits.upload_rate_window) as touch:
-                    data = self._reassemble(self._chunks(request_iterator, touch), alive)
+                    data = self._reassemble(self._chunks(early, touch), alive)
                 running.enter_context(counting)
                 t1 = time.perf_counter()
                 request = decode_request(memoryview(data))
@@ -277,6 +282,8 @@ class TransportMethods:
             return
         except Exception as exc:  # noqa: BLE001 - every error gets a deliberate status
             status, pushback = self._status(exc, what), refusal_metadata(exc)
+        finally:
+            early.drop()  # chunks read while the call waited, when it got no place (its thread stops reading)
         if status is not None:
             abort(context, status, pushback)
         try:  # how long receiving and computing took, for clients that split a call's time (informational)

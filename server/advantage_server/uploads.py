@@ -15,11 +15,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from advantage_client import codec
 from advantage_server.defaults import DEFAULT_UPLOAD_RATE_WINDOW
 from advantage_server.admission import Draining
 from advantage_server.errors import ResourceLimit
 from advantage_server.identity import call_peer, peer_host
-from advantage_server.shares import CUT_MEMORY_S, STALL_S, PendingShares, stall_after
+from advantage_server.shares import CUT_MEMORY_S, HOST_STALL_MEMORY_S, STALL_S, PendingShares, stall_after
 
 log = logging.getLogger("advantage_server")
 #: seconds :meth:`UploadWatch.stalled` answers from its last count (it is asked several times per call; a count a
@@ -103,7 +104,7 @@ class EarlyBody:
     reads from ``requests`` as usual. The thread ends with the call at the latest. Memory: a waiting call's body,
     at most ``--max-message-mb`` for each place of the waiting room (RELIABILITY.md, the memory bound)."""
 
-    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread", "_started")
+    __slots__ = ("_requests", "_on_arrival", "_done", "_value", "_error", "_thread", "_started", "_dropped")
 
     def __init__(self, requests: Any, on_arrival: Callable[[], None]):
         self._requests, self._on_arrival = requests, on_arrival
@@ -112,10 +113,11 @@ class EarlyBody:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._started = 0.0
+        self._dropped = False
 
     def start(self) -> None:
         """Start reading the message (once; later calls do nothing)."""
-        if self._thread is None:
+        if self._thread is None and not self._dropped:
             self._started = time.monotonic()
             self._done = threading.Event()
             self._thread = threading.Thread(target=self._read, name="advantage-early-body", daemon=True)
@@ -129,7 +131,7 @@ class EarlyBody:
             self._error = err
         finally:
             self._done.set()
-        if self._error is None:
+        if self._error is None and not self._dropped:  # a body that came after its call was refused proves nothing
             self._on_arrival()
 
     def reading_for(self) -> float | None:
@@ -154,7 +156,167 @@ class EarlyBody:
 
     def drop(self) -> None:
         """Let go of a message read but not taken (the call was refused)."""
+        self._dropped = True
         self._value = None
+
+
+#: bytes of a waiting stream that show it is being sent, if it has not ended by then (:class:`EarlyStream`): the
+#: client's own threshold for streaming a request (smaller ones go unary), so a legitimate stream's first 16 MiB take
+#: milliseconds; 16 MiB buy a staller about 16 s of a place before ``--min-upload-rate-kib`` (1 MiB/s) cuts it
+EARLY_STREAM_BYTES = 16 << 20
+#: bytes per second a waiting stream's early read is measured against (:meth:`EarlyStream.reading_for`): the
+#: server's default ``--min-upload-rate-kib`` (1 MiB/s), the pace it asks of every upload
+EARLY_STREAM_RATE = 1 << 20
+
+
+class EarlyStream:
+    """The request chunks of a ``ComputeAdvantageStream`` call that waits for a place, read in a thread of its own
+    while it waits: :class:`EarlyBody` for the streaming transport (issue #35 item 2, a slow-loris of streams that
+    trickle, each on a fresh connection).
+
+    The proof (:attr:`proven`, then ``on_proof()`` once) is the *whole* stream: the client half-closed it after chunks
+    whose data add up to the ``total_size`` (more than 0) its first chunk declared, a complete request. A stream too
+    large to wait whole is proven by its first ``cap`` bytes (``EARLY_STREAM_BYTES``, at most ``--max-message-mb``).
+    The proof is the call's alone, for its rank in the waiting room (:attr:`advantage_server.admission.Caller.proven`),
+    never a record for its connection: a first chunk proves nothing about the rest of a stream, and an attacker that
+    sent one cheaply and trickled after it was let in for good (tried and reverted in the tenth session:
+    RELIABILITY.md). A stream that stops, or only trickles, is never proven, and the full waiting room drops the
+    waiter that has been reading longest for a newcomer (:meth:`reading_for`).
+
+    Memory: while the call waits, the thread stops reading once ``cap`` bytes of chunk messages are held, so a waiter
+    holds less than ``cap`` plus the one message gRPC is receiving for it (at most ``--max-message-mb``): the memory
+    bound's waiting-room term. Once the handler takes its first chunk (after admission) the thread reads at most
+    one chunk ahead of it.
+
+    Iterating gives the chunk messages in order, then ends as the stream ended (``StopIteration``) or raises what
+    the read raised (``grpc.RpcError``: the call ended). Not started, it reads from ``requests`` as usual; started,
+    its thread is the only reader of ``requests``. The thread ends with the stream, or with the call at the
+    latest."""
+
+    __slots__ = ("_requests", "_on_proof", "_cap", "_rate", "_bytes", "_queue_seen", "_cond", "_queue", "_queued", "_limit", "_done",
+                 "_error", "_thread", "_started", "_dropped", "proven")
+
+    def __init__(self, requests: Any, on_proof: Callable[[], None], cap: int = EARLY_STREAM_BYTES,
+                 rate: int = EARLY_STREAM_RATE):
+        self._requests, self._on_proof, self._cap = requests, on_proof, max(1, int(cap))
+        self._rate = max(1, int(rate))  # bytes/s: the pace :meth:`reading_for` measures the read against
+        self._bytes = 0  # chunk bytes read while the call waited, after its first chunk
+        self._queue_seen = False  # the first chunk has been read
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[Any] = collections.deque()
+        self._queued = 0  # bytes in _queue
+        self._limit = self._cap  # bytes the thread may hold unread: cap while the call waits, then one chunk
+        self._done = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        self._dropped = False
+        #: the stream showed itself while the call waited: whole, or its first ``cap`` bytes (see the class docstring)
+        self.proven = False
+
+    def start(self) -> None:
+        """Start reading the stream (once; later calls do nothing)."""
+        with self._cond:
+            if self._thread is not None or self._dropped:
+                return
+            self._started = time.monotonic()
+            self._thread = threading.Thread(target=self._read, name="advantage-early-stream", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        declared, received, first, consistent = 0, 0, True, True
+        try:
+            for raw in self._requests:
+                if consistent:  # the chunk's declared total and data length (the proof), not its content
+                    try:
+                        total, data = codec.decode_chunk(raw)
+                    except Exception:  # noqa: BLE001 - a malformed chunk is the handler's INVALID_ARGUMENT later
+                        consistent = False
+                    else:
+                        declared, first = (total if first else declared), False
+                        received += data.nbytes
+                        consistent = received <= declared
+                        del data  # a view of the chunk: not kept while the next one is awaited
+                with self._cond:
+                    if self._dropped:
+                        return
+                    self._queue.append(raw)
+                    self._queued += len(raw)
+                    if self._limit == self._cap and self._queue_seen:
+                        self._bytes += len(raw)  # a first chunk is not credited: it is what a slow-loris sends
+                    self._queue_seen = True
+                    del raw  # the queue holds it; drop() lets it go while this thread waits for the next
+                    self._cond.notify_all()
+                    # too large to wait for whole: its first cap bytes came while it waited
+                    report = (not self.proven and consistent and self._limit == self._cap
+                              and self._queued >= self._cap)
+                    if report:
+                        self.proven = True
+                if report:
+                    self._on_proof()
+                with self._cond:
+                    while self._queued >= self._limit and not self._dropped:
+                        self._cond.wait()
+                    if self._dropped:
+                        return
+        except BaseException as err:  # noqa: BLE001 - grpc.RpcError (the call ended): re-raised by __next__
+            err.__traceback__ = None  # its frames would hold the call's state (see AdvantageServicer._receive)
+            with self._cond:
+                self._error = err
+        finally:
+            with self._cond:
+                self._done = True
+                whole = (self._error is None and not first and consistent and 0 < received == declared
+                         and not self._dropped and self._limit == self._cap and not self.proven)
+                if whole:
+                    self.proven = True
+                self._cond.notify_all()
+        if whole:
+            self._on_proof()
+
+    def reading_for(self) -> float | None:
+        """Seconds the read is behind ``rate``: since :meth:`start`, less the time its bytes after the first chunk
+        take at ``rate`` (negative: ahead), while the stream has neither ended nor been proven; None when it was never
+        started, has ended, or is proven. The full waiting room drops the waiter furthest behind for a newcomer: a
+        stream arriving at full speed is not that one, a trickle soon is. By time since start alone, a slow-loris
+        arriving every few milliseconds kept every waiter's read under 20 ms old, and a newcomer's 512 KiB stream was
+        dropped before it had arrived (10 of 10). Its first chunk earns nothing: a slow-loris sending 64 KiB first
+        chunks was ahead of a newcomer whose read had just begun (8 of 10 refused)."""
+        if self._thread is None or self._done or self.proven:
+            return None
+        return time.monotonic() - self._started - self._bytes / self._rate
+
+    def __iter__(self) -> "EarlyStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._thread is None:
+            with self._cond:
+                started = self._thread is not None
+                if not started:
+                    self._dropped = True  # read by the handler itself: no early read starts now
+            if not started:
+                return next(self._requests)
+        with self._cond:
+            self._limit = 1  # the handler reads now: the thread holds at most one chunk ahead of it
+            while not self._queue and not self._done:
+                self._cond.wait()
+            if self._queue:
+                raw = self._queue.popleft()
+                self._queued -= len(raw)
+                self._cond.notify_all()
+                return raw
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+
+    def drop(self) -> None:
+        """Let go of the chunks read but not taken (the call was refused or ended); the thread stops reading."""
+        with self._cond:
+            self._dropped = True
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
 
 
 #: connections remembered by :meth:`UploadWatch.sent_early` (the least recently seen are forgotten first)
@@ -211,6 +373,7 @@ class UploadWatch:
         self._cut_at: dict[tuple[str, ...], float] = {}
         self._stalled_cache: tuple[float, tuple[collections.Counter[str], collections.Counter[str]]] = (
             -math.inf, (collections.Counter(), collections.Counter()))
+        self._host_stalled: dict[str, float] = {}  # host -> when stalled() last counted a stalled upload of it
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.cuts = 0       # calls cut, for either reason
@@ -347,7 +510,18 @@ class UploadWatch:
                     conns[e.keys[0]] += 1
                     hosts[e.keys[1]] += 1
             self._stalled_cache = (now, (hosts, conns))
+            for host in hosts:
+                self._host_stalled[host] = now
+            if self._host_stalled and now - min(self._host_stalled.values()) > HOST_STALL_MEMORY_S:
+                self._host_stalled = {h: t for h, t in self._host_stalled.items() if now - t <= HOST_STALL_MEMORY_S}
         return hosts, conns
+
+    def recently_stalled(self) -> frozenset[str]:
+        """The hosts that held a stalled upload (or had one cut) in the last ``HOST_STALL_MEMORY_S`` seconds, as the
+        last :meth:`stalled` counted (:class:`advantage_server.shares.InheritedStalls`)."""
+        now = time.monotonic()
+        with self._lock:
+            return frozenset(h for h, t in self._host_stalled.items() if now - t <= HOST_STALL_MEMORY_S)
 
     def pending(self, peer: str) -> tuple[int, int]:
         """(calls of connection ``peer``, calls of its host) waiting for their body now; ``peer`` is a peer
