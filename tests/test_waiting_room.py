@@ -557,3 +557,186 @@ def test_an_early_body_gives_the_message_once_and_raises_what_its_read_raised():
     dropped.drop()
     with pytest.raises(StopIteration):
         next(dropped)
+
+
+def _chunk(data: bytes, total: int = 0) -> bytes:
+    from advantage_client._proto.advantage.v1 import advantage_pb2 as pb
+    return pb.ComputeAdvantageChunk(total_size=total, data=data).SerializeToString()
+
+
+def test_an_early_stream_is_proven_only_by_its_whole_stream_or_its_first_cap_bytes():
+    """:class:`advantage_server.uploads.EarlyStream`, a waiting stream read early (issue #35 item 2): the proof is a
+    stream half-closed after data adding up to the ``total_size`` its first chunk declared (more than 0), or, for a
+    stream too large to wait for whole, its first ``cap`` bytes; ``on_proof`` runs once. A first chunk alone, a
+    stream that ends short of its declared size, an empty one, one that ends in an error and one let go
+    (:meth:`drop`) prove nothing. The chunks are given once, in order, whatever thread read them; not started, it
+    reads as the call would."""
+    from advantage_server.uploads import EarlyStream
+
+    proofs = []
+    untouched = EarlyStream(iter([_chunk(b"ab", 2)]), lambda: proofs.append("untouched"))
+    assert next(untouched) == _chunk(b"ab", 2) and proofs == [] and not untouched.proven
+    untouched.start()  # a stream the call has begun to read itself is never read early
+    assert untouched._thread is None
+
+    def stream(chunks, hold: threading.Event | None = None, end: BaseException | None = None):
+        yield from chunks
+        if hold is not None:
+            hold.wait(10)
+        if end is not None:
+            raise end
+
+    def read(early: EarlyStream, name: str) -> list[bytes]:
+        early.start()
+        early.start()  # once
+        early._thread.join(5) if early._thread is not None else None
+        return [name]
+
+    whole = [_chunk(b"abc", 6), _chunk(b"def")]
+    early = EarlyStream(stream(whole), lambda: proofs.append("whole"), cap=1 << 20)
+    read(early, "whole")
+    assert early.proven and proofs == ["whole"] and early.reading_for() is None
+    assert list(early) == whole  # given once, in order
+
+    cases = {"short": [_chunk(b"abc", 6)],  # half-closed after 3 of 6 declared bytes
+             "empty": [_chunk(b"", 0)],  # declares and sends nothing
+             "over": [_chunk(b"abc", 2)]}  # more than it declared: malformed
+    for name, chunks in cases.items():
+        early = EarlyStream(stream(chunks), lambda name=name: proofs.append(name), cap=1 << 20)
+        read(early, name)
+        assert not early.proven and list(early) == chunks, name
+    assert proofs == ["whole"]
+
+    class Ended(Exception):
+        pass
+    failed = EarlyStream(stream(whole, end=Ended("the call ended")), lambda: proofs.append("failed"), cap=1 << 20)
+    read(failed, "failed")
+    assert not failed.proven and next(failed) == whole[0] and next(failed) == whole[1]
+    with pytest.raises(Ended):
+        next(failed)
+
+    hold = threading.Event()  # a first chunk, then nothing: never proven while it waits, however long
+    trickle = EarlyStream(stream([_chunk(b"x" * 16, 1 << 20)], hold), lambda: proofs.append("trickle"), cap=1 << 20)
+    trickle.start()
+    _wait_for(lambda: trickle._queued == len(_chunk(b"x" * 16, 1 << 20)))
+    assert not trickle.proven and trickle.reading_for() is not None
+    trickle.drop()  # refused: the chunks read go, and the read ends without a proof
+    hold.set()
+    trickle._thread.join(5)
+    assert not trickle.proven and proofs == ["whole"] and trickle._queued == 0
+
+    big = [_chunk(b"y" * 600, 4000)] + [_chunk(b"z" * 600) for _ in range(5)]  # 3,600 of 4,000 declared, then held
+    hold = threading.Event()
+    large = EarlyStream(stream(big, hold), lambda: proofs.append("large"), cap=1000)
+    large.start()
+    _wait_for(lambda: large.proven)
+    assert proofs == ["whole", "large"] and large._queued < 1000 + len(big[1])  # it stopped reading at the cap
+    assert next(large) == big[0]  # the handler reads now: the thread reads on, one chunk ahead at most
+    hold.set()
+    assert list(large) == big[1:] and proofs == ["whole", "large"]  # proven once
+
+
+def test_an_early_streams_lag_credits_its_bytes_after_the_first_chunk():
+    """The full waiting room drops the early reader furthest behind (``reading_for``): for a stream, the seconds since
+    its read began less its bytes *after the first chunk* at ``rate``. A slow-loris's one large first chunk earns
+    nothing (measured: 64 KiB first chunks put its waiters ahead of a newcomer whose read had just begun, 8 of 10
+    new streams refused); a stream that keeps sending is ahead; one that stops falls behind."""
+    from advantage_server.uploads import EarlyStream
+
+    hold = threading.Event()
+
+    def stream(chunks):
+        yield from chunks
+        hold.wait(10)
+    first_only = EarlyStream(stream([_chunk(b"x" * (64 << 10), 1 << 30)]), lambda: None, cap=1 << 30, rate=1 << 20)
+    sending = EarlyStream(stream([_chunk(b"x" * 16, 1 << 30)] + [_chunk(b"x" * (512 << 10))] * 4), lambda: None,
+                          cap=1 << 30, rate=1 << 20)
+    for e in (first_only, sending):
+        e.start()
+    _wait_for(lambda: first_only._queued > 0 and sending._queued > 2 << 20)
+    assert first_only.reading_for() >= 0.0  # its 64 KiB first chunk is not credited
+    assert sending.reading_for() < -1.5  # 2 MiB after its first chunk: two seconds ahead at 1 MiB/s
+    assert max((first_only, sending), key=lambda e: e.reading_for()) is first_only
+    hold.set()
+
+
+def test_a_waiting_call_whose_body_showed_itself_ranks_and_fills_as_a_prompt_callers():
+    """A call that answers for its stalling host (:class:`~advantage_server.shares.InheritedStalls`) waits below
+    ``stalled_cap`` and behind prompt callers; once its own body has shown itself while it waited
+    (:attr:`Caller.proven`: a stream read early) it takes a place past ``stalled_cap`` and ranks with prompt callers,
+    by arrival, for this call only: the next call of its connection answers for its host again."""
+    from advantage_server.shares import InheritedStalls
+
+    gate = RequestGate(4, 4, max_waiting=4)
+    stalls = InheritedStalls({"ipv4:10.0.0.9:1": 1}, {"10.0.0.9": 1}, lambda c: False, lambda c: c.split(":")[1])
+    gate.stalled = lambda: ({"10.0.0.9": 1}, stalls)
+    held = [_Call(gate, Caller(f"ipv4:10.0.0.9:{i}", "10.0.0.9")) for i in (10, 11)]  # up to stalled_cap: 2
+    assert all(h.admitted.wait(5) for h in held)
+    shown = threading.Event()
+    proven = _Call(gate, Caller("ipv4:10.0.0.9:20", "10.0.0.9", read_early=lambda: None, proven=shown.is_set))
+    _wait_for(lambda: gate.waiting == 1)
+    assert not proven.admitted.is_set()  # held below stalled_cap while it is unproven
+    shown.set()
+    gate.poke("ipv4:10.0.0.9:20")
+    assert proven.admitted.wait(5)  # a third place: past stalled_cap
+    assert gate._cap(Caller("ipv4:10.0.0.9:20", "10.0.0.9")) == gate.stalled_cap  # its connection's next call
+    hosts, conns = gate.stalled()
+    ranked = gate._ranked([admission._Waiter(Caller("ipv4:10.0.0.9:30", "10.0.0.9"), gate._lock, 0.0),
+                           admission._Waiter(Caller("ipv4:10.0.0.9:31", "10.0.0.9", proven=lambda: True),
+                                             gate._lock, 1.0),
+                           admission._Waiter(Caller("ipv4:10.0.0.7:1", "10.0.0.7"), gate._lock, 2.0)])
+    assert [w.caller.connection for w in ranked] == ["ipv4:10.0.0.9:31", "ipv4:10.0.0.7:1", "ipv4:10.0.0.9:30"]
+    for call in (*held, proven):
+        assert call.finish() == "ok"
+
+
+def test_a_host_counts_as_stalling_for_a_second_after_its_last_stalled_upload(monkeypatch):
+    """A slow-loris whose calls trickle in step holds no upload silent for ``STALL_S`` just after each step; its fresh
+    connections then ranked as prompt callers' and a new client of its host, last among equals, was refused at once
+    (10 of 10 in a burst just after a step). :meth:`UploadWatch.recently_stalled` remembers a host for
+    ``HOST_STALL_MEMORY_S`` after :meth:`UploadWatch.stalled` last counted a stalled upload of it, and
+    :class:`~advantage_server.shares.InheritedStalls` treats such a host as stalling."""
+    from advantage_server import shares, uploads
+    from advantage_server.shares import InheritedStalls
+    from advantage_server.uploads import UploadWatch
+
+    clock = [100.0]
+    monkeypatch.setattr(uploads.time, "monotonic", lambda: clock[0])
+    watch = UploadWatch(timeout=30.0)
+    ctx = types.SimpleNamespace(peer=lambda: "ipv4:10.0.0.9:1")
+    with watch.watch(ctx) as touch:
+        clock[0] += shares.STALL_S + 0.01
+        assert watch.stalled()[0] == {"ipv4:10.0.0.9": 1}
+        touch(16)  # a step: no longer stalled
+        clock[0] += 0.01
+        assert watch.stalled()[0] == {} and watch.recently_stalled() == {"ipv4:10.0.0.9"}
+    clock[0] += shares.HOST_STALL_MEMORY_S - 0.02  # the last count of a stalled upload was 0.01 s before the step
+    assert watch.recently_stalled() == {"ipv4:10.0.0.9"}
+    clock[0] += 0.02
+    assert watch.recently_stalled() == frozenset()
+
+    host_of = lambda c: c.rsplit(":", 1)[0]  # noqa: E731
+    recent = InheritedStalls({}, {}, lambda c: False, host_of, frozenset({"ipv4:10.0.0.9"}))
+    assert recent.get("ipv4:10.0.0.9:2") == 1 and recent.get("ipv4:10.0.0.8:2") == 0
+    assert InheritedStalls({}, {}, lambda c: True, host_of, frozenset({"ipv4:10.0.0.9"})).get("ipv4:10.0.0.9:2") == 0
+
+
+def test_a_body_that_arrives_after_its_call_was_refused_gives_its_connection_no_record():
+    """A waiting unary call reads its body early (:class:`advantage_server.uploads.EarlyBody`); once the call was
+    refused (``drop``), a body arriving later proves nothing: before, it still gave its connection a record of its
+    own (``on_arrival``), so a caller could send its bodies after the refusals and be judged by a clean record."""
+    from advantage_server.uploads import EarlyBody
+
+    arrived, hold = [], threading.Event()
+
+    def late():
+        hold.wait(10)
+        yield b"body"
+    early = EarlyBody(late(), lambda: arrived.append(1))
+    early.start()
+    early.drop()
+    hold.set()
+    early._thread.join(5)
+    assert arrived == []
+    early.start()  # refused: no second read either
+    assert arrived == []
