@@ -372,7 +372,7 @@ class RequestGate:
             return "timeout"
         me = _Waiter(caller, self._lock, arrived)
         # its body tells a prompt newcomer from a staller's fresh connection (read once it has a room's place, so that
-        # at most max_waiting bodies are read early: the memory bound's 2 x C x max(F, M))
+        # at most max_waiting bodies are read early: the memory bound's 2 x C x max(F, M + 16 MiB))
         reads = stalling and caller.read_early is not None and isinstance(conns, InheritedStalls) \
             and not conns.own(caller.connection)
         if len(self._waiters) >= self.max_waiting:

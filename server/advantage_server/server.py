@@ -69,7 +69,7 @@ from advantage_server.limits import (
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
-from advantage_server.uploads import EarlyBody, EarlyStream, UploadCut, UploadWatch
+from advantage_server.uploads import EARLY_STREAM_BYTES, EarlyBody, EarlyStream, UploadCut, UploadWatch
 from advantage_server import identity, transport
 from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
@@ -226,15 +226,16 @@ def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_M
     """RELIABILITY.md's peak memory bound, in bytes: how far a server with ``limits`` may grow above its idle RSS,
     whatever its callers do. With C = ``max_concurrent_requests``, R = max(message, stream) bytes, M = message
     bytes, W = ``workers``, E = ``max_batch_elements``, F = the stream window:
-    ``3 C R + 3 x 8 M + W x 64 B x E + MAX_WATCHES x 17 KiB`` (Watch streams) ``+ 2 C max(F, M)``
+    ``3 C R + 3 x 8 M + W x 64 B x E + MAX_WATCHES x 17 KiB`` (Watch streams) ``+ 2 C max(F, M + 16 MiB)``
     (waiting calls: a stream window each, or a whole body for one that reads it while it waits:
-    :class:`~advantage_server.uploads.EarlyBody`)
+    :class:`~advantage_server.uploads.EarlyBody`; a stream read early, less than ``EARLY_STREAM_BYTES`` plus the
+    message gRPC is receiving for it: :class:`~advantage_server.uploads.EarlyStream`)
     ``+ UNREAD_TOTAL_BYTES`` (results not yet delivered) ``+ MAX_CONNECTIONS x 15 KiB`` (open connections)
     ``+ 100 MiB``. The adversarial benchmark prints each attack's peak RSS growth against it."""
     c, m = limits.max_concurrent_requests, limits.max_message_bytes
     r = max(m, limits.max_stream_bytes)
     return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + MAX_WATCHES * (17 << 10)
-            + 2 * c * max(stream_window_mb << 20, m) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
+            + 2 * c * max(stream_window_mb << 20, m + min(m, EARLY_STREAM_BYTES)) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
 
 
 def connection_options(descriptors: int | None = None) -> list[tuple[str, int]]:

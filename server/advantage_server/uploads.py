@@ -181,7 +181,7 @@ class EarlyStream:
     never a record for its connection: a first chunk proves nothing about the rest of a stream, and an attacker that
     sent one cheaply and trickled after it was let in for good (tried and reverted in the tenth session:
     RELIABILITY.md). A stream that stops, or only trickles, is never proven, and the full waiting room drops the
-    waiter that has been reading longest for a newcomer (:meth:`reading_for`).
+    waiter whose read is furthest behind for a newcomer (:meth:`reading_for`).
 
     Memory: while the call waits, the thread stops reading once ``cap`` bytes of chunk messages are held, so a waiter
     holds less than ``cap`` plus the one message gRPC is receiving for it (at most ``--max-message-mb``): the memory
@@ -193,8 +193,8 @@ class EarlyStream:
     its thread is the only reader of ``requests``. The thread ends with the stream, or with the call at the
     latest."""
 
-    __slots__ = ("_requests", "_on_proof", "_cap", "_rate", "_bytes", "_queue_seen", "_cond", "_queue", "_queued", "_limit", "_done",
-                 "_error", "_thread", "_started", "_dropped", "proven")
+    __slots__ = ("_requests", "_on_proof", "_cap", "_rate", "_bytes", "_queue_seen", "_cond", "_queue", "_queued",
+                 "_limit", "_done", "_error", "_thread", "_started", "_dropped", "proven")
 
     def __init__(self, requests: Any, on_proof: Callable[[], None], cap: int = EARLY_STREAM_BYTES,
                  rate: int = EARLY_STREAM_RATE):
