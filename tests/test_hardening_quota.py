@@ -635,7 +635,7 @@ def test_a_new_connection_is_served_when_fresh_silent_connections_also_fill_the_
             ch.close()
 
 
-def _trickle(stop: threading.Event, declared: int = 1 << 20, every: float = 1.0):
+def _trickling_chunks(stop: threading.Event, declared: int = 1 << 20, every: float = 1.0):
     """A streamed upload's chunks that never finish: 16 bytes of a declared ``declared`` first, then 16 bytes every
     ``every`` seconds until ``stop`` (the stream is never half-closed)."""
     yield pb.ComputeAdvantageChunk(total_size=declared, data=b"\0" * 16).SerializeToString()
@@ -671,7 +671,7 @@ def test_a_new_stream_is_served_beside_fresh_trickling_streams_that_also_fill_th
         while not stop.is_set():
             with _channel(srv.address) as ch:
                 try:
-                    list(ch.stream_stream(method)(_trickle(stop), timeout=30))
+                    list(ch.stream_stream(method)(_trickling_chunks(stop), timeout=30))
                     served_trickles.append(1)
                 except grpc.RpcError:
                     pass
