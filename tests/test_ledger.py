@@ -663,6 +663,36 @@ def test_refusals_past_a_hosts_budget_are_held_and_answered_at_a_bounded_rate():
     assert refusals.held == 0 and len(answered) == 302  # the drain answers every held call at once
 
 
+def test_held_refusals_are_answered_by_turns_of_hosts_not_behind_another_hosts_flood():
+    """A held refusal waited behind every call held before it: beside a flood holding ``MAX_HELD`` (4,096) calls
+    from other hosts, a misconfigured client heard why it was refused up to 4,096 / ``RELEASE_PER_S`` = 82 s later
+    (past most clients' deadlines: DEADLINE_EXCEEDED, not the UNAUTHENTICATED that says what to fix). Now the hosts
+    with a due call take turns: one host's call comes within a release or two of ``HOLD_S``, whatever another host
+    holds; each host's own calls are answered first come first, and a forgotten call (its client left) is skipped."""
+    clock = Clock()
+    refusals = _refusals(clock)
+    answered: list[str] = []
+    try:
+        budget = int(refusals.PER_HOST_PER_S)
+        flood = [refusals.refuse("ipv4:10.0.0.1", lambda _r, i=i: answered.append(f"a{i}")) for i in range(400)]
+        assert refusals.held == 400 - budget
+        clock.now += 0.5
+        for i in range(budget + 2):  # another host: its budget at once, then two held, after 390 of the flood's
+            refusals.refuse("ipv4:10.0.0.2", lambda _r, i=i: answered.append(f"b{i}"))
+        refusals.forget(flood[budget])  # the flood's oldest held call ended (its client left): never answered
+        assert refusals.held == 400 - budget - 1 + 2
+        clock.now += refusals.HOLD_S  # every held call is due
+        burst = int(refusals.RELEASE_PER_S * refusals.BURST_S)  # the clock stands still: one burst's releases
+        assert burst == 5 and _wait_for(lambda: len(answered) == 2 * budget + burst)
+        released = answered[2 * budget:]
+        assert released == ["a11", "b10", "a12", "b11", "a13"], released  # by turns: not after 389 flood calls
+        flood_order = [a for a in released if a.startswith("a")]
+        assert flood_order == [f"a{i}" for i in range(budget + 1, budget + 1 + len(flood_order))]  # first come first
+        assert f"a{budget}" not in answered  # the forgotten call
+    finally:
+        refusals.close()
+
+
 def test_many_hosts_do_not_add_up_to_a_flood_of_immediate_refusals():
     """Per-host budgets alone would let an attacker holding many addresses (a /48 is 65,536 hosts of /64) have
     each refused at once: the refusals answered at once are also held to ``IMMEDIATE_PER_S`` a second over all

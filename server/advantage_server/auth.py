@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import itertools
 import math
@@ -78,7 +79,10 @@ class AnonymousRefusals:
     bursts of as many: a misconfigured client reads why at once, whatever another host sends; and at most
     ``IMMEDIATE_PER_S`` a second over all hosts); past it the call is
     *held*: it stays open in gRPC's core, with no thread, and gets its UNAUTHENTICATED no earlier than ``HOLD_S``
-    after it came, first come first answered, at most ``RELEASE_PER_S`` a second over all hosts. A caller that
+    after it came, at most ``RELEASE_PER_S`` a second over all hosts, the hosts holding calls that are due taking turns
+    (each host's own calls first come first answered): a misconfigured client whose refusal is held behind a flood
+    from other hosts hears why about ``HOLD_S`` after it asked, not after the flood's held calls (up to ``MAX_HELD /
+    RELEASE_PER_S``, 82 s, when they were answered first come first). A caller that
     sends each refused call again at once then sends at most that many a second, however many it keeps
     outstanding; before, about 1,000 outstanding tokenless calls, each sent again as soon as it was refused, left
     token holders 5% (refused in the pool) and then 23-29% (answered UNIMPLEMENTED in gRPC's serve thread) of
@@ -129,6 +133,9 @@ class AnonymousRefusals:
         self._clock = clock
         self._cond = threading.Condition()
         self._held: dict[int, tuple[float, Callable[[Any], None]]] = {}  # in arrival order (first = oldest)
+        #: host -> its held calls' keys, oldest first (keys of calls forgotten are skipped); the order is the hosts'
+        #: turns for the next release (a host that had one goes last)
+        self._turns: collections.OrderedDict[str, collections.deque[int]] = collections.OrderedDict()
         self._keys = itertools.count()
         self._budgets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when last filled)
         self._all = (self.IMMEDIATE_PER_S, clock())  # the budget over all hosts: (tokens, when last filled)
@@ -191,6 +198,12 @@ class AnonymousRefusals:
                     self._memory_base = self._resident()
                 key = next(self._keys)
                 self._held[key] = (now + self.HOLD_S, send)
+                keys = self._turns.get(host)
+                if keys is None:
+                    keys = self._turns[host] = collections.deque()
+                elif len(keys) > 64 and len(keys) > 2 * len(self._held):  # mostly calls forgotten: compact it
+                    keys = self._turns[host] = collections.deque(k for k in keys if k in self._held)
+                keys.append(key)
                 self.held_total += 1
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._release, name="advantage-refusals", daemon=True)
@@ -224,14 +237,36 @@ class AnonymousRefusals:
         self._allowance = min(self.RELEASE_PER_S * self.BURST_S,
                               self._allowance + (now - self._last) * self.RELEASE_PER_S)
         self._last = now
+        if self._closed or valve:  # every held call, now
+            due = [send for _, send in self._held.values()]
+            self._held.clear()
+            self._turns.clear()
+            return due
         due = []
-        while self._held:
-            key = next(iter(self._held))
-            if not (self._closed or valve or (self._allowance >= 1 and self._held[key][0] <= now)):
+        while self._held and self._allowance >= 1:
+            key = self._next_turn(now)
+            if key is None:
                 break
             due.append(self._held.pop(key)[1])
             self._allowance -= 1
         return due
+
+    def _next_turn(self, now: float) -> int | None:
+        """The key of the held call to answer next (under the lock): the oldest call of the first host, in turn
+        order, whose oldest held call is due; that host goes last. None when no host's call is due."""
+        if not self._held or self._held[next(iter(self._held))][0] > now:  # not even the oldest call is due
+            return None
+        for host in list(self._turns):
+            keys = self._turns[host]
+            while keys and keys[0] not in self._held:  # answered or forgotten
+                keys.popleft()
+            if not keys:
+                del self._turns[host]
+                continue
+            if self._held[keys[0]][0] <= now:
+                self._turns.move_to_end(host)
+                return keys.popleft()
+        return None
 
     def _release(self) -> None:
         """The releasing thread: every ``TICK_S`` the held calls that are due, within the rate."""
