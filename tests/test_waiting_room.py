@@ -595,7 +595,7 @@ def test_an_early_stream_is_proven_only_by_its_whole_stream_or_its_first_cap_byt
     whole = [_chunk(b"abc", 6), _chunk(b"def")]
     early = EarlyStream(stream(whole), lambda: proofs.append("whole"), cap=1 << 20)
     read(early, "whole")
-    assert early.proven and proofs == ["whole"] and early.reading_for() is None
+    assert early.proven and early.whole and proofs == ["whole"] and early.reading_for() is None
     assert list(early) == whole  # given once, in order
 
     cases = {"short": [_chunk(b"abc", 6)],  # half-closed after 3 of 6 declared bytes
@@ -618,7 +618,7 @@ def test_an_early_stream_is_proven_only_by_its_whole_stream_or_its_first_cap_byt
     hold = threading.Event()  # a first chunk, then nothing: never proven while it waits, however long
     trickle = EarlyStream(stream([_chunk(b"x" * 16, 1 << 20)], hold), lambda: proofs.append("trickle"), cap=1 << 20)
     trickle.start()
-    _wait_for(lambda: trickle._queued == len(_chunk(b"x" * 16, 1 << 20)))
+    _wait_for(lambda: len(trickle._queue) == 1)
     assert not trickle.proven and trickle.reading_for() is not None
     trickle.drop()  # refused: the chunks read go, and the read ends without a proof
     hold.set()
@@ -631,16 +631,19 @@ def test_an_early_stream_is_proven_only_by_its_whole_stream_or_its_first_cap_byt
     large.start()
     _wait_for(lambda: large.proven)
     assert proofs == ["whole", "large"] and large._queued < 1000 + len(big[1])  # it stopped reading at the cap
+    assert not large.whole  # proven for its rank, not whole: it fills no further than its host may
     assert next(large) == big[0]  # the handler reads now: the thread reads on, one chunk ahead at most
     hold.set()
     assert list(large) == big[1:] and proofs == ["whole", "large"]  # proven once
 
 
-def test_an_early_streams_lag_credits_its_bytes_after_the_first_chunk():
-    """The full waiting room drops the early reader furthest behind (``reading_for``): for a stream, the seconds since
-    its read began less its bytes *after the first chunk* at ``rate``. A slow-loris's one large first chunk earns
-    nothing (measured: 64 KiB first chunks put its waiters ahead of a newcomer whose read had just begun, 8 of 10
-    new streams refused); a stream that keeps sending is ahead; one that stops falls behind."""
+def test_an_early_streams_lag_credits_its_bytes_after_the_first_chunk_and_not_through_silence():
+    """The full waiting room drops the early reader furthest behind (``reading_for``): for a stream, how far it is
+    behind ``rate`` (the seconds since its read began less its bytes *after the first chunk* at ``rate``, never below
+    0) plus the seconds since its last chunk. A slow-loris's one large first chunk earns nothing (measured: 64 KiB
+    first chunks put its waiters ahead of a newcomer whose read had just begun, 8 of 10 new streams refused); a burst
+    then silence falls behind as it stays silent (one 1 MiB burst kept a waiter ahead for a second: 1 of 10 new 16 MiB
+    streams served); a stream whose chunks do not fit its declared size is read no further and is dropped first."""
     from advantage_server.uploads import EarlyStream
 
     hold = threading.Event()
@@ -649,22 +652,27 @@ def test_an_early_streams_lag_credits_its_bytes_after_the_first_chunk():
         yield from chunks
         hold.wait(10)
     first_only = EarlyStream(stream([_chunk(b"x" * (64 << 10), 1 << 30)]), lambda: None, cap=1 << 30, rate=1 << 20)
-    sending = EarlyStream(stream([_chunk(b"x" * 16, 1 << 30)] + [_chunk(b"x" * (512 << 10))] * 4), lambda: None,
-                          cap=1 << 30, rate=1 << 20)
-    for e in (first_only, sending):
+    burst = EarlyStream(stream([_chunk(b"x" * 16, 1 << 30)] + [_chunk(b"x" * (512 << 10))] * 4), lambda: None,
+                        cap=1 << 30, rate=1 << 20)
+    junk = EarlyStream(stream([_chunk(b"x" * 1024, 1)] + [_chunk(b"y" * 1024)] * 8), lambda: None, cap=1 << 30)
+    for e in (first_only, burst, junk):
         e.start()
-    _wait_for(lambda: first_only._queued > 0 and sending._queued > 2 << 20)
-    assert first_only.reading_for() >= 0.0  # its 64 KiB first chunk is not credited
-    assert sending.reading_for() < -1.5  # 2 MiB after its first chunk: two seconds ahead at 1 MiB/s
-    assert max((first_only, sending), key=lambda e: e.reading_for()) is first_only
+    _wait_for(lambda: first_only._queued > 0 and burst._queued > 2 << 20 and junk._queued > 0)
+    time.sleep(0.3)
+    assert first_only.reading_for() >= 0.3  # its 64 KiB first chunk is not credited
+    assert 0.25 <= burst.reading_for() < first_only.reading_for()  # 2 MiB of credit, but silent since
+    assert junk.reading_for() == float("inf") and len(junk._queue) == 1  # read no further than its first chunk
+    assert not junk.proven
     hold.set()
 
 
 def test_a_waiting_call_whose_body_showed_itself_ranks_and_fills_as_a_prompt_callers():
     """A call that answers for its stalling host (:class:`~advantage_server.shares.InheritedStalls`) waits below
     ``stalled_cap`` and behind prompt callers; once its own body has shown itself while it waited
-    (:attr:`Caller.proven`: a stream read early) it takes a place past ``stalled_cap`` and ranks with prompt callers,
-    by arrival, for this call only: the next call of its connection answers for its host again."""
+    (:attr:`Caller.proven`: a stream read early, its first 16 MiB) it ranks with prompt callers, by arrival, and tries
+    to take a place back, but still fills no further than its host may (16 MiB and then silence let a slow-loris hold
+    3-4 of 4 places: a fresh-eyes review); once it arrived whole (``Caller.whole``) it takes a place past
+    ``stalled_cap``. For this call only: the next call of its connection answers for its host again."""
     from advantage_server.shares import InheritedStalls
 
     gate = RequestGate(4, 4, max_waiting=4)
@@ -672,11 +680,16 @@ def test_a_waiting_call_whose_body_showed_itself_ranks_and_fills_as_a_prompt_cal
     gate.stalled = lambda: ({"10.0.0.9": 1}, stalls)
     held = [_Call(gate, Caller(f"ipv4:10.0.0.9:{i}", "10.0.0.9")) for i in (10, 11)]  # up to stalled_cap: 2
     assert all(h.admitted.wait(5) for h in held)
-    shown = threading.Event()
-    proven = _Call(gate, Caller("ipv4:10.0.0.9:20", "10.0.0.9", read_early=lambda: None, proven=shown.is_set))
+    shown, whole, cuts = threading.Event(), threading.Event(), []
+    proven = _Call(gate, Caller("ipv4:10.0.0.9:20", "10.0.0.9", read_early=lambda: None, proven=shown.is_set,
+                                whole=whole.is_set), make_room=lambda held=False: cuts.append(held))
     _wait_for(lambda: gate.waiting == 1)
     assert not proven.admitted.is_set()  # held below stalled_cap while it is unproven
-    shown.set()
+    shown.set()  # its first 16 MiB came: it ranks first and tries to take a place back, but fills no further
+    gate.poke("ipv4:10.0.0.9:20")
+    _wait_for(lambda: cuts)
+    assert cuts[0] is True and not proven.admitted.is_set()  # held below stalled_cap: make_room(held=True)
+    whole.set()  # the whole stream came: it fills as a prompt caller's
     gate.poke("ipv4:10.0.0.9:20")
     assert proven.admitted.wait(5)  # a third place: past stalled_cap
     assert gate._cap(Caller("ipv4:10.0.0.9:20", "10.0.0.9")) == gate.stalled_cap  # its connection's next call

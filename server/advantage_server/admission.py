@@ -99,12 +99,13 @@ class Caller:
     waiting room calls it for a connection that only answers for its host's stalled uploads
     (:class:`~advantage_server.shares.InheritedStalls`), and once a unary body has arrived the connection has a record
     of its own (see :meth:`RequestGate.admit`). ``reading_for()``: seconds since that read started while the body has
-    not arrived whole (a stream's: less its bytes' time at 1 MiB/s, :meth:`advantage_server.uploads.EarlyStream.reading_for`),
+    not arrived whole (a stream's: how far behind it is, :meth:`advantage_server.uploads.EarlyStream.reading_for`),
     None when it is not reading (never started, or done); the full room drops the reader furthest behind for a
-    newcomer that would read early (:meth:`RequestGate._wait_for_place`). ``proven()``: the call's own body has shown itself while it waited
-    (a stream that arrived whole, or its first 16 MiB: :class:`advantage_server.uploads.EarlyStream`): it ranks and
-    fills places as a prompt caller's, for this call only (a unary body read early gives its connection a record
-    instead)."""
+    newcomer that would read early (:meth:`RequestGate._wait_for_place`). ``proven()``: the call's own body has shown
+    itself while it waited (a stream that arrived whole, or its first 16 MiB:
+    :class:`advantage_server.uploads.EarlyStream`): it ranks as a prompt caller's and may take a place back, for this
+    call only; ``whole()``: it arrived whole, and it fills places as a prompt caller's too (a unary body read early
+    gives its connection a record instead)."""
 
     connection: str
     host: str
@@ -113,6 +114,7 @@ class Caller:
     read_early: Callable[[], None] | None = None
     reading_for: Callable[[], float | None] = lambda: None
     proven: Callable[[], bool] = lambda: False
+    whole: Callable[[], bool] = lambda: False
 
 
 class _Waiter:
@@ -247,7 +249,7 @@ class RequestGate:
         (:meth:`advantage_server.uploads.UploadWatch.stalled`), else every place; under ``_cond``."""
         if caller is None or self.stalled is None or self.stalled_cap >= self.max_concurrent_requests:
             return self.max_concurrent_requests
-        if caller.proven():
+        if caller.whole():
             return self.max_concurrent_requests
         if conns is None:
             conns = self._counts()[1]
@@ -398,10 +400,16 @@ class RequestGate:
             caller.read_early()
         deadline = until
         promoted = False
+        shown = caller.proven()  # a proof already shown: not a new reason to leave the room
         try:
             while not (me.granted or me.dropped or self._draining):
                 now = time.monotonic()
                 self._expire_parks(now)
+                if stalling and not shown and caller.proven() and self._cap(caller) < self.max_concurrent_requests:
+                    # its stream's first 16 MiB came (EarlyStream): first in rank now, still held below stalled_cap;
+                    # it leaves to take a place back once (admit: make_room), then looks again every EVICT_RETRY_S
+                    promoted = True
+                    break
                 if stalling and self._cap(caller) >= self.max_concurrent_requests:
                     # this call was held below stalled_cap, and its connection has stopped stalling since (or its
                     # body arrived early): with places free, _hand_off judges each waiter's cap anew (not on every
@@ -503,13 +511,14 @@ class RequestGate:
                             wait_end, arrived = now + self._wait_budget(caller), now
                         # a prompt caller looks again for a stalled upload to cut every EVICT_RETRY_S: the places'
                         # holders may not have been stalled yet when it came (a slow-loris's fresh calls)
-                        retry = make_room is not None and cap == self.max_concurrent_requests and \
-                            wait_end - now > EVICT_RETRY_S
+                        retry = make_room is not None and (cap == self.max_concurrent_requests or caller.proven()) \
+                            and wait_end - now > EVICT_RETRY_S
                         outcome = self._wait_for_place(caller, now + EVICT_RETRY_S if retry else wait_end, arrived)
                         if outcome == "granted":
                             break  # handed over by a leaving call: already counted in _limited
                         if outcome == "promoted":  # its body arrived while it waited: a prompt caller now
-                            retry, held = make_room is not None and not self._draining, False
+                            retry = make_room is not None and not self._draining
+                            held = self._cap(caller) < self.max_concurrent_requests and not self._is_full()
                         else:
                             retry = retry and outcome == "timeout" and not self._draining
                     if not retry:  # (else: out of the lock, make_room again, then look again)

@@ -520,7 +520,7 @@ class AdvantageServicer(transport.TransportMethods, pb_grpc.AdvantageServiceServ
             return Caller(peer, peer_host(peer), context.is_active, context.time_remaining)
         if isinstance(early, EarlyStream):
             return Caller(peer, peer_host(peer), context.is_active, context.time_remaining, early.start,
-                          early.reading_for, lambda: early.proven)
+                          early.reading_for, lambda: early.proven, lambda: early.whole)
         return Caller(peer, peer_host(peer), context.is_active, context.time_remaining, early.start, early.reading_for)
 
     def _sent_early(self, context: grpc.ServicerContext) -> None:

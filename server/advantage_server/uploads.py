@@ -169,16 +169,25 @@ EARLY_STREAM_BYTES = 16 << 20
 EARLY_STREAM_RATE = 1 << 20
 
 
+def _held_size(raw: Any) -> int:
+    """What a chunk message read early counts for against :class:`EarlyStream`'s limits: its bytes, and at least
+    64 (a stream of empty messages would otherwise fill the queue without limit)."""
+    return max(64, len(raw))
+
+
 class EarlyStream:
     """The request chunks of a ``ComputeAdvantageStream`` call that waits for a place, read in a thread of its own
     while it waits: :class:`EarlyBody` for the streaming transport (issue #35 item 2, a slow-loris of streams that
     trickle, each on a fresh connection).
 
-    The proof (:attr:`proven`, then ``on_proof()`` once) is the *whole* stream: the client half-closed it after chunks
-    whose data add up to the ``total_size`` (more than 0) its first chunk declared, a complete request. A stream too
-    large to wait whole is proven by its first ``cap`` bytes (``EARLY_STREAM_BYTES``, at most ``--max-message-mb``).
-    The proof is the call's alone, for its rank in the waiting room (:attr:`advantage_server.admission.Caller.proven`),
-    never a record for its connection: a first chunk proves nothing about the rest of a stream, and an attacker that
+    The proof (:attr:`proven`, then ``on_proof()`` once) is the *whole* stream (:attr:`whole`): the client half-closed
+    it after chunks whose data add up to the ``total_size`` (more than 0) its first chunk declared, a complete request.
+    A stream too large to wait whole is proven by its first ``cap`` bytes (``EARLY_STREAM_BYTES``, at most
+    ``--max-message-mb``), for its rank only: it still fills no more than its stalling host may (a fresh-eyes review:
+    16 MiB and then silence let a slow-loris's calls hold 3-4 of 4 places, and another host's client fell to a tenth of
+    its calls). A chunk that does not fit the declared size (or does not parse) stops the read: it proves nothing,
+    and that waiter is the first the full room drops. The proof is the call's alone
+    (:attr:`advantage_server.admission.Caller.proven`, ``Caller.whole``), never a record for its connection: a first chunk proves nothing about the rest of a stream, and an attacker that
     sent one cheaply and trickled after it was let in for good (tried and reverted in the tenth session:
     RELIABILITY.md). A stream that stops, or only trickles, is never proven, and the full waiting room drops the
     waiter whose read is furthest behind for a newcomer (:meth:`reading_for`).
@@ -194,7 +203,7 @@ class EarlyStream:
     latest."""
 
     __slots__ = ("_requests", "_on_proof", "_cap", "_rate", "_bytes", "_queue_seen", "_cond", "_queue", "_queued",
-                 "_limit", "_done", "_error", "_thread", "_started", "_dropped", "proven")
+                 "_limit", "_done", "_error", "_thread", "_started", "_dropped", "_last", "_bad", "proven", "whole")
 
     def __init__(self, requests: Any, on_proof: Callable[[], None], cap: int = EARLY_STREAM_BYTES,
                  rate: int = EARLY_STREAM_RATE):
@@ -211,15 +220,19 @@ class EarlyStream:
         self._thread: threading.Thread | None = None
         self._started = 0.0
         self._dropped = False
+        self._last = 0.0  # when the read last got a chunk (its start before the first)
+        self._bad = False  # a chunk did not fit the declared total (or did not parse): the read stops there
         #: the stream showed itself while the call waited: whole, or its first ``cap`` bytes (see the class docstring)
         self.proven = False
+        #: ... whole: only then may the call fill the places its host's stalls hold it below (``_cap``)
+        self.whole = False
 
     def start(self) -> None:
         """Start reading the stream (once; later calls do nothing)."""
         with self._cond:
             if self._thread is not None or self._dropped:
                 return
-            self._started = time.monotonic()
+            self._started = self._last = time.monotonic()
             self._thread = threading.Thread(target=self._read, name="advantage-early-stream", daemon=True)
         self._thread.start()
 
@@ -241,9 +254,12 @@ class EarlyStream:
                     if self._dropped:
                         return
                     self._queue.append(raw)
-                    self._queued += len(raw)
-                    if self._limit == self._cap and self._queue_seen:
-                        self._bytes += len(raw)  # a first chunk is not credited: it is what a slow-loris sends
+                    self._queued += _held_size(raw)
+                    if self._limit == self._cap:
+                        if self._queue_seen:
+                            self._bytes += len(raw)  # a first chunk is not credited: it is what a slow-loris sends
+                        self._last = time.monotonic()
+                        self._bad = not consistent  # read no further while it waits: it proves nothing
                     self._queue_seen = True
                     del raw  # the queue holds it; drop() lets it go while this thread waits for the next
                     self._cond.notify_all()
@@ -255,7 +271,8 @@ class EarlyStream:
                 if report:
                     self._on_proof()
                 with self._cond:
-                    while self._queued >= self._limit and not self._dropped:
+                    while (self._queued >= self._limit or (self._bad and self._limit == self._cap)) \
+                            and not self._dropped:
                         self._cond.wait()
                     if self._dropped:
                         return
@@ -269,22 +286,28 @@ class EarlyStream:
                 whole = (self._error is None and not first and consistent and 0 < received == declared
                          and not self._dropped and self._limit == self._cap and not self.proven)
                 if whole:
-                    self.proven = True
+                    self.proven = self.whole = True
                 self._cond.notify_all()
         if whole:
             self._on_proof()
 
     def reading_for(self) -> float | None:
-        """Seconds the read is behind ``rate``: since :meth:`start`, less the time its bytes after the first chunk
-        take at ``rate`` (negative: ahead), while the stream has neither ended nor been proven; None when it was never
-        started, has ended, or is proven. The full waiting room drops the waiter furthest behind for a newcomer: a
-        stream arriving at full speed is not that one, a trickle soon is. By time since start alone, a slow-loris
-        arriving every few milliseconds kept every waiter's read under 20 ms old, and a newcomer's 512 KiB stream was
-        dropped before it had arrived (10 of 10). Its first chunk earns nothing: a slow-loris sending 64 KiB first
-        chunks was ahead of a newcomer whose read had just begun (8 of 10 refused)."""
+        """Seconds the read is behind: how far it is behind ``rate`` (since :meth:`start`, less the time its bytes
+        after the first chunk take at ``rate``; never less than 0) plus the seconds since its last chunk; infinite
+        for a stream whose chunks do not fit its declared size; None when it was never started, has ended, or is
+        proven. The full waiting room drops the waiter furthest behind for a newcomer: a stream arriving at full speed
+        is not that one, a trickle soon is. By time since start alone, a slow-loris arriving every few milliseconds
+        kept every waiter's read under 20 ms old, and a newcomer's 512 KiB stream was dropped before it had arrived
+        (10 of 10). Its first chunk earns nothing: a slow-loris sending 64 KiB first chunks was ahead of a newcomer
+        whose read had just begun (8 of 10 refused). And credit does not last through silence: one 1 MiB burst then
+        nothing kept a waiter ahead for a second, and new 16 MiB streams were dropped (1 of 10 served; a fresh-eyes
+        review)."""
         if self._thread is None or self._done or self.proven:
             return None
-        return time.monotonic() - self._started - self._bytes / self._rate
+        if self._bad:
+            return math.inf  # a stream that does not fit its own declared size: dropped first
+        now = time.monotonic()
+        return max(0.0, now - self._started - self._bytes / self._rate) + (now - self._last)
 
     def __iter__(self) -> "EarlyStream":
         return self
@@ -303,7 +326,7 @@ class EarlyStream:
                 self._cond.wait()
             if self._queue:
                 raw = self._queue.popleft()
-                self._queued -= len(raw)
+                self._queued -= _held_size(raw)
                 self._cond.notify_all()
                 return raw
             if self._error is not None:
