@@ -69,7 +69,7 @@ from advantage_server.limits import (
 from advantage_server.admission import ADMISSION_WAIT_S, Caller, Draining, Overloaded, RequestGate, refusal_metadata
 from advantage_server.identity import CallsPerConnection, ListenerGate, ServerSockets, call_peer, connection_key, peer_host
 from advantage_server.shares import MAX_WATCHES, UNREAD_TOTAL_BYTES, ConnectionShares, InheritedStalls, ResultLedger
-from advantage_server.uploads import EARLY_STREAM_BYTES, EarlyBody, EarlyStream, UploadCut, UploadWatch
+from advantage_server.uploads import EarlyBody, EarlyStream, UploadCut, UploadWatch, early_stream_cap
 from advantage_server import identity, transport
 from advantage_server.transport import abort, tensor_fields
 from advantage_server.metrics import HealthPort, ObservabilityInterceptor, ServerMetrics, estimator_fields
@@ -235,7 +235,8 @@ def memory_bound(limits: Limits, stream_window_mb: int = DEFAULT_STREAM_WINDOW_M
     c, m = limits.max_concurrent_requests, limits.max_message_bytes
     r = max(m, limits.max_stream_bytes)
     return (3 * c * r + 3 * 8 * m + limits.workers * 64 * limits.max_batch_elements + MAX_WATCHES * (17 << 10)
-            + 2 * c * max(stream_window_mb << 20, m + min(m, EARLY_STREAM_BYTES)) + UNREAD_TOTAL_BYTES + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
+            + 2 * c * max(stream_window_mb << 20, m + early_stream_cap(m)) + UNREAD_TOTAL_BYTES
+            + MAX_CONNECTIONS * (15 << 10) + (100 << 20))
 
 
 def connection_options(descriptors: int | None = None) -> list[tuple[str, int]]:

@@ -40,7 +40,7 @@ from advantage_server.errors import InvalidInput, NotPermitted, ResourceLimit
 from advantage_server.estimators import REGISTRY, AdvantageResult
 from advantage_server.admission import refusal_metadata
 from advantage_server.identity import call_peer
-from advantage_server.uploads import EARLY_STREAM_BYTES, EarlyStream
+from advantage_server.uploads import EarlyStream, early_stream_cap
 from advantage_server.limits import check_batch_elements, checkpoints, grpc_liveness
 # the region table and what reaches a segment; re-exported here for the code and tests that name them so
 from advantage_server.regions import (MAX_REGIONS, MAX_REGIONS_PER_SEGMENT, Region, RegionTable,  # noqa: F401
@@ -257,7 +257,7 @@ class TransportMethods:
         # read while the call waits for a place, when the waiting room asks: a whole stream (or its first 16 MiB) is
         # this call's proof, for its rank (gate.poke: its wait looks again)
         early = EarlyStream(request_iterator, lambda: self.gate.poke(peer),
-                            min(EARLY_STREAM_BYTES, self.limits.max_message_bytes))
+                            early_stream_cap(self.limits.max_message_bytes))
         try:
             # the caller's unread results first (shares.ResultLedger); counted as running once its body is here
             counting = self._wait_results(context, peer)

@@ -169,6 +169,12 @@ EARLY_STREAM_BYTES = 16 << 20
 EARLY_STREAM_RATE = 1 << 20
 
 
+def early_stream_cap(max_message_bytes: int) -> int:
+    """The bytes of a waiting stream :class:`EarlyStream` reads, and that prove it: ``EARLY_STREAM_BYTES``, at most
+    ``--max-message-mb`` (the transport's cap, and its term in :func:`advantage_server.server.memory_bound`)."""
+    return min(EARLY_STREAM_BYTES, max_message_bytes)
+
+
 def _held_size(raw: Any) -> int:
     """What a chunk message read early counts for against :class:`EarlyStream`'s limits: its bytes, and at least
     64 (a stream of empty messages would otherwise fill the queue without limit)."""
