@@ -100,8 +100,20 @@ def test_healthcheck_is_fast(target):
 ])
 def test_server_flag_errors_import_no_torch(tmp_path, argv, flag):
     rc, out, err, heavy = run(tmp_path, SERVER, *argv)
-    assert rc == 2 and flag in err and "Traceback" not in err, err
+    assert rc == 2 and "Traceback" not in err, err
+    # two lines: a short usage, then the error naming the flag (not the error after 22 lines of every flag's usage)
+    usage, error = err.strip().splitlines()
+    assert usage == "usage: advantage-server [options]   (advantage-server --help lists them)"
+    assert error.startswith("advantage-server: error: ") and flag in error, err
     assert heavy == []
+
+
+def test_a_mistyped_server_flag_names_the_nearest_one(tmp_path):
+    rc, out, err, heavy = run(tmp_path, SERVER, "--max-concurent-requests", "4", "--no-such-flag")
+    assert rc == 2 and heavy == [], err
+    assert err.strip().splitlines()[-1] == (
+        "advantage-server: error: unrecognized arguments: --max-concurent-requests 4 --no-such-flag "
+        "(did you mean --max-concurent-requests -> --max-concurrent-requests?)")
 
 
 def test_server_help_imports_no_torch(tmp_path):
@@ -133,7 +145,9 @@ def test_ray_defaults_are_the_clients():
 
 def test_bench_flag_errors_import_no_torch(tmp_path):
     rc, out, err, heavy = run(tmp_path, BENCH, "--bad-flag")
-    assert rc == 2 and "--bad-flag" in err and "Traceback" not in err, err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["usage: advantage-bench [options]   (advantage-bench --help lists them)",
+                                        "advantage-bench: error: unrecognized arguments: --bad-flag"]
     assert heavy == []
     rc, out, err, heavy = run(tmp_path, BENCH, "--help")
     assert rc == 0 and "--quick" in out and heavy == [], err

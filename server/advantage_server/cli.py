@@ -9,7 +9,8 @@ within ``--grace`` + 5 s of the signal whatever is still running (:func:`exit_wa
 ``kill -USR1 PID`` prints every thread's Python stack to stderr and the server goes on (for a server that
 seems stuck).
 Exits 2 with a one-line message naming the flag when a flag is out of range (a port outside 0-65535, a limit
-that is not a positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), the
+that is not a positive integer, a negative ``--grace``, an unknown ``--log-level`` or ``--device``), a flag is
+unknown (the nearest known one named: did you mean), the
 ``--host`` does not resolve or is not an address of this machine, a port is in use, a TLS file cannot be
 read, is not PEM, or the key does not match the certificate (:mod:`advantage_server.preflight`: checked before
 the server is built), the device does not exist, or the token file cannot be read. Flags are parsed and
@@ -27,6 +28,7 @@ call but health checks). See RELIABILITY.md.
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import gc
 import logging
@@ -169,8 +171,25 @@ def host_name(text: str) -> str:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error for an unknown flag names the nearest known one (``--max-concurent-requests``:
+    did you mean ``--max-concurrent-requests``?)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override] - exits 2, as argparse's
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = [flag for action in self._actions for flag in action.option_strings]
+            near = [f"{word} -> {match[0]}" for word in message[len(prefix):].split() if word.startswith("--")
+                    for match in [difflib.get_close_matches(word.split("=", 1)[0], flags, 1)] if match]
+            if near:
+                message += f" (did you mean {', '.join(near)}?)"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="advantage-server", description="gRPC service computing RL advantages.")
+    # a short usage line: an error is two lines, not the error after every flag's usage (a newcomer's fresh clone)
+    p = _Parser(prog="advantage-server", description="gRPC service computing RL advantages.",
+                                usage="%(prog)s [options]   (advantage-server --help lists them)")
     p.add_argument("--host", type=host_name, default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
     p.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = pick a free one)")
     p.add_argument("--device", type=device_name, default="auto",

@@ -37,7 +37,8 @@ QUICK_CALLERS = (1, 16)
 def build_parser() -> argparse.ArgumentParser:
     # Each help text states its default once (no ArgumentDefaultsHelpFormatter: most defaults depend on --quick
     # or --sizes, and it would print "(default: None)" after them).
-    ap = argparse.ArgumentParser(prog="advantage-bench", description=DESCRIPTION)
+    ap = argparse.ArgumentParser(prog="advantage-bench", description=DESCRIPTION,
+                                 usage="%(prog)s [options]   (advantage-bench --help lists them)")
     ap.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}; groups {QUICK_GROUP_SIZES}), "
                     "3 repeats, no transport-size row: under a minute")
     ap.add_argument("--sizes", default=None,
