@@ -93,6 +93,31 @@ def token_server(tmp_path):
         srv.close()
 
 
+# ------------------------------------------------------------------ the opt-in heavy host (the bandwidth class)
+def test_the_bulk_requests_attack_sends_valid_16_mib_requests_the_server_completes(token_server):
+    """``bulk-requests`` (``--adversarial-attacks``) is a heavy *legitimate* host: its 16 MiB ``raw_reward`` calls
+    complete (an all-ones batch, whitened by default over its 2 Mi valid tokens: 0.0 in every place), and a small
+    call beside them does too."""
+    from advantage_server.bench.adversarial import BULK_ROWS
+
+    srv, token = token_server
+    done: dict[str, int] = {}
+    heavy = _Attack("bulk-requests", srv.address, token, loops=1, done=done)
+    try:
+        wait_for(lambda: done["ok"] >= 2, 120, "two bulk-requests calls completed")
+        with AdvantageClient(srv.address, token_file=token, timeout=60) as client:
+            assert _calls(client, 3) == ["OK"] * 3
+            # what each bulk call asks for, checked once here: 16 MiB, streamed, and a real result
+            ones = np.ones(BULK_ROWS, np.float32)
+            result = client.compute("raw_reward", rewards=ones, mask=np.ones((BULK_ROWS, 1), np.float32),
+                                    as_numpy=True)
+        assert ones.nbytes * 2 == 16 << 20
+        assert result.advantages.shape == (BULK_ROWS, 1) and float(result.advantages.min()) == 0.0 \
+            and float(result.advantages.max()) == 0.0
+    finally:
+        heavy.close()
+
+
 # ------------------------------------------------------------------ item 1: tokenless Watch flood
 def test_a_tokenless_watch_flood_does_not_lock_out_a_new_token_holder(token_server):
     """300 tokenless health Watch streams from this host (10 connections; 128 was enough to lock new

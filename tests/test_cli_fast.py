@@ -149,6 +149,11 @@ def test_bench_flag_errors_import_no_torch(tmp_path):
     assert err.strip().splitlines() == ["usage: advantage-bench [options]   (advantage-bench --help lists them)",
                                         "advantage-bench: error: unrecognized arguments: --bad-flag"]
     assert heavy == []
+    rc, out, err, heavy = run(tmp_path, BENCH, "--adversarial-attacks", "slow-loris,bulk")
+    assert rc == 2 and heavy == [], err
+    assert err.strip().splitlines()[-1].startswith(
+        "advantage-bench: error: argument --adversarial-attacks: bulk: not an attack; choose from all, slow-loris, "), err
+    assert "bulk-requests" in err
     rc, out, err, heavy = run(tmp_path, BENCH, "--help")
     assert rc == 0 and "--quick" in out and heavy == [], err
 

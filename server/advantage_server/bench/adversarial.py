@@ -33,6 +33,13 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``idle-connections``: the server's connection limit plus 64 TCP connections that send HTTP/2's preface and
   nothing else, each one the server closes opened again at once (issue #35 item 4; :func:`hold_idle_connections`).
 
+Opt-in (``--adversarial-attacks``; ``HEAVY``), outside issue #35's target:
+
+* ``bulk-requests``: a heavy *legitimate* host, the bandwidth class (RELIABILITY.md): 4 token-holding
+  :class:`AdvantageClient` loops, each sending a valid 16 MiB ``raw_reward`` request (2 Mi rows, streamed by
+  ``transport="auto"``) as soon as its last one returned. It holds no more than its share of places, but each of its
+  calls costs the server ~100 times a small one: shares of places are not shares of cost.
+
 A first window alone warms the server and the clients up and is not counted, and ``SETTLE_S`` passes between an
 attacker's exit and the next window. A control row comes first, ``none``: the same windows with an attacker process that starts and sends nothing. Its
 fraction, and the spread of its rounds, is what the machine's own noise gives a row: an attack's row within that
@@ -61,8 +68,13 @@ import threading
 import time
 from typing import Any, Callable
 
-ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "tokenless-flood", "shm-churn",
-           "unread-results", "idle-connections")
+from advantage_server.bench.options import ADVERSARIAL_ATTACKS, ADVERSARIAL_HEAVY
+
+#: the default run's attacks, and the opt-in rows (``--adversarial-attacks``), not in the default run nor in issue
+#: #35's target: a heavy legitimate host (named in :mod:`.options`, which parses the flag without importing this)
+ATTACKS, HEAVY = ADVERSARIAL_ATTACKS, ADVERSARIAL_HEAVY
+#: rows of a bulk-requests request (float32 rewards [B] and mask [B, 1]: 16 MiB)
+BULK_ROWS = 2 << 20
 #: the control row's attack: an attacker process that sends nothing (the bench's noise floor)
 CONTROL = "none"
 TARGET_FRACTION = 0.90
@@ -216,10 +228,11 @@ def _loop(stop: threading.Event, body: Callable[[], None], pause: float) -> None
 
 
 def attack(kind: str, target: str, token_file: str | None, stop: threading.Event, connections: int | None = None,
-           loops: int | None = None) -> list[threading.Thread]:
+           loops: int | None = None, done: dict[str, int] | None = None) -> list[threading.Thread]:
     """Start attack ``kind`` against ``target`` in threads of this process (until ``stop``); returns them.
     ``connections`` / ``loops``: the slow-loris's or stalled uploader's connections and concurrent calls
-    (defaults 8 / 24 and 1 / 16)."""
+    (defaults 8 / 24 and 1 / 16; ``bulk-requests``: its loops, default 4). ``done``: ``bulk-requests`` counts its
+    completed calls in ``done["ok"]``."""
     from advantage_client.proto import advantage_pb2 as pb
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -329,6 +342,25 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
                 held.popleft().close()
         start(body, 0.02)
         threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in list(held)]), daemon=True))
+        threads[-1].start()
+    elif kind == "bulk-requests":  # a heavy legitimate host: valid 16 MiB requests, one after the other per loop
+        import numpy as np
+
+        from advantage_client import AdvantageClient
+        rewards = np.ones(BULK_ROWS, np.float32)
+        mask = np.ones((BULK_ROWS, 1), np.float32)
+        clients = [AdvantageClient(target, token_file=token_file, timeout=60) for _ in range(loops or 4)]
+        counts = done if done is not None else {}
+        counts.setdefault("ok", 0)
+        lock = threading.Lock()
+
+        def bulk(client) -> None:
+            client.compute("raw_reward", rewards=rewards, mask=mask)
+            with lock:
+                counts["ok"] += 1
+        for client in clients:
+            start(lambda client=client: bulk(client), 0.0)
+        threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in clients]), daemon=True))
         threads[-1].start()
     elif kind == CONTROL:  # the control row: nothing
         pass

@@ -18,6 +18,25 @@ SECTIONS = ("kernel", "concurrency", "memory", "e2e", "groups", "cold-start", "a
 #: adversarial: a server, attackers and a network namespace, ~9 min with its default 5 rounds: 9 rows of 4 s windows
 #: attacked and alone, 2 s apart)
 OPT_IN_SECTIONS = ("cold-start", "adversarial")
+#: adversarial section: the attacks of the default run (issue #35's target), and the opt-in ones
+#: (``--adversarial-attacks``: a heavy legitimate host); :mod:`.adversarial` defines each
+ADVERSARIAL_ATTACKS = ("slow-loris", "slow-loris-fresh", "stalled-uploader", "watch-flood", "tokenless-flood",
+                       "shm-churn", "unread-results", "idle-connections")
+ADVERSARIAL_HEAVY = ("bulk-requests",)
+
+
+def attack_list(text: str) -> tuple[str, ...]:
+    """``--adversarial-attacks``: comma-separated names of :data:`ADVERSARIAL_ATTACKS` and
+    :data:`ADVERSARIAL_HEAVY` (``all``: the default run's); an unknown one is an argparse error naming them."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    known = ADVERSARIAL_ATTACKS + ADVERSARIAL_HEAVY
+    unknown = [n for n in names if n not in known and n != "all"]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: not an attack; choose from all, "
+                                         f"{', '.join(known)} (comma-separated)")
+    return tuple(dict.fromkeys(a for n in names for a in (ADVERSARIAL_ATTACKS if n == "all" else (n,))))
+
+
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
 CONFIGS: dict[str, dict] = {
     "gae": {"gae_gamma": 1.0, "gae_lambda": 0.95},
@@ -103,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adversarial-rounds", type=int, default=None,
                     help="adversarial section: times the sequence of windows runs; each figure pools the calls of "
                          "every round and the table shows each round's own (default 5; quick 1)")
+    ap.add_argument("--adversarial-attacks", type=attack_list, default=ADVERSARIAL_ATTACKS, metavar="LIST",
+                    help="adversarial section: the attacks to run, comma-separated (default all: "
+                         f"{', '.join(ADVERSARIAL_ATTACKS)}; opt-in: {', '.join(ADVERSARIAL_HEAVY)}, a heavy "
+                         "legitimate host sending valid 16 MiB requests); the control row always runs first")
     ap.add_argument("--adversarial-pin", action=argparse.BooleanOptionalAction, default=True,
                     help="adversarial section: run the attacker on the last CPU and the server and the legitimate "
                          "clients on the others, so the attacker brings its own CPU as one on another machine does "

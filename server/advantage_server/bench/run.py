@@ -654,6 +654,7 @@ def main(argv: list[str] | None = None) -> Report:
         from advantage_server.bench.adversarial import adversarial_section
         report.adversarial = adversarial_section(report, Row, args.adversarial_clients,
                                                  args.adversarial_seconds or (2.0 if args.quick else 4.0),
+                                                 attacks=args.adversarial_attacks,
                                                  rounds=args.adversarial_rounds or (1 if args.quick else 5),
                                                  pin=args.adversarial_pin)
 
