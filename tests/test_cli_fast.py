@@ -113,7 +113,11 @@ def test_a_mistyped_server_flag_names_the_nearest_one(tmp_path):
     assert rc == 2 and heavy == [], err
     assert err.strip().splitlines()[-1] == (
         "advantage-server: error: unrecognized arguments: --max-concurent-requests 4 --no-such-flag "
-        "(did you mean --max-concurent-requests -> --max-concurrent-requests?)")
+        "(did you mean --max-concurrent-requests?)")
+    rc, out, err, heavy = run(tmp_path, SERVER, "--prot", "5", "--grce", "1")
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "advantage-server: error: unrecognized arguments: --prot 5 --grce 1 (did you mean --port for --prot, "
+        "--grace for --grce?)"), err
 
 
 def test_server_help_imports_no_torch(tmp_path):

@@ -2,6 +2,9 @@
 (NOT_SERVING), a plaintext client against a TLS server, and a health check without a port."""
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -25,6 +28,27 @@ def test_a_server_reporting_not_serving_is_named_with_the_way_to_wait(make_serve
             client.compute("grpo", None, **GROUP)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "NOT_SERVING" in str(info.value) and "wait_for_ready=True" in str(info.value), str(info.value)
+
+
+def test_wait_for_ready_waits_for_a_warming_server_as_the_readme_says(make_server):
+    """README, "One call": a call before the warm-up ends fails at once, ``wait_for_ready=True`` waits for the
+    server instead. NOT_SERVING (what the warm-up reports) for 1.5 s, then SERVING: the call returns after the
+    switch, with what the same call gets from the server once it serves."""
+    srv = make_server()
+    srv.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    timer = threading.Timer(1.5, srv.health.set, (SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with AdvantageClient(srv.address, timeout=30.0, wait_for_ready=True) as client:
+            res = client.compute("grpo", None, as_numpy=True, **GROUP)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start >= 1.5
+    with AdvantageClient(srv.address, timeout=30.0) as client:
+        again = client.compute("grpo", None, as_numpy=True, **GROUP)
+    assert res.advantages.shape == (4, 3) and np.array_equal(res.advantages, again.advantages)
+    assert np.abs(res.advantages[:2]).min() > 0.5 and not res.advantages[2:].any()  # a group of equal rewards: 0
 
 
 def test_a_plaintext_client_against_a_tls_server_is_told_about_tls(make_server, tmp_path):

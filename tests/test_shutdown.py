@@ -47,6 +47,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_exits_0(tmp_path):
     assert code == 0, err[-4000:]
     assert took < 20, f"exited {took:.1f} s after SIGTERM during the warm-up:\n{err[-4000:]}"
     assert "warm-up stopped after" in err and "warmed " not in err, err[-4000:]
+    assert "listening on" not in err, err[-4000:]  # what scripts wait for: not said by a server that is leaving
     assert "Traceback" not in err and "internal error" not in err, err[-4000:]
 
 

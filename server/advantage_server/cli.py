@@ -179,10 +179,12 @@ class _Parser(argparse.ArgumentParser):
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
             flags = [flag for action in self._actions for flag in action.option_strings]
-            near = [f"{word} -> {match[0]}" for word in message[len(prefix):].split() if word.startswith("--")
+            near = [(word, match[0]) for word in message[len(prefix):].split() if word.startswith("--")
                     for match in [difflib.get_close_matches(word.split("=", 1)[0], flags, 1)] if match]
-            if near:
-                message += f" (did you mean {', '.join(near)}?)"
+            if len(near) == 1:
+                message += f" (did you mean {near[0][1]}?)"
+            elif near:
+                message += f" (did you mean {', '.join(f'{flag} for {word}' for word, flag in near)}?)"
         super().error(message)
 
 
@@ -337,16 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     security = ("mutual TLS" if args.tls_client_ca else "TLS" if server.tls else "plaintext") + \
         (", bearer token" if server.auth else "")
     # Each start-up line once, through the log (stderr, text or JSON); "listening on ADDRESS device=DEVICE"
-    # and "metrics/health on port N" are what scripts wait for.
-    log.info("advantage-server listening on %s device=%s (%d workers, max %d concurrent requests, %s)",
-             server.address, server.core.device, args.workers, args.max_concurrent_requests, security)
-    if server.metrics is not None and server.metrics.port is not None:
-        log.info("advantage-server metrics on port %d (Prometheus: http://%s:%d/metrics)", server.metrics.port,
-                 args.metrics_host, server.metrics.port)
-    if args.health_port is not None:
-        from advantage_server.metrics import HealthPort
-        port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
-        log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
+    # and "metrics/health on port N" are what scripts wait for. Not after a signal that came during the warm-up:
+    # the server shuts down at once, and a script waiting for the line would call a server that is leaving
+    # (a fresh-clone newcomer's finding)
+    if not stopping:
+        log.info("advantage-server listening on %s device=%s (%d workers, max %d concurrent requests, %s)",
+                 server.address, server.core.device, args.workers, args.max_concurrent_requests, security)
+        if server.metrics is not None and server.metrics.port is not None:
+            log.info("advantage-server metrics on port %d (Prometheus: http://%s:%d/metrics)", server.metrics.port,
+                     args.metrics_host, server.metrics.port)
+        if args.health_port is not None:
+            from advantage_server.metrics import HealthPort
+            port = next(e.port for e in server.endpoints if isinstance(e, HealthPort))
+            log.info("advantage-server health on port %d (plaintext grpc.health.v1 on %s)", port, args.host)
     while not stopping:  # the drain begins within 50 ms of the signal (a short call is still in flight)
         time.sleep(0.05)
     exit_watchdog(args.grace + EXIT_MARGIN_S)  # the exit is promised within --grace + 5 s of the signal
