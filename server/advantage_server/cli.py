@@ -191,6 +191,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # a short usage line: an error is two lines, not the error after every flag's usage (a newcomer's fresh clone)
     p = _Parser(prog="advantage-server", description="gRPC service computing RL advantages.",
+                epilog="Each flag, its default and what happens past each limit: docs/server-flags.md; the admission "
+                       "model and the memory bound: RELIABILITY.md.",
                                 usage="%(prog)s [options]   (advantage-server --help lists them)")
     p.add_argument("--host", type=host_name, default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
     p.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = pick a free one)")
@@ -239,13 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending-per-connection", type=positive_int, default=None,
                    help="the connection share inside one host, the same way (default: --max-pending-per-peer's value)")
     p.add_argument("--max-connections-per-host", type=positive_int, default=None,
-                   help="open connections one client host may hold: past it, its connections "
-                        "with no call open for 50 ms are closed, longest idle first, down to half of it (a client "
-                        "reconnects at its next call), and its new connections are dropped in the kernel (their "
-                        "connection attempts time out) for 1 s, doubling each time it is found past it again (at "
-                        "most 16 s; let in at once when it leaves); "
-                        "default a quarter of the server's connection limit, at least 64. Behind a proxy or NAT every "
-                        "client is one host: raise it there")
+                   help="open connections one client host may hold (default a quarter of the server's connection "
+                        "limit, at least 64): past it, its idle connections are closed and its new ones dropped for "
+                        "1-16 s (docs/server-flags.md). Behind a proxy or NAT every client is one host: raise it there")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
