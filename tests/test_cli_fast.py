@@ -118,6 +118,12 @@ def test_a_mistyped_server_flag_names_the_nearest_one(tmp_path):
     assert rc == 2 and err.strip().splitlines()[-1] == (
         "advantage-server: error: unrecognized arguments: --prot 5 --grce 1 (did you mean --port for --prot, "
         "--grace for --grce?)"), err
+    rc, out, err, heavy = run(tmp_path, SERVER, "--prot", "1", "--prot", "2")  # one suggestion per word
+    assert err.strip().splitlines()[-1].endswith("--prot 1 --prot 2 (did you mean --port?)"), err
+    rc, out, err, heavy = run(tmp_path, SERVER, "--", "--prot")  # after "--" a word is not a flag
+    assert err.strip().splitlines()[-1].endswith("unrecognized arguments: -- --prot"), err
+    rc, out, err, heavy = run(tmp_path, SERVER, "--help")  # --help keeps the full usage
+    assert rc == 0 and out.startswith("usage: advantage-server [-h] [--host HOST]"), out[:200]
 
 
 def test_server_help_imports_no_torch(tmp_path):
@@ -157,7 +163,9 @@ def test_bench_flag_errors_import_no_torch(tmp_path):
     assert rc == 2 and heavy == [], err
     assert err.strip().splitlines()[-1].startswith(
         "advantage-bench: error: argument --adversarial-attacks: bulk: not an attack; choose from all, slow-loris, "), err
-    assert "bulk-requests" in err
+    assert "bulk-requests" in err and "none (the control row alone)" in err
+    rc, out, err, heavy = run(tmp_path, BENCH, "--adversarial-atacks", "none")
+    assert rc == 2 and err.strip().splitlines()[-1].endswith("(did you mean --adversarial-attacks?)"), err
     rc, out, err, heavy = run(tmp_path, BENCH, "--help")
     assert rc == 0 and "--quick" in out and heavy == [], err
 

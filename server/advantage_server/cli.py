@@ -171,29 +171,33 @@ def host_name(text: str) -> str:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose error for an unknown flag names the nearest known one (``--max-concurent-requests``:
-    did you mean ``--max-concurrent-requests``?)."""
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are two lines (a short usage, then the error; ``--help`` keeps the full
+    usage) and whose error for an unknown flag names the nearest known one (``--max-concurent-requests``: did you
+    mean ``--max-concurrent-requests``?)."""
+
+    def format_usage(self) -> str:  # what an error prints first: not every flag's usage (22 lines) before it
+        return f"usage: {self.prog} [options]   ({self.prog} --help lists them)\n"
 
     def error(self, message: str) -> None:  # type: ignore[override] - exits 2, as argparse's
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
             flags = [flag for action in self._actions for flag in action.option_strings]
-            near = [(word, match[0]) for word in message[len(prefix):].split() if word.startswith("--")
-                    for match in [difflib.get_close_matches(word.split("=", 1)[0], flags, 1)] if match]
+            words = message[len(prefix):].split()
+            words = words[:words.index("--")] if "--" in words else words  # after "--": positionals, not flags
+            near = {word: match[0] for word in dict.fromkeys(words) if word.startswith("--")
+                    for match in [difflib.get_close_matches(word.split("=", 1)[0], flags, 1)] if match}
             if len(near) == 1:
-                message += f" (did you mean {near[0][1]}?)"
+                message += f" (did you mean {next(iter(near.values()))}?)"
             elif near:
-                message += f" (did you mean {', '.join(f'{flag} for {word}' for word, flag in near)}?)"
+                message += f" (did you mean {', '.join(f'{flag} for {word}' for word, flag in near.items())}?)"
         super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # a short usage line: an error is two lines, not the error after every flag's usage (a newcomer's fresh clone)
-    p = _Parser(prog="advantage-server", description="gRPC service computing RL advantages.",
-                epilog="Each flag, its default and what happens past each limit: docs/server-flags.md; the admission "
-                       "model and the memory bound: RELIABILITY.md.",
-                                usage="%(prog)s [options]   (advantage-server --help lists them)")
+    p = FlagParser(prog="advantage-server", description="gRPC service computing RL advantages.",
+                   epilog="Each flag, its default and what happens past each limit: docs/server-flags.md; the "
+                          "admission model and the memory bound: RELIABILITY.md.")
     p.add_argument("--host", type=host_name, default="0.0.0.0", help="address to listen on (default 0.0.0.0; [::] for IPv6)")
     p.add_argument("--port", type=port_number, default=50051, help="port (default 50051; 0 = pick a free one)")
     p.add_argument("--device", type=device_name, default="auto",

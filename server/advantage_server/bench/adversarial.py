@@ -36,9 +36,10 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 Opt-in (``--adversarial-attacks``; ``HEAVY``), outside issue #35's target:
 
 * ``bulk-requests``: a heavy *legitimate* host, the bandwidth class (RELIABILITY.md): 4 token-holding
-  :class:`AdvantageClient` loops, each sending a valid 16 MiB ``raw_reward`` request (2 Mi rows, streamed by
-  ``transport="auto"``) as soon as its last one returned. It holds no more than its share of places, but each of its
-  calls costs the server ~100 times a small one: shares of places are not shares of cost.
+  :class:`AdvantageClient` loops, each sending a valid 16 MiB ``raw_reward`` request (2 Mi rows, ``transport=
+  "stream"``, what a client on another host sends; ``"auto"`` would pick shared memory on this one) as soon as its
+  last one returned. It holds no more than its share of places, but each of its calls costs the server ~100 times a
+  small one: shares of places are not shares of cost.
 
 A first window alone warms the server and the clients up and is not counted, and ``SETTLE_S`` passes between an
 attacker's exit and the next window. A control row comes first, ``none``: the same windows with an attacker process that starts and sends nothing. Its
@@ -215,6 +216,16 @@ def _channel(target: str, i: int):
     return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1), ("advb.conn", i)])
 
 
+def bulk_call(client: Any) -> Any:
+    """One ``bulk-requests`` call on ``client`` (an :class:`AdvantageClient`): ``raw_reward`` on ``BULK_ROWS`` rows
+    of ones (float32 rewards ``[B]`` and mask ``[B, 1]``: 16 MiB), streamed (``transport="stream"``: what a client on
+    another host sends; ``"auto"`` picks shared memory on the server's host). Returns the
+    :class:`AdvantageResult` (NumPy): advantages ``[B, 1]``, all 0.0 (equal rewards, whitened)."""
+    import numpy as np
+    rewards = np.ones(BULK_ROWS, np.float32)
+    return client.compute("raw_reward", rewards=rewards, mask=rewards[:, None], transport="stream", as_numpy=True)
+
+
 def _loop(stop: threading.Event, body: Callable[[], None], pause: float) -> None:
     import grpc
     while not stop.is_set():
@@ -344,18 +355,18 @@ def attack(kind: str, target: str, token_file: str | None, stop: threading.Event
         threads.append(threading.Thread(target=lambda: (stop.wait(), [c.close() for c in list(held)]), daemon=True))
         threads[-1].start()
     elif kind == "bulk-requests":  # a heavy legitimate host: valid 16 MiB requests, one after the other per loop
-        import numpy as np
-
         from advantage_client import AdvantageClient
-        rewards = np.ones(BULK_ROWS, np.float32)
-        mask = np.ones((BULK_ROWS, 1), np.float32)
         clients = [AdvantageClient(target, token_file=token_file, timeout=60) for _ in range(loops or 4)]
         counts = done if done is not None else {}
         counts.setdefault("ok", 0)
         lock = threading.Lock()
 
         def bulk(client) -> None:
-            client.compute("raw_reward", rewards=rewards, mask=mask)
+            try:
+                bulk_call(client)
+            except Exception:
+                stop.wait(0.05)  # a refusal or no server: not at once again (the loop's pause is 0 after a call)
+                raise
             with lock:
                 counts["ok"] += 1
         for client in clients:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from advantage_server.cli import FlagParser  # two-line errors, did you mean (no torch: cli imports none)
+
 DESCRIPTION = """``advantage-bench``: the estimator kernels against the published reference code, the vectorized peer
 and the memory floor; concurrency; server memory per request; end to end over gRPC on loopback."""
 DEFAULT_SIZES = "256x1024x8,1024x4096x16,512x8192x8"
@@ -27,14 +29,16 @@ ADVERSARIAL_HEAVY = ("bulk-requests",)
 
 def attack_list(text: str) -> tuple[str, ...]:
     """``--adversarial-attacks``: comma-separated names of :data:`ADVERSARIAL_ATTACKS` and
-    :data:`ADVERSARIAL_HEAVY` (``all``: the default run's); an unknown one is an argparse error naming them."""
+    :data:`ADVERSARIAL_HEAVY` (``all``: the default run's; ``none``: no attack, the control row alone, which every
+    run begins with); an unknown one is an argparse error naming them."""
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     known = ADVERSARIAL_ATTACKS + ADVERSARIAL_HEAVY
-    unknown = [n for n in names if n not in known and n != "all"]
+    unknown = [n for n in names if n not in known and n not in ("all", "none")]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: not an attack; choose from all, "
-                                         f"{', '.join(known)} (comma-separated)")
-    return tuple(dict.fromkeys(a for n in names for a in (ADVERSARIAL_ATTACKS if n == "all" else (n,))))
+                                         f"{', '.join(known)} (comma-separated), or none (the control row alone)")
+    return tuple(dict.fromkeys(a for n in names if n != "none"
+                               for a in (ADVERSARIAL_ATTACKS if n == "all" else (n,))))
 
 
 #: estimator -> its config (the estimator's defaults, NeMo RL semantics)
@@ -56,8 +60,7 @@ QUICK_CALLERS = (1, 16)
 def build_parser() -> argparse.ArgumentParser:
     # Each help text states its default once (no ArgumentDefaultsHelpFormatter: most defaults depend on --quick
     # or --sizes, and it would print "(default: None)" after them).
-    ap = argparse.ArgumentParser(prog="advantage-bench", description=DESCRIPTION,
-                                 usage="%(prog)s [options]   (advantage-bench --help lists them)")
+    ap = FlagParser(prog="advantage-bench", description=DESCRIPTION)
     ap.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}; groups {QUICK_GROUP_SIZES}), "
                     "3 repeats, no transport-size row: under a minute")
     ap.add_argument("--sizes", default=None,
@@ -125,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adversarial-attacks", type=attack_list, default=ADVERSARIAL_ATTACKS, metavar="LIST",
                     help="adversarial section: the attacks to run, comma-separated (default all: "
                          f"{', '.join(ADVERSARIAL_ATTACKS)}; opt-in: {', '.join(ADVERSARIAL_HEAVY)}, a heavy "
-                         "legitimate host sending valid 16 MiB requests); the control row always runs first")
+                         "legitimate host sending valid 16 MiB requests; none: the control row alone, which "
+                         "always runs first)")
     ap.add_argument("--adversarial-pin", action=argparse.BooleanOptionalAction, default=True,
                     help="adversarial section: run the attacker on the last CPU and the server and the legitimate "
                          "clients on the others, so the attacker brings its own CPU as one on another machine does "
