@@ -27,7 +27,9 @@ def test_a_server_reporting_not_serving_is_named_with_the_way_to_wait(make_serve
         with pytest.raises(AdvantageServiceError) as info:
             client.compute("grpo", None, **GROUP)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "NOT_SERVING" in str(info.value) and "wait_for_ready=True" in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"the advantage service at {srv.address} is up but reports NOT_SERVING"), \
+        str(info.value)  # the hint first, gRPC's own text after it
+    assert "wait_for_ready=True" in str(info.value), str(info.value)
 
 
 def test_wait_for_ready_waits_for_a_warming_server_as_the_readme_says(make_server):

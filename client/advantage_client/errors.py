@@ -173,9 +173,11 @@ def hint(code: grpc.StatusCode, message: str, target: str | None, timeout: float
             return (f"no advantage service answered at {target}: start advantage-server there, or check the "
                     f"address and port and that the server is running and reachable (gRPC: {message})")
         if "unhealthy" in low:  # health checking: the server answers but reports NOT_SERVING
-            return (f"{message} (the advantage service at {target} is up but reports NOT_SERVING: it is warming "
-                    "up after start (its log says so; about 30 s with an empty kernel cache) or draining (a full "
-                    "server stays SERVING and refuses with RESOURCE_EXHAUSTED instead); wait, or pass wait_for_ready=True to the client to wait for it)")
+            # our hint first (a newcomer's first call during the warm-up read gRPC's jargon before it)
+            return (f"the advantage service at {target} is up but reports NOT_SERVING: it is warming up after its "
+                    "start (its log says so; 20-40 s on 2 cores with an empty kernel cache, about 2 s with a filled "
+                    "one) or draining (a full server stays SERVING and refuses with RESOURCE_EXHAUSTED instead): "
+                    f"wait, or pass wait_for_ready=True to the client to wait for it (gRPC: {message})")
         return (f"{message} (the advantage service at {target} went away or cannot be reached: check that "
                 "advantage-server is running there and reachable)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and reached is False and target:
