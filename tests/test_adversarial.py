@@ -318,6 +318,8 @@ def test_the_adversarial_section_reports_a_fraction_per_attack_and_place():
     same = rows["same host"]
     assert same["attack"] == "watch-flood" and same["base_calls_s"] > 0
     assert same["fraction"] == same["attack_calls_s"] / same["base_calls_s"]
+    # the fraction over the control row's (the machine's own noise divided out): for decision 2 of issue #35
+    assert same["vs_control"] == same["fraction"] / control["fraction"]
     other = rows["other host"]
     if result["other_host"].startswith("skipped"):
         assert other["fraction"] is None and other["note"] == result["other_host"]
@@ -327,7 +329,9 @@ def test_the_adversarial_section_reports_a_fraction_per_attack_and_place():
     assert result["idle_rss"] > 50 << 20 and result["memory_bound"] > 1 << 30, result
     assert same["rss_growth"] is not None and -result["idle_rss"] < same["rss_growth"] < result["memory_bound"]
     lines = render(result)
-    assert any(line.startswith("watch-flood | same host") and " MiB" in line for line in lines), lines
+    assert any(line.startswith("watch-flood | same host") and " MiB" in line
+               and f"| {100 * same['vs_control']:.0f}% " in line for line in lines), lines
+    assert "| / control |" in lines[2], lines[2]
     assert any(line.startswith("none ") and "| control" in line for line in lines), lines
     assert "against the memory bound" in lines[1], lines[1]
     if not result["other_host"].startswith("skipped"):  # the section's namespace (named after this pid) is gone

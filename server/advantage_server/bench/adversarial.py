@@ -582,8 +582,10 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
                     netns: bool = True, rounds: int = 1, pin: bool = False, control: bool = True) -> dict[str, Any]:
     """Measure every attack, after the control (``CONTROL``, with ``control``: an attacker that sends nothing, its
     row's ``meets`` None); returns ``{"server": address, "other_host": reason or "10.201.0.2 (netns)",
-    "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "meets", "rounds", "errors",
-    "note"}]}`` (``fraction`` None when a row was skipped; ``note`` then says why), "load": the load average at the
+    "rows": [{"attack", "where", "base_calls_s", "attack_calls_s", "fraction", "vs_control", "meets", "rounds",
+    "errors", "note"}]}`` (``fraction`` None when a row was skipped; ``note`` then says why; ``vs_control``: the
+    fraction over the control row's for the same place, the machine's own noise divided out, None without a
+    control), "load": the load average at the
     end}``. The windows alternate (alone, attack 1, alone, attack 2, ..., alone), ``rounds`` times over;
     ``base_calls_s``: the mean of the windows alone just before and just after each of the attack's windows,
     ``attack_calls_s`` the mean of its windows, ``fraction`` their ratio (the calls of every round pooled: a
@@ -658,15 +660,19 @@ def run_adversarial(attacks: tuple[str, ...] = ATTACKS, clients: int = 4, second
             for where in ("same host", "other host"):
                 if where not in workers:
                     out["rows"].append({"attack": kind, "where": where, "base_calls_s": None, "attack_calls_s": None,
-                                        "fraction": None, "meets": None, "rounds": [], "errors": {}, "rss_growth": None,
+                                        "fraction": None, "vs_control": None, "meets": None, "rounds": [], "errors": {},
+                                        "rss_growth": None,
                                         "note": other_reason})
                     continue
                 pairs = seen[(kind, where)]
                 b = sum(p[0] for p in pairs) / (len(pairs) * seconds)
                 a = sum(p[1] for p in pairs) / (len(pairs) * seconds)
                 frac = a / b if b else None
+                control = next((r["fraction"] for r in out["rows"] if r["attack"] == CONTROL and r["where"] == where),
+                               None)
                 out["rows"].append({"attack": kind, "where": where, "base_calls_s": b, "attack_calls_s": a,
                                     "fraction": frac,
+                                    "vs_control": frac / control if frac is not None and control else None,
                                     "meets": None if frac is None or kind == CONTROL else frac >= TARGET_FRACTION,
                                     "rss_growth": peaks.get(kind),
                                     "rounds": [p[1] / p[0] if p[0] else None for p in pairs],
@@ -701,7 +707,7 @@ def render(result: dict[str, Any]) -> list[str]:
                 f"under each attack below against the memory bound {result['memory_bound'] / 2**30:.0f} GiB "
                 "(RELIABILITY.md)" if result.get("memory_bound") else "")]
     header = ["attack", "legit client", "calls/s alone", "calls/s attacked", "fraction", "each round", ">= 90%",
-              "server RSS peak growth", "errors / note"]
+              "/ control", "server RSS peak growth", "errors / note"]
     table = []
     for r in result["rows"]:
         f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
@@ -711,6 +717,7 @@ def render(result: dict[str, Any]) -> list[str]:
                       "/".join("-" if x is None else f"{100 * x:.0f}" for x in r.get("rounds", [])) or "-",
                       "control" if r["attack"] == CONTROL else "-" if r["meets"] is None else
                       ("yes" if r["meets"] else "NO"),
+                      "-" if r.get("vs_control") is None or r["attack"] == CONTROL else f"{100 * r['vs_control']:.0f}%",
                       "-" if r.get("rss_growth") is None else f"{r['rss_growth'] / 2**20:+.0f} MiB",
                       "; ".join(filter(None, [errs, r["note"]]))])
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
@@ -731,7 +738,9 @@ def adversarial_section(report: Any, row: Callable[..., Any], clients: int = 4, 
         report.add(row("adversarial", r["attack"], r["where"], "AdvantageClient goodput",
                        vs_ours=r["fraction"], calls_s=r["attack_calls_s"],
                        note=r["note"] if r["fraction"] is None else
-                       f"{r['base_calls_s']:.1f} calls/s alone; {verdict}"))
+                       f"{r['base_calls_s']:.1f} calls/s alone; {verdict}"
+                       + ("" if r["attack"] == CONTROL or r["vs_control"] is None else
+                          f"; {100 * r['vs_control']:.0f}% of the control's")))
     return result
 
 
