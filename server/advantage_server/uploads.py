@@ -209,7 +209,8 @@ class EarlyStream:
     latest."""
 
     __slots__ = ("_requests", "_on_proof", "_cap", "_rate", "_bytes", "_queue_seen", "_cond", "_queue", "_queued",
-                 "_limit", "_done", "_error", "_thread", "_started", "_dropped", "_last", "_bad", "proven", "whole")
+                 "_limit", "_waiting", "_done", "_error", "_thread", "_started", "_dropped", "_last", "_bad", "proven",
+                 "whole")
 
     def __init__(self, requests: Any, on_proof: Callable[[], None], cap: int = EARLY_STREAM_BYTES,
                  rate: int = EARLY_STREAM_RATE):
@@ -221,6 +222,7 @@ class EarlyStream:
         self._queue: collections.deque[Any] = collections.deque()
         self._queued = 0  # bytes in _queue
         self._limit = self._cap  # bytes the thread may hold unread: cap while the call waits, then one chunk
+        self._waiting = True  # the call waits for a place (until the handler takes its first chunk: __next__)
         self._done = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -261,7 +263,7 @@ class EarlyStream:
                         return
                     self._queue.append(raw)
                     self._queued += _held_size(raw)
-                    if self._limit == self._cap:
+                    if self._waiting:
                         if self._queue_seen:
                             self._bytes += len(raw)  # a first chunk is not credited: it is what a slow-loris sends
                         self._last = time.monotonic()
@@ -270,15 +272,14 @@ class EarlyStream:
                     del raw  # the queue holds it; drop() lets it go while this thread waits for the next
                     self._cond.notify_all()
                     # too large to wait for whole: its first cap bytes came while it waited
-                    report = (not self.proven and consistent and self._limit == self._cap
+                    report = (not self.proven and consistent and self._waiting
                               and self._queued >= self._cap)
                     if report:
                         self.proven = True
                 if report:
                     self._on_proof()
                 with self._cond:
-                    while (self._queued >= self._limit or (self._bad and self._limit == self._cap)) \
-                            and not self._dropped:
+                    while (self._queued >= self._limit or (self._bad and self._waiting)) and not self._dropped:
                         self._cond.wait()
                     if self._dropped:
                         return
@@ -290,7 +291,7 @@ class EarlyStream:
             with self._cond:
                 self._done = True
                 whole = (self._error is None and not first and consistent and 0 < received == declared
-                         and not self._dropped and self._limit == self._cap and not self.proven)
+                         and not self._dropped and self._waiting and not self.proven)
                 if whole:
                     self.proven = self.whole = True
                 self._cond.notify_all()
@@ -327,7 +328,7 @@ class EarlyStream:
             if not started:
                 return next(self._requests)
         with self._cond:
-            self._limit = 1  # the handler reads now: the thread holds at most one chunk ahead of it
+            self._limit, self._waiting = 1, False  # the handler reads now: the thread holds one chunk ahead of it
             while not self._queue and not self._done:
                 self._cond.wait()
             if self._queue:

@@ -33,7 +33,7 @@ after the other for ``seconds`` seconds each. The attacks (each in its own proce
 * ``idle-connections``: the server's connection limit plus 64 TCP connections that send HTTP/2's preface and
   nothing else, each one the server closes opened again at once (issue #35 item 4; :func:`hold_idle_connections`).
 
-Opt-in (``--adversarial-attacks``; ``HEAVY``), outside issue #35's target:
+Opt-in (``--adversarial-attacks``; :data:`.options.ADVERSARIAL_HEAVY`), outside issue #35's target:
 
 * ``bulk-requests``: a heavy *legitimate* host, the bandwidth class (RELIABILITY.md): 4 token-holding
   :class:`AdvantageClient` loops, each sending a valid 16 MiB ``raw_reward`` request (2 Mi rows, ``transport=
@@ -69,11 +69,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from advantage_server.bench.options import ADVERSARIAL_ATTACKS, ADVERSARIAL_HEAVY
+# the default run's attacks, named in .options (which parses --adversarial-attacks without importing this module)
+from advantage_server.bench.options import ADVERSARIAL_ATTACKS as ATTACKS
 
-#: the default run's attacks, and the opt-in rows (``--adversarial-attacks``), not in the default run nor in issue
-#: #35's target: a heavy legitimate host (named in :mod:`.options`, which parses the flag without importing this)
-ATTACKS, HEAVY = ADVERSARIAL_ATTACKS, ADVERSARIAL_HEAVY
 #: rows of a bulk-requests request (float32 rewards [B] and mask [B, 1]: 16 MiB)
 BULK_ROWS = 2 << 20
 #: the control row's attack: an attacker process that sends nothing (the bench's noise floor)
